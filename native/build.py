@@ -1,0 +1,278 @@
+"""Build skippy's native layer: a patched libllama (+ ggml) and the cffi extension.
+
+Steps, each cached under ``~/.cache/skippy/`` so that a second build costs seconds:
+
+1. fetch the pinned source distribution ``llama-cpp-python==0.3.36`` from the
+   package index and check its sha256 (its ``vendor/llama.cpp`` is llama.cpp
+   commit 0c1e570);
+2. extract ``vendor/llama.cpp`` and apply ``native/patches/*.patch`` (a patch
+   that does not apply stops the build with patch's own output);
+3. build shared libllama + ggml with CMake (CPU by default; extra arguments from
+   ``SKIPPY_LLAMA_CMAKE_ARGS``, e.g. ``-DGGML_CUDA=ON``); the cache key covers
+   the sdist hash, the patches and the CMake arguments;
+4. compile the cffi extension (API mode, out of line) against the patched
+   ``llama.h``, linked with an ``$ORIGIN`` rpath so that it finds libllama
+   beside itself.
+
+Run directly (``python native/build.py [--into DIR]``) or through setup.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+SDIST_FILENAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+VENDOR_PREFIX = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+
+# Bump when this script changes what it produces for the same inputs.
+BUILD_SCHEMA = 1
+
+EXTENSION_NAME = "_skippy_llama"
+
+BASE_CMAKE_ARGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=ON",
+    "-DCMAKE_UNITY_BUILD=ON",
+    # plain `libllama.so` files whose SONAME is the file name: a wheel cannot carry symlinks
+    "-DCMAKE_PLATFORM_NO_VERSIONED_SONAME=ON",
+    "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+    "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+    "-DGGML_OPENMP=OFF",
+    "-DLLAMA_BUILD_COMMON=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_CURL=OFF",
+]
+
+
+class NativeBuildError(RuntimeError):
+    pass
+
+
+def _log(msg: str) -> None:
+    print(f"skippy-native: {msg}", file=sys.stderr, flush=True)
+
+
+def _load_pypi_module():
+    # Import skippyd/runtime/pypi.py by path: the package cannot be imported as a
+    # whole before its extension exists, and build isolation hides the source tree.
+    spec = importlib.util.spec_from_file_location("_skippy_pypi", REPO / "skippyd" / "runtime" / "pypi.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def cmake_args() -> list[str]:
+    return BASE_CMAKE_ARGS + shlex.split(os.environ.get("SKIPPY_LLAMA_CMAKE_ARGS", ""))
+
+
+def patch_files() -> list[Path]:
+    return sorted((HERE / "patches").glob("*.patch"))
+
+
+def _digest(parts: list[bytes]) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+def libllama_key() -> str:
+    parts = [SDIST_SHA256.encode(), str(BUILD_SCHEMA).encode(), platform.machine().encode()]
+    parts += [p.name.encode() + b"\0" + p.read_bytes() for p in patch_files()]
+    parts += [a.encode() for a in cmake_args()]
+    return _digest(parts)
+
+
+def extension_key(lib_key: str) -> str:
+    import cffi
+
+    parts = [
+        lib_key.encode(),
+        (HERE / "llama_cdef.h").read_bytes(),
+        (HERE / "llama_helpers.c").read_bytes(),
+        (sysconfig.get_config_var("EXT_SUFFIX") or "").encode(),
+        cffi.__version__.encode(),
+        str(BUILD_SCHEMA).encode(),
+    ]
+    return _digest(parts)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Serialise builds that share a cache (a test run and a pip install at once)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _extract_vendor(sdist: Path, dest: Path) -> None:
+    with tarfile.open(sdist, "r:gz") as tar:
+        members = []
+        for m in tar.getmembers():
+            if m.name.startswith(VENDOR_PREFIX):
+                m.name = m.name[len(VENDOR_PREFIX):]
+                if m.name:
+                    members.append(m)
+        if not members:
+            raise NativeBuildError(f"{sdist.name} has no {VENDOR_PREFIX}")
+        tar.extractall(dest, members=members, filter="data")
+
+
+def _apply_patches(src: Path) -> None:
+    for patch in patch_files():
+        cmd = ["patch", "-p1", "--forward", "--batch", "--silent", "-d", str(src), "-i", str(patch)]
+        dry = subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True)
+        if dry.returncode != 0:
+            raise NativeBuildError(
+                f"patch {patch.name} does not apply to llama.cpp from {SDIST_FILENAME}:\n"
+                f"{dry.stdout}{dry.stderr}"
+            )
+        subprocess.run(cmd, check=True)
+        _log(f"applied {patch.name}")
+
+
+def _run(cmd: list[str], log_path: Path) -> None:
+    with open(log_path, "a") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        tail = log_path.read_text(errors="replace").splitlines()[-40:]
+        raise NativeBuildError(f"command failed ({proc.returncode}): {shlex.join(cmd)}\n" + "\n".join(tail))
+
+
+def build_libllama() -> Path:
+    """Return the cache directory holding ``lib/`` and ``include/`` of the patched build."""
+    pypi = _load_pypi_module()
+    root = pypi.cache_root() / "native"
+    key = libllama_key()
+    out = root / f"libllama-{key}"
+    if (out / "DONE").exists():
+        return out
+    with _locked(root / ".lock"):
+        if (out / "DONE").exists():
+            return out
+        started = time.monotonic()
+        sdist = pypi.fetch_pinned("llama-cpp-python", LLAMA_CPP_PYTHON_VERSION, SDIST_FILENAME, SDIST_SHA256)
+        _log(f"building patched llama.cpp from {sdist.name} (first time only, a few minutes)")
+        with tempfile.TemporaryDirectory(prefix="skippy-llama-", dir=root) as tmp:
+            src, build = Path(tmp) / "src", Path(tmp) / "build"
+            _extract_vendor(sdist, src)
+            _apply_patches(src)
+            log_path = root / f"build-{key}.log"
+            log_path.unlink(missing_ok=True)
+            cmake = shutil.which("cmake")
+            if cmake is None:
+                raise NativeBuildError("cmake not found on PATH (pip install cmake, or apt-get install cmake)")
+            _run([cmake, "-S", str(src), "-B", str(build), *cmake_args()], log_path)
+            _run([cmake, "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", "llama"], log_path)
+            staging = Path(tmp) / "out"
+            (staging / "lib").mkdir(parents=True)
+            libs = [p for p in (build / "bin").glob("lib*.so") if p.is_file()]
+            if not any(p.name == "libllama.so" for p in libs):
+                raise NativeBuildError(f"libllama.so not produced; see {log_path}")
+            for lib in libs:
+                shutil.copy2(lib, staging / "lib" / lib.name)
+            shutil.copytree(src / "include", staging / "include")
+            shutil.copytree(src / "ggml" / "include", staging / "include", dirs_exist_ok=True)
+            (staging / "cmake-args.txt").write_text("\n".join(cmake_args()) + "\n")
+            shutil.rmtree(out, ignore_errors=True)
+            staging.rename(out)
+        (out / "DONE").write_text(f"{time.monotonic() - started:.1f}s\n")
+        _log(f"llama.cpp built in {time.monotonic() - started:.0f}s -> {out}")
+    return out
+
+
+def build_extension(lib_dir: Path) -> Path:
+    """Compile the cffi extension against the patched headers; return the .so path."""
+    import cffi
+
+    key = extension_key(lib_dir.name)
+    out = lib_dir.parent / f"ext-{key}"
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    target = out / f"{EXTENSION_NAME}{suffix}"
+    if target.exists():
+        return target
+    with _locked(lib_dir.parent / ".lock"):
+        if target.exists():
+            return target
+        ffi = cffi.FFI()
+        ffi.cdef((HERE / "llama_cdef.h").read_text())
+        ffi.set_source(
+            EXTENSION_NAME,
+            (HERE / "llama_helpers.c").read_text(),
+            include_dirs=[str(lib_dir / "include")],
+            library_dirs=[str(lib_dir / "lib")],
+            libraries=["llama"],
+            extra_compile_args=["-O2"],
+            extra_link_args=["-Wl,-rpath,$ORIGIN"],
+        )
+        with tempfile.TemporaryDirectory(dir=lib_dir.parent) as tmp:
+            built = Path(ffi.compile(tmpdir=tmp, verbose=False))
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(built, target)
+        _log(f"cffi extension compiled -> {target}")
+    return target
+
+
+def install_into(dest: Path) -> list[Path]:
+    """Build (or reuse) everything and copy the shared objects into ``dest``."""
+    lib_dir = build_libllama()
+    ext = build_extension(lib_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob("*.so*"):
+        old.unlink()
+    copied = []
+    for src in [*sorted((lib_dir / "lib").glob("*.so")), ext]:
+        shutil.copy2(src, dest / src.name)
+        copied.append(dest / src.name)
+    (dest / "__init__.py").write_text("# generated by native/build.py; not in version control\n")
+    return copied
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--into", type=Path, default=REPO / "skippyd" / "_native",
+                        help="where to put libllama and the extension (default: skippyd/_native)")
+    args = parser.parse_args(argv)
+    try:
+        for path in install_into(args.into):
+            _log(f"installed {path}")
+    except NativeBuildError as exc:
+        _log(f"error: {exc}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,683 @@
+"""libllama through cffi: models, stage contexts, samplers.
+
+This is the only module in skippy that touches C pointers. Everything it hands
+out is plain Python or numpy (copied right away: llama.cpp reuses its output
+buffers on the next decode). Every object has an idempotent ``close()``; every
+C failure becomes a :class:`LlamaError` subclass naming the operation.
+Arguments are validated here before they reach C++, because several bad
+arguments (a partial-range KV copy, an out-of-range sequence id) abort the whole
+process inside llama.cpp instead of returning an error.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import attrs
+import numpy as np
+
+try:
+    from skippyd._native._skippy_llama import ffi, lib
+except ImportError as exc:  # pragma: no cover - depends on the build
+    raise ImportError(
+        "skippy's native layer is not built (skippyd/_native is missing or stale): "
+        "run `python native/build.py` or reinstall the package"
+    ) from exc
+
+GGUF_MAGIC = b"GGUF"
+LLAMA_DEFAULT_SEED = int(lib.LLAMA_DEFAULT_SEED)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class LlamaError(RuntimeError):
+    """A libllama operation failed. ``op`` names the operation."""
+
+    def __init__(self, op: str, message: str):
+        self.op = op
+        native = ffi.string(lib.skippy_last_error()).decode("utf-8", "replace")
+        lib.skippy_clear_last_error()
+        detail = f" (llama.cpp: {native})" if native and native not in message else ""
+        super().__init__(f"{op}: {message}{detail}")
+
+
+class ModelLoadError(LlamaError):
+    pass
+
+
+class ContextError(LlamaError):
+    pass
+
+
+class DecodeError(LlamaError):
+    def __init__(self, op: str, message: str, code: int):
+        self.code = code
+        super().__init__(op, message)
+
+
+class KvCacheFullError(DecodeError):
+    """llama_decode returned 1: no free KV slot for the batch."""
+
+
+class InvalidArgumentError(LlamaError, ValueError):
+    pass
+
+
+class ClosedError(LlamaError):
+    pass
+
+
+# --------------------------------------------------------------------------- backend
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+def backend_init() -> None:
+    """Initialise llama.cpp once per process; logs go to stderr only if SKIPPY_LLAMA_LOG=1."""
+    global _backend_ready
+    with _backend_lock:
+        if not _backend_ready:
+            lib.llama_backend_init()
+            lib.skippy_log_setup(1 if os.environ.get("SKIPPY_LLAMA_LOG") == "1" else 0)
+            _backend_ready = True
+
+
+def _read_string(fn, *args, initial: int = 256) -> str | None:
+    """Call a llama.cpp `(…, char *buf, size)` getter, growing the buffer as told."""
+    size = initial
+    while True:
+        buf = ffi.new("char[]", size)
+        n = fn(*args, buf, size)
+        if n < 0:
+            return None
+        if n < size:
+            return ffi.string(buf, n).decode("utf-8", "replace")
+        size = n + 1
+
+
+# --------------------------------------------------------------------------- models
+
+
+@attrs.frozen
+class StageInfo:
+    """Which layers of the source model a GGUF holds, from the slicer's `skippy.*` keys."""
+
+    layer_start: int
+    layer_end: int
+    n_layer_total: int
+    output: str  # "hidden" (residual stream after the last layer) or "logits"
+    source_sha256: str | None = None
+    is_slice: bool = False
+
+    @property
+    def is_first(self) -> bool:
+        return self.layer_start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.output == "logits"
+
+
+class Model:
+    """A loaded GGUF: a whole model or one stage slice of it."""
+
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, vocab_only: bool = False):
+        self._ptr = ffi.NULL
+        self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        self._piece_cache: dict[int, bytes] = {}
+        self.path = Path(path)
+        _check_gguf_file(self.path)
+        backend_init()
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = int(n_gpu_layers)
+        params.vocab_only = bool(vocab_only)
+        params.progress_callback = lib.skippy_progress_quiet
+        ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
+        if ptr == ffi.NULL:
+            raise ModelLoadError("load model", f"llama.cpp could not load {self.path}")
+        self._ptr = ptr
+        self._vocab = lib.llama_model_get_vocab(ptr)
+        self.n_embd = int(lib.llama_model_n_embd(ptr))
+        self.n_embd_inp = int(lib.llama_model_n_embd_inp(ptr))
+        self.n_layer = int(lib.llama_model_n_layer(ptr))
+        self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
+        self.n_ctx_train = int(lib.llama_model_n_ctx_train(ptr))
+        self.architecture = self.meta("general.architecture") or "unknown"
+        self.name = self.meta("general.name") or self.path.stem
+        self.stage = self._read_stage_info()
+        self.bos = int(lib.llama_vocab_bos(self._vocab))
+        self.eos = int(lib.llama_vocab_eos(self._vocab))
+
+    # -- lifetime
+    def close(self) -> None:
+        for ctx in list(self._contexts):
+            ctx.close()
+        if self._ptr != ffi.NULL:
+            lib.llama_model_free(self._ptr)
+            self._ptr = ffi.NULL
+            self._vocab = ffi.NULL
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _live(self, op: str):
+        if self._ptr == ffi.NULL:
+            raise ClosedError(op, "model is closed")
+        return self._ptr
+
+    # -- metadata
+    def meta(self, key: str) -> str | None:
+        return _read_string(lib.llama_model_meta_val_str, self._live("read metadata"), key.encode())
+
+    def _read_stage_info(self) -> StageInfo:
+        output = self.meta("skippy.output")
+        if output is None:
+            return StageInfo(0, self.n_layer, self.n_layer, "logits")
+        if output not in ("hidden", "logits"):
+            raise ModelLoadError("load model", f"{self.path}: skippy.output is {output!r}, not hidden or logits")
+        try:
+            start = int(self.meta("skippy.layer_start") or 0)
+            end = int(self.meta("skippy.layer_end") or self.n_layer)
+            total = int(self.meta("skippy.n_layer_total") or self.n_layer)
+        except ValueError as exc:
+            raise ModelLoadError("load model", f"{self.path}: malformed skippy.* layer keys: {exc}") from exc
+        if end - start != self.n_layer:
+            raise ModelLoadError(
+                "load model", f"{self.path}: skippy range [{start},{end}) disagrees with block_count {self.n_layer}"
+            )
+        return StageInfo(start, end, total, output, self.meta("skippy.source_sha256"), is_slice=True)
+
+    # -- text
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> np.ndarray:
+        """Token ids of `text` (int32). `add_special` adds BOS where the model wants it."""
+        vocab = self._live("tokenize") and self._vocab
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        while True:
+            out = np.empty(cap, dtype=np.int32)
+            n = lib.llama_tokenize(vocab, data, len(data), ffi.from_buffer("llama_token[]", out), cap,
+                                   add_special, parse_special)
+            if n >= 0:
+                return out[:n].copy()
+            if -n <= cap:
+                raise LlamaError("tokenize", f"llama_tokenize failed ({n})")
+            cap = -n
+
+    def token_piece(self, token: int, *, special: bool = False) -> bytes:
+        """The bytes of one token (may be part of a UTF-8 character). Cached per token."""
+        key = token if not special else -1 - token
+        piece = self._piece_cache.get(key)
+        if piece is None:
+            self._check_token(token, "token to piece")
+            size = 32
+            while True:
+                buf = ffi.new("char[]", size)
+                n = lib.llama_token_to_piece(self._vocab, int(token), buf, size, 0, special)
+                if n >= 0:
+                    piece = ffi.buffer(buf, n)[:]
+                    break
+                size = -n
+            self._piece_cache[key] = piece
+        return piece
+
+    def detokenize(self, tokens: Iterable[int], *, special: bool = False) -> str:
+        return b"".join(self.token_piece(int(t), special=special) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lib.llama_vocab_is_eog(self._live("is_eog") and self._vocab, int(token)))
+
+    def _check_token(self, token: int, op: str) -> None:
+        self._live(op)
+        if not 0 <= int(token) < self.n_vocab:
+            raise InvalidArgumentError(op, f"token {token} outside the vocabulary [0, {self.n_vocab})")
+
+    @property
+    def chat_template(self) -> str | None:
+        p = lib.llama_model_chat_template(self._live("chat template"), ffi.NULL)
+        return None if p == ffi.NULL else ffi.string(p).decode("utf-8", "replace")
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, add_assistant: bool = True,
+                            template: str | None = None) -> str:
+        """Render `messages` ({role, content}) with the model's template (llama.cpp's built-in engine)."""
+        tmpl = template or self.chat_template
+        if tmpl is None:
+            raise InvalidArgumentError("apply chat template", f"{self.name} has no chat template; use a raw prompt")
+        keep = []  # the char[] objects must outlive the C call
+        chat = ffi.new("llama_chat_message[]", len(messages))
+        for i, msg in enumerate(messages):
+            role = ffi.new("char[]", str(msg["role"]).encode())
+            content = ffi.new("char[]", str(msg["content"]).encode())
+            keep += [role, content]
+            chat[i].role, chat[i].content = role, content
+        tmpl_c = ffi.new("char[]", tmpl.encode())
+        size = 1024 + sum(len(str(m["content"])) * 2 for m in messages)
+        while True:
+            buf = ffi.new("char[]", size)
+            n = lib.llama_chat_apply_template(tmpl_c, chat, len(messages), add_assistant, buf, size)
+            if n < 0:
+                raise InvalidArgumentError("apply chat template", "llama.cpp does not support this chat template")
+            if n < size:
+                return ffi.string(buf, n).decode("utf-8", "replace")
+            size = n + 1
+
+
+def _check_gguf_file(path: Path) -> None:
+    op = "load model"
+    if not path.exists():
+        raise ModelLoadError(op, f"{path}: no such file")
+    if not path.is_file():
+        raise ModelLoadError(op, f"{path}: not a regular file")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != GGUF_MAGIC:
+        raise ModelLoadError(op, f"{path}: not a GGUF file (magic {head!r})")
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+@attrs.frozen
+class SamplingParams:
+    """Per-generation sampling. `temperature <= 0` means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        return (self.temperature <= 0 and not self.logit_bias and self.repeat_penalty == 1.0
+                and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0)
+
+    def validate(self, n_vocab: int) -> None:
+        op = "sampling parameters"
+        checks = [
+            (np.isfinite(self.temperature), "temperature must be finite"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (self.repeat_penalty > 0 and np.isfinite(self.repeat_penalty), "repeat_penalty must be > 0"),
+            (np.isfinite(self.presence_penalty), "presence_penalty must be finite"),
+            (np.isfinite(self.frequency_penalty), "frequency_penalty must be finite"),
+            (self.penalty_last_n >= -1, "penalty_last_n must be >= -1"),
+            (self.seed is None or 0 <= self.seed < 2**32, "seed must fit in 32 bits"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise InvalidArgumentError(op, msg)
+        for token, bias in self.logit_bias:
+            if not 0 <= token < n_vocab:
+                raise InvalidArgumentError(op, f"logit_bias token {token} outside the vocabulary")
+            if np.isnan(bias):
+                raise InvalidArgumentError(op, f"logit_bias for token {token} is NaN")
+
+
+class Sampler:
+    """A llama.cpp sampler chain for one generation; it remembers accepted tokens (penalties)."""
+
+    def __init__(self, model: Model, params: SamplingParams):
+        params.validate(model.n_vocab)
+        self.params = params
+        cparams = lib.llama_sampler_chain_default_params()
+        cparams.no_perf = True
+        chain = lib.llama_sampler_chain_init(cparams)
+        if chain == ffi.NULL:
+            raise LlamaError("create sampler", "llama_sampler_chain_init returned NULL")
+        self._ptr = chain
+        add = lambda s: lib.llama_sampler_chain_add(chain, s)  # noqa: E731 - the chain owns s from here
+        if params.logit_bias:
+            biases = ffi.new("llama_logit_bias[]", len(params.logit_bias))
+            for i, (tok, bias) in enumerate(params.logit_bias):
+                biases[i].token, biases[i].bias = int(tok), float(bias)
+            add(lib.llama_sampler_init_logit_bias(model.n_vocab, len(params.logit_bias), biases))
+        if params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+            add(lib.llama_sampler_init_penalties(model.n_vocab, params.penalty_last_n, params.repeat_penalty,
+                                                 params.frequency_penalty, params.presence_penalty))
+        if params.temperature <= 0:
+            add(lib.llama_sampler_init_greedy())
+        else:
+            if params.top_k > 0:
+                add(lib.llama_sampler_init_top_k(params.top_k))
+            if params.top_p < 1.0:
+                add(lib.llama_sampler_init_top_p(params.top_p, 1))
+            if params.min_p > 0.0:
+                add(lib.llama_sampler_init_min_p(params.min_p, 1))
+            add(lib.llama_sampler_init_temp(params.temperature))
+            seed = LLAMA_DEFAULT_SEED if params.seed is None else params.seed
+            add(lib.llama_sampler_init_dist(seed))
+
+    def accept(self, tokens: Iterable[int]) -> None:
+        """Feed tokens the penalties should know about (e.g. the prompt)."""
+        ptr = self._live()
+        for t in tokens:
+            lib.llama_sampler_accept(ptr, int(t))
+
+    def reset(self) -> None:
+        lib.llama_sampler_reset(self._live())
+
+    def _live(self):
+        if self._ptr == ffi.NULL:
+            raise ClosedError("sample", "sampler is closed")
+        return self._ptr
+
+    def close(self) -> None:
+        if self._ptr != ffi.NULL:
+            lib.llama_sampler_free(self._ptr)
+            self._ptr = ffi.NULL
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# --------------------------------------------------------------------------- contexts
+
+
+@attrs.frozen
+class ContextParams:
+    n_ctx_per_seq: int = 4096
+    n_seq_max: int = 4
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: int = 2
+    n_threads_batch: int | None = None
+    kv_unified: bool = False
+
+
+class Context:
+    """A llama context for one stage, holding ``n_seq_max`` KV sequences.
+
+    Input is token ids on a first stage and hidden states (float32
+    ``[n, n_embd_inp]``) on any later stage. Output is the hidden state of every
+    token on a non-final stage, and logits of each sequence's last token on the
+    final stage. One thread at a time may use a context.
+    """
+
+    def __init__(self, model: Model, params: ContextParams = ContextParams()):
+        self._ptr = ffi.NULL
+        self._batch = None
+        op = "create context"
+        if params.n_seq_max < 1 or params.n_seq_max > 256:
+            raise InvalidArgumentError(op, "n_seq_max must be in [1, 256]")
+        if params.n_ubatch < 1 or params.n_batch < params.n_ubatch:
+            raise InvalidArgumentError(op, "need 1 <= n_ubatch <= n_batch")
+        if params.n_ctx_per_seq < 16:
+            raise InvalidArgumentError(op, "n_ctx_per_seq must be >= 16")
+        if params.n_threads < 1:
+            raise InvalidArgumentError(op, "n_threads must be >= 1")
+        self.model = model
+        self.params = params
+        self.hidden_output = model.stage.output == "hidden"
+        self.token_input = model.stage.is_first
+        cp = lib.llama_context_default_params()
+        cp.n_ctx = params.n_ctx_per_seq * params.n_seq_max if not params.kv_unified else params.n_ctx_per_seq
+        cp.n_batch = params.n_batch
+        cp.n_ubatch = params.n_ubatch
+        cp.n_seq_max = params.n_seq_max
+        cp.n_threads = params.n_threads
+        cp.n_threads_batch = params.n_threads_batch or params.n_threads
+        cp.kv_unified = params.kv_unified
+        cp.no_perf = True
+        cp.embeddings = self.hidden_output
+        if self.hidden_output:
+            cp.pooling_type = lib.LLAMA_POOLING_TYPE_NONE
+        ptr = lib.llama_init_from_model(model._live(op), cp)
+        if ptr == ffi.NULL:
+            raise ContextError(op, f"llama.cpp could not create a context for {model.path}")
+        self._ptr = ptr
+        self._mem = lib.llama_get_memory(ptr)
+        self.n_batch = int(lib.llama_n_batch(ptr))
+        self.n_seq_max = int(lib.llama_n_seq_max(ptr))
+        self.n_ctx_seq = int(lib.llama_n_ctx_seq(ptr))
+        self.n_embd = model.n_embd
+        self.n_embd_inp = model.n_embd_inp
+        self._batch = lib.llama_batch_init(self.n_batch, 0 if self.token_input else self.n_embd_inp, 1)
+        self._pbatch = ffi.new("llama_batch *", self._batch)
+        self._out_rows: dict[int, int] = {}
+        self._n_last = 0
+        model._contexts.add(self)
+
+    # -- lifetime
+    def close(self) -> None:
+        """Free the batch, then the context (reverse order of creation). Idempotent."""
+        if self._batch is not None:
+            lib.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ptr != ffi.NULL:
+            lib.llama_free(self._ptr)
+            self._ptr = ffi.NULL
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _live(self, op: str):
+        if self._ptr == ffi.NULL:
+            raise ClosedError(op, "context is closed")
+        return self._ptr
+
+    def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
+        if n_threads < 1:
+            raise InvalidArgumentError("set threads", "n_threads must be >= 1")
+        lib.llama_set_n_threads(self._live("set threads"), n_threads, n_threads_batch or n_threads)
+
+    def _check_seq(self, seq: int, op: str) -> None:
+        if not 0 <= int(seq) < self.n_seq_max:
+            raise InvalidArgumentError(op, f"sequence {seq} outside [0, {self.n_seq_max})")
+
+    # -- compute
+    def decode(self, pos: np.ndarray, seq: np.ndarray, *, tokens: np.ndarray | None = None,
+               embd: np.ndarray | None = None) -> None:
+        """Run one batch. Rows may belong to several sequences, each with explicit positions.
+
+        Read the result with :meth:`hidden` (non-final stage) or :meth:`logits`
+        / :meth:`sample` (final stage) before the next decode.
+        """
+        op = "decode"
+        ptr = self._live(op)
+        pos = np.ascontiguousarray(pos, dtype=np.int32)
+        seq = np.ascontiguousarray(seq, dtype=np.int32)
+        n = int(pos.shape[0]) if pos.ndim == 1 else -1
+        if n < 1:
+            raise InvalidArgumentError(op, "empty batch")
+        if n > self.n_batch:
+            raise InvalidArgumentError(op, f"batch of {n} tokens exceeds n_batch {self.n_batch}")
+        if seq.shape != (n,):
+            raise InvalidArgumentError(op, f"seq has shape {seq.shape}, expected ({n},)")
+        if seq.min() < 0 or seq.max() >= self.n_seq_max:
+            raise InvalidArgumentError(op, f"sequence id outside [0, {self.n_seq_max})")
+        if pos.min() < 0 or pos.max() >= self.n_ctx_seq:
+            raise InvalidArgumentError(op, f"position outside the context [0, {self.n_ctx_seq})")
+        # which rows produce output: all on a hidden stage, the last row of each sequence otherwise
+        last_rows: dict[int, int] = {}
+        for row, s in enumerate(seq.tolist()):
+            last_rows[s] = row
+        if self.hidden_output:
+            out = np.ones(n, dtype=np.int8)
+        else:
+            out = np.zeros(n, dtype=np.int8)
+            out[list(last_rows.values())] = 1
+        pos_c = ffi.from_buffer("llama_pos[]", pos)
+        seq_c = ffi.from_buffer("llama_seq_id[]", seq)
+        out_c = ffi.from_buffer("int8_t[]", out)
+        if self.token_input:
+            if tokens is None or embd is not None:
+                raise InvalidArgumentError(op, "a first stage takes token ids, not hidden states")
+            tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+            if tokens.shape != (n,):
+                raise InvalidArgumentError(op, f"tokens has shape {tokens.shape}, expected ({n},)")
+            if tokens.min() < 0 or tokens.max() >= self.model.n_vocab:
+                raise InvalidArgumentError(op, f"token id outside the vocabulary [0, {self.model.n_vocab})")
+            rc = lib.skippy_fill_token_batch(self._pbatch, ffi.from_buffer("llama_token[]", tokens), n,
+                                             pos_c, seq_c, out_c)
+        else:
+            if embd is None or tokens is not None:
+                raise InvalidArgumentError(op, "a later stage takes hidden states, not token ids")
+            embd = np.ascontiguousarray(embd, dtype=np.float32)
+            if embd.shape != (n, self.n_embd_inp):
+                raise InvalidArgumentError(op, f"hidden states have shape {embd.shape}, "
+                                               f"expected ({n}, {self.n_embd_inp})")
+            rc = lib.skippy_fill_embd_batch(self._pbatch, ffi.from_buffer("float[]", embd), n, self.n_embd_inp,
+                                            pos_c, seq_c, out_c)
+        if rc != 0:
+            raise LlamaError(op, "batch has no room for this input kind")
+        self._out_rows = {}
+        self._n_last = 0
+        rc = lib.llama_decode(ptr, self._pbatch[0])
+        if rc == 1:
+            raise KvCacheFullError(op, "no free KV slot for the batch (context full)", rc)
+        if rc != 0:
+            raise DecodeError(op, f"llama_decode returned {rc}", rc)
+        self._out_rows = last_rows
+        self._n_last = n
+
+    def hidden(self) -> np.ndarray:
+        """Hidden state of every row of the last decode, float32 ``[n, n_embd]`` (a copy)."""
+        op = "read hidden states"
+        if not self.hidden_output:
+            raise InvalidArgumentError(op, "this stage outputs logits, not hidden states")
+        if not self._n_last:
+            raise InvalidArgumentError(op, "no decode to read from")
+        p = lib.llama_get_embeddings(self._live(op))
+        if p == ffi.NULL:
+            raise LlamaError(op, "llama_get_embeddings returned NULL")
+        count = self._n_last * self.n_embd
+        return np.frombuffer(ffi.buffer(p, count * 4), dtype=np.float32).reshape(self._n_last, self.n_embd).copy()
+
+    def logits(self, seq: int) -> np.ndarray:
+        """Logits of `seq`'s last row in the last decode (a copy)."""
+        op = "read logits"
+        row = self._output_row(seq, op)
+        p = lib.llama_get_logits_ith(self._live(op), row)
+        if p == ffi.NULL:
+            raise LlamaError(op, f"no logits for row {row}")
+        return np.frombuffer(ffi.buffer(p, self.model.n_vocab * 4), dtype=np.float32).copy()
+
+    def sample(self, samplers: Mapping[int, Sampler | None]) -> dict[int, int]:
+        """One token per sequence from the last decode; `None` means plain greedy (argmax in C)."""
+        op = "sample"
+        seqs = list(samplers)
+        n = len(seqs)
+        rows = np.array([self._output_row(s, op) for s in seqs], dtype=np.int32)
+        smpl = ffi.new("struct llama_sampler *[]", n)
+        for i, s in enumerate(seqs):
+            sampler = samplers[s]
+            smpl[i] = ffi.NULL if sampler is None else sampler._live()
+        out = np.empty(n, dtype=np.int32)
+        rc = lib.skippy_sample_rows(self._live(op), smpl, ffi.from_buffer("int32_t[]", rows), n,
+                                    ffi.from_buffer("llama_token[]", out))
+        if rc != 0:
+            raise LlamaError(op, "logits missing for a sampled row")
+        return dict(zip(seqs, out.tolist()))
+
+    def _output_row(self, seq: int, op: str) -> int:
+        if self.hidden_output:
+            raise InvalidArgumentError(op, "this stage outputs hidden states, not logits")
+        row = self._out_rows.get(int(seq))
+        if row is None:
+            raise InvalidArgumentError(op, f"sequence {seq} was not in the last decode")
+        return row
+
+    # -- KV cache, per sequence
+    def kv_trim(self, seq: int, n_keep: int) -> None:
+        """Drop positions >= n_keep of `seq` (a trim to 0 clears it)."""
+        op = "trim KV"
+        self._check_seq(seq, op)
+        if n_keep < 0:
+            raise InvalidArgumentError(op, "n_keep must be >= 0")
+        if not lib.llama_memory_seq_rm(self._mem_live(op), int(seq), int(n_keep), -1):
+            raise LlamaError(op, f"llama_memory_seq_rm refused to trim sequence {seq} to {n_keep}")
+
+    def kv_clear_seq(self, seq: int) -> None:
+        self.kv_trim(seq, 0)
+
+    def kv_clear(self) -> None:
+        lib.llama_memory_clear(self._mem_live("clear KV"), True)
+
+    def kv_copy(self, src: int, dst: int, n_keep: int | None = None) -> None:
+        """Make `dst` a copy of `src` (optionally only its first n_keep positions).
+
+        llama.cpp aborts the process on a partial-range copy with the default
+        per-sequence KV streams, so this always copies whole and trims after.
+        """
+        op = "copy KV"
+        self._check_seq(src, op)
+        self._check_seq(dst, op)
+        if src == dst:
+            raise InvalidArgumentError(op, "source and destination sequence are the same")
+        mem = self._mem_live(op)
+        lib.llama_memory_seq_rm(mem, int(dst), -1, -1)
+        lib.llama_memory_seq_cp(mem, int(src), int(dst), -1, -1)
+        if n_keep is not None:
+            self.kv_trim(dst, n_keep)
+
+    def kv_pos_range(self, seq: int) -> tuple[int, int] | None:
+        """(min, max) position held for `seq`, or None when it is empty."""
+        op = "KV range"
+        self._check_seq(seq, op)
+        mem = self._mem_live(op)
+        hi = int(lib.llama_memory_seq_pos_max(mem, int(seq)))
+        if hi < 0:
+            return None
+        return int(lib.llama_memory_seq_pos_min(mem, int(seq))), hi
+
+    def kv_len(self, seq: int) -> int:
+        r = self.kv_pos_range(seq)
+        return 0 if r is None else r[1] + 1
+
+    def state_export(self, seq: int) -> bytes:
+        op = "export sequence state"
+        self._check_seq(seq, op)
+        ptr = self._live(op)
+        size = int(lib.llama_state_seq_get_size(ptr, int(seq)))
+        buf = bytearray(size)
+        written = int(lib.llama_state_seq_get_data(ptr, ffi.from_buffer("uint8_t[]", buf), size, int(seq)))
+        if written != size:
+            raise LlamaError(op, f"wrote {written} of {size} bytes")
+        return bytes(buf)
+
+    def state_import(self, seq: int, data: bytes) -> None:
+        op = "import sequence state"
+        self._check_seq(seq, op)
+        if not data:
+            raise InvalidArgumentError(op, "empty state")
+        read = int(lib.llama_state_seq_set_data(self._live(op), ffi.from_buffer("uint8_t[]", data), len(data),
+                                                int(seq)))
+        if read != len(data):
+            raise LlamaError(op, f"llama.cpp accepted {read} of {len(data)} bytes (state from another model?)")
+
+    def _mem_live(self, op: str):
+        self._live(op)
+        return self._mem
