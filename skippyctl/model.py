@@ -1,0 +1,153 @@
+"""`skippyctl model`: split a GGUF model into stages, inspect a file, fetch the default model.
+
+These commands work on local files only; they do not talk to a daemon.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+
+from skippyctl.render import EXIT_USAGE, byte_progress, emit, fail
+from skippyd.runtime.gguf_info import ModelFileError
+from skippyd.runtime.models import DEFAULT_MODEL_SHA256, FetchError, fetch_default_model, inspect_gguf
+from skippyd.runtime.slicing import TOPOLOGY_FILE, RangeError, SliceError, parse_ranges, split_model
+from skippyd.topology import TopologyError
+
+app = typer.Typer(help="Split, inspect and fetch GGUF models (local files, no daemon).", no_args_is_help=True)
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print plain JSON on stdout instead of a table.")]
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+@app.command()
+def split(
+    model: Annotated[Path, typer.Argument(metavar="MODEL.gguf", help="The GGUF model to split.", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the stage files and topology.toml.")],
+    stages: Annotated[
+        Optional[int], typer.Option("--stages", "-n", help="Split into N stages of (nearly) equal layer counts.")
+    ] = None,
+    ranges: Annotated[
+        Optional[str], typer.Option("--ranges", help="Explicit layer ranges, e.g. 0:10,10:20,20:30.")
+    ] = None,
+    hosts: Annotated[
+        Optional[str],
+        typer.Option("--hosts", help="HOST:PORT of each stage, comma-separated (default 127.0.0.1:7400+K)."),
+    ] = None,
+    json_mode: JsonOption = False,
+) -> None:
+    """Cut MODEL into contiguous layer ranges: one stage-K.gguf per stage, plus topology.toml."""
+    if (stages is None) == (ranges is None):
+        fail("give exactly one of --stages N or --ranges START:END,...", EXIT_USAGE)
+    host_list = [h.strip() for h in hosts.split(",")] if hosts is not None else None
+    try:
+        if ranges is not None:
+            parse_ranges(ranges)  # syntax errors before the model is read
+        with byte_progress("splitting") as update:
+            topology = split_model(model, ranges, out, stages=stages, hosts=host_list, progress=update)
+    except (RangeError, TopologyError) as exc:
+        fail(str(exc), EXIT_USAGE)
+    except (ModelFileError, SliceError) as exc:
+        fail(str(exc))
+
+    data = topology.as_dict()
+    data["topology"] = str((out / TOPOLOGY_FILE).resolve())
+    for stage in data["stages"]:
+        stage["size"] = Path(stage["file"]).stat().st_size
+    emit(data, json_mode, _split_table)
+
+
+def _split_table(data: dict[str, Any]) -> Table:
+    table = Table(
+        title=f"{data['model_name']}: {data['architecture']}, {data['n_layer']} layers, "
+        f"{len(data['stages'])} stages",
+        caption=f"topology: {data['topology']}",
+    )
+    for column in ("stage", "layers", "output", "address", "size", "file"):
+        table.add_column(column, justify="right" if column in ("stage", "size") else "left")
+    for s in data["stages"]:
+        host = f"[{s['host']}]" if ":" in s["host"] else s["host"]
+        table.add_row(
+            str(s["index"]),
+            f"{s['layer_start']}:{s['layer_end']}",
+            s["output"],
+            f"{host}:{s['port']}",
+            _mb(s["size"]),
+            Path(s["file"]).name,
+        )
+    return table
+
+
+@app.command()
+def inspect(
+    file: Annotated[Path, typer.Argument(metavar="FILE.gguf", help="A GGUF model or stage file.", show_default=False)],
+    json_mode: JsonOption = False,
+) -> None:
+    """Show a GGUF file's architecture, sizes, quantization and stage range."""
+    try:
+        info = inspect_gguf(file)
+    except ModelFileError as exc:
+        fail(str(exc))
+    emit(info, json_mode, _inspect_table)
+
+
+def _inspect_table(info: dict[str, Any]) -> Table:
+    table = Table(title=info["path"], show_header=False)
+    table.add_column("key", style="bold")
+    table.add_column("value", overflow="fold")
+    rows = [
+        ("architecture", info["architecture"]),
+        ("name", info["name"]),
+        ("layers", info["n_layer"]),
+        ("embedding size", info["n_embd"]),
+        ("heads (kv)", f"{info['n_head']} ({info['n_head_kv']})"),
+        ("feed-forward size", info["n_ff"]),
+        ("vocabulary", info["n_vocab"]),
+        ("context length", info["context_length"]),
+        ("file type", info["file_type"]),
+        ("tensors", f"{info['tensor_count']} ("
+         + ", ".join(f"{n} {kind}" for kind, n in info["tensor_types"].items()) + ")"),
+        ("output.weight", _output_weight(info)),
+        ("file size", _mb(info["file_size"])),
+    ]
+    stage = info["stage"]
+    if stage is not None:
+        rows += [
+            ("stage layers", f"{stage['layer_start']}:{stage['layer_end']} of {stage['n_layer_total']}"),
+            ("stage output", stage["output"]),
+            ("source sha256", stage["source_sha256"]),
+        ]
+    else:
+        rows.append(("splittable", "yes" if info["splittable"] else f"no: {info['split_refusal']}"))
+    for key, value in rows:
+        table.add_row(key, "-" if value is None else str(value))
+    return table
+
+
+def _output_weight(info: dict[str, Any]) -> str:
+    if info["has_output_weight"]:
+        return "yes"
+    if info["stage"] is not None and info["stage"]["output"] == "hidden":
+        return "no (hidden-state stage: no LM head)"
+    return "no (tied to token_embd)"
+
+
+@app.command()
+def fetch(json_mode: JsonOption = False) -> None:
+    """Fetch the embedded default model (SmolLM2-135M-Instruct Q4_1) and print its path."""
+    try:
+        with byte_progress("fetching") as update:
+            path = fetch_default_model(progress=update)
+    except (FetchError, OSError) as exc:
+        fail(str(exc))
+    if json_mode:
+        emit({"path": str(path), "sha256": DEFAULT_MODEL_SHA256, "size": path.stat().st_size}, True, str)
+    else:
+        # Bare path, so that `$(skippyctl model fetch)` works in scripts.
+        typer.echo(str(path))

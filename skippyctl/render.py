@@ -1,0 +1,88 @@
+"""The one place skippyctl prints: data on stdout, errors and progress on stderr.
+
+Every command that prints data calls `emit`: a rich table for people, or
+plain JSON (`--json`) for scripts. Errors go through `fail`, which prints a
+single "error: ..." line and exits non-zero without a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator, NoReturn
+
+import typer
+from rich.console import Console, RenderableType
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+# Exit codes: 1 = the operation failed, 2 = the request was invalid (as for usage errors).
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    raise TypeError(f"cannot encode {type(value).__name__} as JSON")
+
+
+def emit(data: Any, json_mode: bool, table_builder: Callable[[Any], RenderableType]) -> None:
+    """Print `data` on stdout: as JSON with `json_mode`, else as `table_builder(data)`."""
+    if json_mode:
+        sys.stdout.write(json.dumps(data, indent=2, default=_json_default) + "\n")
+        sys.stdout.flush()
+        return
+    # Created per call so that it writes to the current sys.stdout (CliRunner swaps it).
+    Console(highlight=False).print(table_builder(data))
+
+
+def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
+    """Print "error: message" on stderr and exit with `code`, without a traceback."""
+    # Plain write, not rich: messages contain brackets ("[::1]:7400") rich would eat.
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    raise typer.Exit(code)
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+@contextlib.contextmanager
+def byte_progress(description: str) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar on stderr; yields `update(done_bytes, total_bytes)`.
+
+    The bar pulses until the first update, which covers work that cannot
+    report progress (parsing a model's metadata). Nothing is drawn when
+    stderr is not a terminal, so scripts and logs stay clean.
+    """
+    columns = (
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    console = stderr_console()
+    if not console.is_terminal:
+        # Even an idle rich Progress writes a blank line when it stops.
+        yield lambda done, total: None
+        return
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total or None)
+
+        yield update

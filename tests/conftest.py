@@ -1,0 +1,51 @@
+"""Shared fixtures: the default model and tiny generated models (session-scoped, built once)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from skippyd.runtime.models import fetch_default_model
+from tests.tiny_model import MetadataField, load_tokenizer, small_vocabulary, write_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The embedded default model (SmolLM2-135M-Instruct Q4_1), fetched once into the cache."""
+    return fetch_default_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_fields(default_model_path: Path) -> list[MetadataField]:
+    """The default model's tokenizer metadata (parsed once: ~2 s)."""
+    return load_tokenizer(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer_fields(tokenizer_fields: list[MetadataField]) -> list[MetadataField]:
+    """The first 512 SmolLM2 tokens: files using it parse in milliseconds instead of ~2 s."""
+    return small_vocabulary(tokenizer_fields, 512)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, tokenizer_fields: list[MetadataField]) -> Path:
+    """A 4-layer, 64-wide random llama with an untied output.weight and the SmolLM2 tokenizer."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
+    return write_tiny_llama(path, tokenizer_from=tokenizer_fields)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_small_vocab_path(
+    tmp_path_factory: pytest.TempPathFactory, small_tokenizer_fields: list[MetadataField]
+) -> Path:
+    """Like `tiny_model_path` but with a 512-token vocabulary: parses in milliseconds."""
+    path = tmp_path_factory.mktemp("tiny-small-vocab") / "tiny-llama-v512.gguf"
+    return write_tiny_llama(path, tokenizer_from=small_tokenizer_fields)
+
+
+@pytest.fixture(scope="session")
+def gemma_model_path(tmp_path_factory: pytest.TempPathFactory, small_tokenizer_fields: list[MetadataField]) -> Path:
+    """A tiny file whose architecture is "gemma" (the slicer must refuse it)."""
+    path = tmp_path_factory.mktemp("tiny-gemma") / "tiny-gemma.gguf"
+    return write_tiny_llama(path, tokenizer_from=small_tokenizer_fields, arch="gemma", n_layer=2)

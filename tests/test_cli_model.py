@@ -1,0 +1,149 @@
+"""`skippyctl model ...` through typer's CliRunner (real files, no mocks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from skippyctl.app import DEFAULT_URL, Globals, app
+from skippyd.topology import Topology
+
+
+@pytest.fixture
+def run():
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(app, [str(a) for a in args])
+
+    return invoke
+
+
+def assert_clean_error(result, code: int, *fragments: str) -> None:
+    """Exit code, one "error:" line on stderr, nothing on stdout, no traceback."""
+    assert result.exit_code == code, result.output
+    assert result.stdout == ""
+    assert result.stderr.startswith("error: ")
+    for fragment in fragments:
+        assert fragment in result.stderr
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_split_json(run, tiny_model_small_vocab_path, tmp_path):
+    out = tmp_path / "out"
+    result = run(
+        "model", "split", tiny_model_small_vocab_path, "--ranges", "0:1,1:4", "--out", out,
+        "--hosts", "10.0.0.1:7500,[::1]:7501", "--json",
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["n_layer"] == 4 and data["architecture"] == "llama"
+    assert [(s["layer_start"], s["layer_end"], s["output"]) for s in data["stages"]] == [
+        (0, 1, "hidden"),
+        (1, 4, "logits"),
+    ]
+    assert [(s["host"], s["port"]) for s in data["stages"]] == [("10.0.0.1", 7500), ("::1", 7501)]
+    assert all(s["size"] > 0 for s in data["stages"])
+    topology = Topology.load(data["topology"])
+    assert topology.as_dict() == {k: v for k, v in data.items() if k != "topology"} | {
+        "stages": [{k: v for k, v in s.items() if k != "size"} for s in data["stages"]]
+    }
+
+
+def test_split_table(run, tiny_model_small_vocab_path, tmp_path):
+    result = run("model", "split", tiny_model_small_vocab_path, "--stages", "2", "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    for text in ("stage-0.gguf", "stage-1.gguf", "0:2", "2:4", "hidden", "logits", "127.0.0.1:7401"):
+        assert text in result.stdout
+    assert (tmp_path / "topology.toml").exists()
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        ((), "exactly one of --stages"),
+        (("--stages", "2", "--ranges", "0:4"), "exactly one of --stages"),
+        (("--ranges", "0-2,2:4"), "expected START:END"),
+        (("--ranges", "0:2,3:4"), "contiguous"),
+        (("--ranges", "0:2"), "has 4 layers"),
+        (("--stages", "9"), "cannot split 4 layers into 9 stages"),
+        (("--stages", "2", "--hosts", "a:1"), "1 addresses given for 2 stages"),
+        (("--stages", "2", "--hosts", "a:1,b"), "bad address 'b'"),
+    ],
+)
+def test_split_usage_errors(run, tiny_model_small_vocab_path, tmp_path, args, fragment):
+    result = run("model", "split", tiny_model_small_vocab_path, "--out", tmp_path / "out", *args)
+    assert_clean_error(result, 2, fragment)
+    assert not (tmp_path / "out" / "topology.toml").exists()
+
+
+def test_split_refuses_gemma(run, gemma_model_path, tmp_path):
+    result = run("model", "split", gemma_model_path, "--stages", "2", "--out", tmp_path)
+    assert_clean_error(result, 1, "cannot split architecture 'gemma'", "Supported architectures: llama")
+
+
+def test_split_missing_and_bad_files(run, tmp_path):
+    result = run("model", "split", tmp_path / "nope.gguf", "--stages", "2", "--out", tmp_path / "o")
+    assert_clean_error(result, 1, "no such file")
+    bad = tmp_path / "bad.gguf"
+    bad.write_text("not a model")
+    result = run("model", "split", bad, "--stages", "2", "--out", tmp_path / "o")
+    assert_clean_error(result, 1, "not a GGUF file")
+
+
+def test_inspect_table_and_json(run, tiny_model_small_vocab_path):
+    result = run("model", "inspect", tiny_model_small_vocab_path)
+    assert result.exit_code == 0, result.output
+    for text in ("architecture", "llama", "layers", "F16", "splittable"):
+        assert text in result.stdout
+    result = run("model", "inspect", tiny_model_small_vocab_path, "--json")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    assert (info["architecture"], info["n_layer"], info["n_vocab"]) == ("llama", 4, 512)
+    assert info["file_type"] == "F16" and info["splittable"] is True
+
+
+def test_inspect_errors(run, tiny_model_small_vocab_path, tmp_path):
+    assert_clean_error(run("model", "inspect", tmp_path / "nope.gguf"), 1, "no such file")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_model_small_vocab_path.read_bytes()[:50_000])
+    assert_clean_error(run("model", "inspect", cut, "--json"), 1, "truncated")
+
+
+def test_fetch(run, default_model_path):
+    result = run("model", "fetch")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"{default_model_path}\n"
+    result = run("model", "fetch", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["path"] == str(default_model_path) and data["size"] == 98_362_432
+
+
+def test_global_options_reach_commands():
+    """The callback stores --url/--token-file in ctx.obj for every noun."""
+    seen = []
+    probe = typer.Typer()
+
+    @probe.command()
+    def show(ctx: typer.Context) -> None:
+        seen.append(ctx.obj)
+
+    app.add_typer(probe, name="probe-test")
+    try:
+        runner = CliRunner()
+        assert runner.invoke(app, ["probe-test", "show"]).exit_code == 0
+        assert runner.invoke(app, ["--url", "ws://h:1", "--token-file", "/t", "probe-test", "show"]).exit_code == 0
+    finally:
+        app.registered_groups[:] = [g for g in app.registered_groups if g.name != "probe-test"]
+    assert seen[0] == Globals(url=DEFAULT_URL, token_file=None)
+    assert seen[1].url == "ws://h:1" and str(seen[1].token_file) == "/t"
+
+
+def test_no_args_shows_help(run):
+    result = run("model")
+    assert "split" in result.output and "inspect" in result.output and "fetch" in result.output

@@ -1,0 +1,293 @@
+"""The libllama runtime: real libllama, real model files, no mocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from skippyd.runtime.llama import (
+    ClosedError,
+    Context,
+    ContextParams,
+    InvalidArgumentError,
+    KvCacheFullError,
+    Model,
+    ModelLoadError,
+    Sampler,
+    SamplingParams,
+)
+from skippyd.runtime.local_pipeline import LocalPipeline
+from skippyd.runtime.slicing import split_model
+from skippyd.runtime.text import Detokenizer
+
+PARAMS = ContextParams(n_ctx_per_seq=1024, n_seq_max=4, n_batch=512, n_ubatch=512, n_threads=2)
+POEM = "Write a short poem about the sea, then explain what a lighthouse does."
+# Greedy continuation of the chat-templated POEM prompt, as measured by the
+# feasibility study with the unsplit model (native-spike.md, section 5).
+POEM_REFERENCE = [504, 3426, 28, 253, 4749, 284, 11965, 7815, 28, 837, 260, 6177, 282, 260, 905, 359,
+                  2042, 29, 16845, 30, 533, 260, 16862, 282, 260, 453, 33334, 28, 837, 260, 13226, 314]
+
+
+@pytest.fixture(scope="session")
+def smol_splits(default_model_path, tmp_path_factory):
+    out = {}
+    for n in (2, 3):
+        topo = split_model(default_model_path, None, tmp_path_factory.mktemp(f"smol{n}"), stages=n)
+        out[n] = [s.file for s in topo.stages]
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_splits(tiny_model_path, tmp_path_factory):
+    out = {}
+    for n in (2, 3):
+        topo = split_model(tiny_model_path, None, tmp_path_factory.mktemp(f"tiny{n}"), stages=n)
+        out[n] = [s.file for s in topo.stages]
+    return out
+
+
+@pytest.fixture(scope="module")
+def smol(default_model_path):
+    with Model(default_model_path) as m:
+        yield m
+
+
+def poem_tokens(model: Model) -> np.ndarray:
+    text = model.apply_chat_template([{"role": "user", "content": POEM}])
+    return model.tokenize(text, add_special=False, parse_special=True)
+
+
+def test_model_metadata(smol):
+    assert smol.architecture == "llama"
+    assert (smol.n_layer, smol.n_embd, smol.n_vocab) == (30, 576, 49152)
+    assert smol.stage.is_first and smol.stage.is_last and not smol.stage.is_slice
+    assert "<|im_start|>" in smol.chat_template
+
+
+def test_slice_metadata_read_by_runtime(smol_splits):
+    with Model(smol_splits[3][1]) as mid:
+        assert (mid.stage.layer_start, mid.stage.layer_end, mid.stage.n_layer_total) == (10, 20, 30)
+        assert mid.stage.output == "hidden" and mid.n_layer == 10
+        assert len(mid.stage.source_sha256) == 64
+
+
+def test_unsplit_matches_reference(default_model_path):
+    with LocalPipeline([default_model_path], PARAMS) as pipe:
+        assert pipe.generate(poem_tokens(pipe.head), 32) == POEM_REFERENCE
+
+
+@pytest.mark.parametrize("n_stages", [2, 3])
+def test_split_greedy_tokens_identical(default_model_path, smol_splits, n_stages):
+    with LocalPipeline([default_model_path], PARAMS) as full, LocalPipeline(smol_splits[n_stages], PARAMS) as split:
+        prompt = full.head.tokenize("The capital of France is")
+        want = full.generate(prompt, 40, stop_at_eog=False)
+        got = split.generate(prompt, 40, stop_at_eog=False)
+        assert got == want
+        assert split.generate(poem_tokens(split.head), 32) == POEM_REFERENCE
+
+
+@pytest.mark.parametrize("chunk", [512, 37])
+def test_split_logits_bit_identical_under_same_chunking(default_model_path, smol_splits, chunk):
+    with LocalPipeline([default_model_path], PARAMS) as full, LocalPipeline(smol_splits[2], PARAMS) as split:
+        prompt = poem_tokens(full.head)
+        for pipe in (full, split):
+            pipe.prefill(prompt, chunk=chunk)
+        np.testing.assert_array_equal(full.last.logits(0), split.last.logits(0))
+        pos = len(prompt)
+        for _ in range(8):
+            token = full.last.sample({0: None})[0]
+            assert split.last.sample({0: None})[0] == token
+            for pipe in (full, split):
+                pipe.decode(np.array([token]), np.array([pos]), np.array([0]))
+            np.testing.assert_array_equal(full.last.logits(0), split.last.logits(0))
+            pos += 1
+
+
+@pytest.mark.parametrize("n_stages", [2, 3])
+def test_tiny_model_split_identical(tiny_model_path, tiny_splits, n_stages):
+    with LocalPipeline([tiny_model_path], PARAMS) as full, LocalPipeline(tiny_splits[n_stages], PARAMS) as split:
+        prompt = full.head.tokenize("hello world, this is a tiny model")
+        want = full.generate(prompt, 32, stop_at_eog=False)
+        assert split.generate(prompt, 32, stop_at_eog=False) == want
+        np.testing.assert_array_equal(full.last.logits(0), split.last.logits(0))
+
+
+def test_batched_sequences_match_single(default_model_path, smol_splits):
+    """Several sequences in one llama_decode give the same greedy tokens as each alone."""
+    with LocalPipeline(smol_splits[2], PARAMS) as pipe:
+        prompts = [pipe.head.tokenize(p) for p in ("The capital of France is", "Once upon a time",
+                                                      "def fibonacci(n):")]
+        alone = [pipe.generate(p, 12, seq=0, stop_at_eog=False) for p in prompts]
+        for seq in range(len(prompts)):
+            pipe.contexts[0].kv_clear_seq(seq), pipe.contexts[1].kv_clear_seq(seq)
+        for seq, p in enumerate(prompts):
+            pipe.prefill(p, seq=seq)
+            # read each sequence's first token right after its own prefill
+            alone_first = pipe.last.sample({seq: None})[seq]
+            assert alone_first == alone[seq][0]
+        outs = [[alone[s][0]] for s in range(len(prompts))]
+        pos = [len(p) for p in prompts]
+        for _ in range(11):
+            seqs = np.arange(len(prompts), dtype=np.int32)
+            toks = np.array([o[-1] for o in outs], dtype=np.int32)
+            pipe.decode(toks, np.array(pos, dtype=np.int32), seqs)
+            nxt = pipe.last.sample({int(s): None for s in seqs})
+            for s in range(len(prompts)):
+                outs[s].append(nxt[s])
+                pos[s] += 1
+        assert outs == alone
+
+
+def test_seeded_sampling_reproducible(smol_splits):
+    sampling = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1, seed=1234)
+    with LocalPipeline(smol_splits[2], PARAMS) as pipe:
+        prompt = pipe.head.tokenize("Tell me a story about a dragon.")
+        first = pipe.generate(prompt, 24, sampling=sampling, stop_at_eog=False)
+        again = pipe.generate(prompt, 24, sampling=sampling, stop_at_eog=False)
+        other = pipe.generate(prompt, 24, sampling=attrs_evolve(sampling, seed=99), stop_at_eog=False)
+    assert first == again
+    assert other != first
+
+
+def attrs_evolve(obj, **kw):
+    import attrs
+
+    return attrs.evolve(obj, **kw)
+
+
+def test_logit_bias_forces_token(smol_splits):
+    with LocalPipeline(smol_splits[2], PARAMS) as pipe:
+        prompt = pipe.head.tokenize("The capital of France is")
+        forced = pipe.generate(prompt, 5, sampling=SamplingParams(logit_bias=((42, 100.0),)), stop_at_eog=False)
+    assert forced == [42] * 5
+
+
+def test_trim_then_regenerate_reproduces(smol_splits):
+    with LocalPipeline(smol_splits[2], PARAMS) as pipe:
+        prompt = pipe.head.tokenize("The quick brown fox")
+        ref = pipe.generate(prompt, 16, stop_at_eog=False)
+        n = len(prompt)
+        assert all(ctx.kv_len(0) == n + 15 for ctx in pipe.contexts)
+        # trim back to prompt + 5 generated tokens, then recompute the last prompt position
+        keep = n + 5
+        for ctx in pipe.contexts:
+            ctx.kv_trim(0, keep - 1)
+            assert ctx.kv_len(0) == keep - 1
+        full = list(prompt) + ref
+        pipe.decode(np.array([full[keep - 1]]), np.array([keep - 1]), np.array([0]))
+        tail = pipe.continue_decode(keep, 16 - 5, stop_at_eog=False)
+        assert tail == ref[5:]
+
+
+def test_kv_copy_and_state_roundtrip(smol_splits):
+    with LocalPipeline(smol_splits[2], PARAMS) as pipe:
+        prompt = pipe.head.tokenize("Lighthouses guide ships")
+        ref = pipe.generate(prompt, 10, seq=0, stop_at_eog=False)
+        n = len(prompt)
+        for ctx in pipe.contexts:
+            ctx.kv_copy(0, 1, n_keep=n - 1)
+            assert ctx.kv_pos_range(1) == (0, n - 2)
+        pipe.decode(np.array([prompt[-1]]), np.array([n - 1]), np.array([1]))
+        assert pipe.continue_decode(n, 10, seq=1, stop_at_eog=False) == ref
+        states = [ctx.state_export(1) for ctx in pipe.contexts]
+        for ctx, state in zip(pipe.contexts, states):
+            ctx.kv_clear_seq(0), ctx.kv_clear_seq(1)
+            assert ctx.kv_pos_range(1) is None
+            ctx.state_import(2, state)
+            ctx.kv_trim(2, n - 1)
+        pipe.decode(np.array([prompt[-1]]), np.array([n - 1]), np.array([2]))
+        assert pipe.continue_decode(n, 10, seq=2, stop_at_eog=False) == ref
+
+
+def test_kv_copy_refuses_same_sequence(smol):
+    with Context(smol, PARAMS) as ctx:
+        with pytest.raises(InvalidArgumentError, match="same"):
+            ctx.kv_copy(1, 1)
+        with pytest.raises(InvalidArgumentError, match="outside"):
+            ctx.kv_copy(0, 99)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="no such file"):
+        Model(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"hello, this is not a model" * 10)
+    with pytest.raises(ModelLoadError, match="not a GGUF"):
+        Model(bad)
+
+
+def test_truncated_gguf(default_model_path, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    with open(default_model_path, "rb") as src:
+        cut.write_bytes(src.read(5_000_000))
+    with pytest.raises(ModelLoadError, match="could not load"):
+        Model(cut)
+
+
+def test_unsupported_architecture_refused(tmp_path, tokenizer_fields):
+    from tests.tiny_model import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "weird.gguf", tokenizer=tokenizer_fields, arch="notanarch")
+    with pytest.raises(ModelLoadError) as err:
+        Model(path)
+    assert "notanarch" in str(err.value) or "architecture" in str(err.value)
+
+
+def test_oversized_batch_and_bad_arguments(smol):
+    with Context(smol, ContextParams(n_ctx_per_seq=1024, n_seq_max=2, n_batch=64, n_ubatch=64)) as ctx:
+        n = 65
+        with pytest.raises(InvalidArgumentError, match="exceeds n_batch"):
+            ctx.decode(np.arange(n), np.zeros(n), tokens=np.ones(n, dtype=np.int32))
+        with pytest.raises(InvalidArgumentError, match="vocabulary"):
+            ctx.decode(np.arange(2), np.zeros(2), tokens=np.array([1, 10**7]))
+        with pytest.raises(InvalidArgumentError, match="sequence"):
+            ctx.decode(np.arange(2), np.array([0, 5]), tokens=np.array([1, 2]))
+        with pytest.raises(InvalidArgumentError, match="hidden states"):
+            ctx.decode(np.arange(2), np.zeros(2), embd=np.zeros((2, smol.n_embd), dtype=np.float32))
+        with pytest.raises(InvalidArgumentError, match="not in the last decode"):
+            ctx.logits(0)
+
+
+def test_kv_full_is_typed_error(smol):
+    # a unified KV buffer shared by two sequences: the second cannot find room
+    params = ContextParams(n_ctx_per_seq=256, n_seq_max=2, n_batch=256, n_ubatch=256, kv_unified=True)
+    with Context(smol, params) as ctx:
+        ctx.decode(np.arange(200), np.zeros(200), tokens=np.full(200, 7, dtype=np.int32))
+        with pytest.raises(KvCacheFullError, match="no free KV slot"):
+            ctx.decode(np.arange(100), np.ones(100), tokens=np.full(100, 7, dtype=np.int32))
+        ctx.kv_clear_seq(0)  # the context stays usable
+        ctx.decode(np.arange(100), np.ones(100), tokens=np.full(100, 7, dtype=np.int32))
+
+
+def test_close_is_idempotent_and_guards_use(default_model_path):
+    model = Model(default_model_path)
+    ctx = Context(model, PARAMS)
+    sampler = Sampler(model, SamplingParams(temperature=0.5, seed=1))
+    sampler.close(), sampler.close()
+    model.close()  # closes its contexts first
+    model.close()
+    ctx.close()
+    with pytest.raises(ClosedError):
+        ctx.kv_len(0)
+    with pytest.raises(ClosedError):
+        model.tokenize("x")
+
+
+def test_sampling_params_validated(smol):
+    for bad in (SamplingParams(top_p=0.0), SamplingParams(seed=2**40), SamplingParams(logit_bias=((10**7, 1.0),))):
+        with pytest.raises(InvalidArgumentError):
+            Sampler(smol, bad)
+
+
+def test_detokenizer_never_splits_utf8(smol):
+    text = "Café — 東京 🚀 ok"
+    tokens = smol.tokenize(text, add_special=False)
+    det = Detokenizer(smol.token_piece)
+    pieces = [det.push(int(t)) for t in tokens] + [det.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    # at least one emoji / CJK character spans several tokens, so some pushes emit nothing
+    assert "" in pieces[:-1]
