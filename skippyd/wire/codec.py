@@ -1,0 +1,722 @@
+"""Byte layout of the stage protocol: pure encode/decode functions, no I/O.
+
+Every frame is an 8-byte prefix followed by a body of ``body_len`` bytes::
+
+    prefix   0  2s  magic b"SK"
+             2  u8  kind      (HandshakeKind | MessageKind | ReplyKind)
+             3  u8  flags     (Flags)
+             4  u32 body_len
+
+All integers little-endian. The reader needs the prefix only to know how
+much to read; :func:`parse_prefix` checks magic, kind, flags and ``body_len``
+against the limits *before* anything is allocated.
+
+Message body (kinds 0x10–0x16)::
+
+    header   0  u64 request_id
+             8  u64 session_id
+            16  i32 pos_start        (authoritative position of tokens[0])
+            20  u32 token_count
+            24  u32 activation_bytes (0, or token_count * n_embd * 4)
+            28  u16 bias_count       (logit-bias entries; 0 without SAMPLING)
+            30  u16 reserved = 0
+    32      sampling block (36 bytes, iff Flags.SAMPLING)
+            bias_count * (i32 token, f32 bias)
+            token_count * i32 tokens
+            activation_bytes of f32, row-major (token_count, n_embd)
+
+Reply body (kinds 0x20–0x23)::
+
+     0  u64 request_id
+     8  u64 session_id
+    16  u32 count        (tokens that follow; ERROR: message bytes)
+    20  u16 code         (ErrorCode for ERROR, else 0)
+    22  u16 reserved = 0
+    24  stats: u64 compute_us, compute_us_max, queue_us, forward_write_us,
+               downstream_wait_us, bytes_sent; u32 stage_count, slowest_stage
+    80  count * i32 tokens | count bytes of UTF-8
+
+Hello and HelloReply layouts are in :func:`encode_hello` /
+:func:`encode_hello_reply`. For a message, the reader parses the 32-byte header
+first (:func:`parse_message_header`), which gives the exact size of the
+sampling+tokens part (the *tail*) and of the activation, so the activation
+is received into its own buffer and decoded with ``np.frombuffer`` (no copy).
+
+Encoding returns a list of buffers for ``send_all``: one ``bytes`` for
+everything except a large activation (> COALESCE_BYTES), which follows as a
+second, zero-copy ``memoryview`` of the array.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Container
+from typing import NamedTuple, TypeAlias
+
+import numpy as np
+
+from skippyd.wire.errors import ProtocolError
+from skippyd.wire.messages import (
+    DEFAULT_LIMITS,
+    MAX_AUTH_BYTES,
+    MAX_HELLO_BODY_BYTES,
+    MAX_NODE_NAME_BYTES,
+    MAX_POSITION,
+    MAX_REASON_BYTES,
+    PROTOCOL_VERSION,
+    Ack,
+    ConfigureGeneration,
+    DecodeStep,
+    ErrorCode,
+    ErrorReply,
+    Flags,
+    Frame,
+    HandshakeKind,
+    Hello,
+    HelloReply,
+    Limits,
+    Message,
+    MessageKind,
+    Ping,
+    PredictedToken,
+    PredictedTokens,
+    PrefillChunk,
+    Reply,
+    ReplyKind,
+    Role,
+    SamplingParams,
+    StageStats,
+    Stop,
+    TrimSession,
+    VerifyWindow,
+)
+
+__all__ = [
+    "COALESCE_BYTES",
+    "FRAME_MAGIC",
+    "HELLO_MAGIC",
+    "HELLO_SIZE",
+    "MESSAGE_HEADER_SIZE",
+    "MESSAGE_KINDS",
+    "PREFIX_SIZE",
+    "REPLY_HEADER_SIZE",
+    "REPLY_KINDS",
+    "SAMPLING_SIZE",
+    "Buffer",
+    "FramePrefix",
+    "MessageHeader",
+    "decode_body",
+    "decode_frame",
+    "decode_hello",
+    "decode_hello_reply",
+    "decode_message",
+    "decode_reply",
+    "encode_frame",
+    "encode_hello",
+    "encode_hello_reply",
+    "encode_message",
+    "encode_reply",
+    "error_reply_for",
+    "frame_bytes",
+    "hello_version",
+    "parse_message_header",
+    "parse_prefix",
+]
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+
+FRAME_MAGIC = b"SK"
+HELLO_MAGIC = b"SKPY"
+COALESCE_BYTES = 64 * 1024  # activations up to this size are copied into the header buffer
+
+_PREFIX = struct.Struct("<2sBBI")
+_MSG_HEADER = struct.Struct("<QQiIIHH")
+_SAMPLING = struct.Struct("<fifffffiI")  # ..., penalty_last_n i32, seed u32
+_BIAS = struct.Struct("<if")
+_REPLY_HEADER = struct.Struct("<QQIHH" "QQQQQQII")
+_HELLO = struct.Struct("<4sHBB32sIIIIIHH")
+_HELLO_VERSION = struct.Struct("<4sH")
+_HELLO_REPLY = struct.Struct("<BBH")
+
+PREFIX_SIZE = _PREFIX.size  # 8
+MESSAGE_HEADER_SIZE = _MSG_HEADER.size  # 32
+SAMPLING_SIZE = _SAMPLING.size  # 36
+REPLY_HEADER_SIZE = _REPLY_HEADER.size  # 80
+HELLO_SIZE = _HELLO.size  # 64 (fixed part)
+HELLO_REPLY_SIZE = _HELLO_REPLY.size  # 4 (fixed part)
+
+assert (PREFIX_SIZE, MESSAGE_HEADER_SIZE, SAMPLING_SIZE, REPLY_HEADER_SIZE, HELLO_SIZE) == (8, 32, 36, 80, 64)
+
+MESSAGE_KINDS = frozenset(int(k) for k in MessageKind)
+REPLY_KINDS = frozenset(int(k) for k in ReplyKind)
+HANDSHAKE_KINDS = frozenset(int(k) for k in HandshakeKind)
+_ALL_KINDS = MESSAGE_KINDS | REPLY_KINDS | HANDSHAKE_KINDS
+
+# flags each kind may carry / must carry
+_ALLOWED_FLAGS = {int(k): 0 for k in _ALL_KINDS}
+_ALLOWED_FLAGS[MessageKind.PREFILL] = Flags.FINAL
+_ALLOWED_FLAGS[MessageKind.CONFIGURE_GENERATION] = Flags.SAMPLING | Flags.DIRECT_RETURN
+_REQUIRED_FLAGS = {int(k): 0 for k in _ALL_KINDS}
+_REQUIRED_FLAGS[MessageKind.CONFIGURE_GENERATION] = Flags.SAMPLING
+
+# (min, max) token_count per message kind; None: tokens forbidden
+_TOKEN_RANGE = {
+    MessageKind.CONFIGURE_GENERATION: (0, 0),
+    MessageKind.PREFILL: (1, None),
+    MessageKind.DECODE: (1, 1),
+    MessageKind.VERIFY_WINDOW: (1, None),
+    MessageKind.TRIM_SESSION: (0, 0),
+    MessageKind.STOP: (0, 0),
+    MessageKind.PING: (0, 0),
+}
+
+
+class FramePrefix(NamedTuple):
+    kind: int
+    flags: int
+    body_len: int
+
+
+class MessageHeader(NamedTuple):
+    """A parsed, validated message header; sizes of the remaining parts."""
+
+    kind: MessageKind
+    flags: int
+    request_id: int
+    session_id: int
+    pos_start: int
+    token_count: int
+    activation_bytes: int
+    bias_count: int
+    tail_len: int  # sampling block + logit bias + tokens
+
+
+def _kind_name(kind: int) -> str:
+    for enum_cls in (MessageKind, ReplyKind, HandshakeKind):
+        try:
+            return enum_cls(kind).name
+        except ValueError:
+            pass
+    return f"0x{kind:02x}"
+
+
+# --------------------------------------------------------------------------
+# encoding
+
+
+def _prefix(kind: int, flags: int, body_len: int) -> bytes:
+    return _PREFIX.pack(FRAME_MAGIC, kind, flags, body_len)
+
+
+def encode_message(msg: Message) -> list[Buffer]:
+    """Frame a message as buffers to write in order (1 or 2 of them).
+
+    A large activation is returned as a separate zero-copy memoryview; the
+    caller must not mutate the array until the write has finished.
+    """
+    flags = 0
+    pos_start = 0
+    session_id = 0
+    tokens = None
+    activation = None
+    sampling = b""
+    bias_count = 0
+    match msg:
+        case PrefillChunk():
+            flags = Flags.FINAL if msg.final else 0
+            pos_start, tokens, activation = msg.pos_start, msg.tokens, msg.activation
+        case DecodeStep() | VerifyWindow():
+            pos_start, tokens, activation = msg.pos_start, msg.tokens, msg.activation
+        case ConfigureGeneration():
+            flags = Flags.SAMPLING | (Flags.DIRECT_RETURN if msg.direct_return else 0)
+            sampling = _encode_sampling(msg.sampling)
+            bias_count = len(msg.sampling.logit_bias)
+        case TrimSession():
+            pos_start = msg.pos_start
+        case Stop() | Ping():
+            pass
+        case _:
+            raise TypeError(f"not a message: {msg!r}")
+    if not isinstance(msg, Ping):
+        session_id = msg.session_id
+
+    token_bytes = b"" if tokens is None else tokens.astype("<i4", copy=False).tobytes()
+    n_tokens = 0 if tokens is None else len(tokens)
+    act_view = None
+    act_len = 0
+    if activation is not None:
+        act = np.ascontiguousarray(activation, dtype="<f4")
+        act_view = memoryview(act).cast("B")
+        act_len = act.nbytes
+    body_len = MESSAGE_HEADER_SIZE + len(sampling) + len(token_bytes) + act_len
+    head = _prefix(msg.kind, flags, body_len) + _MSG_HEADER.pack(
+        msg.request_id, session_id, pos_start, n_tokens, act_len, bias_count, 0
+    )
+    if act_view is None:
+        return [head + sampling + token_bytes]
+    if act_len <= COALESCE_BYTES:
+        return [b"".join((head, sampling, token_bytes, act_view))]
+    return [head + sampling + token_bytes, act_view]
+
+
+def _encode_sampling(p: SamplingParams) -> bytes:
+    block = _SAMPLING.pack(
+        p.temperature,
+        p.top_k,
+        p.top_p,
+        p.min_p,
+        p.repeat_penalty,
+        p.presence_penalty,
+        p.frequency_penalty,
+        p.penalty_last_n,
+        p.seed,
+    )
+    return block + b"".join(_BIAS.pack(t, b) for t, b in p.logit_bias)
+
+
+def encode_reply(reply: Reply) -> list[Buffer]:
+    """Frame a reply as one buffer (in a list, like :func:`encode_message`)."""
+    code = 0
+    match reply:
+        case Ack():
+            tail = b""
+            count = 0
+        case PredictedToken():
+            tail = struct.pack("<i", reply.token)
+            count = 1
+        case PredictedTokens():
+            tail = reply.tokens.astype("<i4", copy=False).tobytes()
+            count = len(reply.tokens)
+        case ErrorReply():
+            tail = reply.message.encode("utf-8")
+            count = len(tail)
+            code = reply.code
+        case _:
+            raise TypeError(f"not a reply: {reply!r}")
+    s = reply.stats
+    try:
+        body = _REPLY_HEADER.pack(
+            reply.request_id,
+            reply.session_id,
+            count,
+            code,
+            0,
+            s.compute_us,
+            s.compute_us_max,
+            s.queue_us,
+            s.forward_write_us,
+            s.downstream_wait_us,
+            s.bytes_sent,
+            s.stage_count,
+            s.slowest_stage,
+        )
+    except struct.error as exc:
+        raise ValueError(f"stats out of range: {s!r}") from exc
+    return [_prefix(reply.kind, 0, len(body) + len(tail)) + body + tail]
+
+
+def encode_hello(hello: Hello) -> bytes:
+    """Hello body layout::
+
+        0  4s   magic b"SKPY"
+        4  u16  version        (offsets 0-5 are the same in every version)
+        6  u8   role           (Role)
+        7  u8   reserved = 0
+        8  32s  model fingerprint (sha256)
+       40  u32  stage_index
+       44  u32  layer_start
+       48  u32  layer_end      (half-open range)
+       52  u32  n_layer        (layers of the whole model)
+       56  u32  n_embd
+       60  u16  auth_len       (<= 64)
+       62  u16  node_len       (<= 255)
+       64  auth bytes, node UTF-8
+    """
+    node = hello.node.encode("utf-8")
+    body = (
+        _HELLO.pack(
+            HELLO_MAGIC,
+            hello.version,
+            hello.role,
+            0,
+            hello.fingerprint,
+            hello.stage_index,
+            hello.layer_start,
+            hello.layer_end,
+            hello.n_layer,
+            hello.n_embd,
+            len(hello.auth),
+            len(node),
+        )
+        + hello.auth
+        + node
+    )
+    return _prefix(HandshakeKind.HELLO, 0, len(body)) + body
+
+
+def encode_hello_reply(reply: HelloReply) -> bytes:
+    """HelloReply body: ``u8 accepted, u8 reserved = 0, u16 reason_len, reason UTF-8``
+    (the same in every version)."""
+    reason = reply.reason.encode("utf-8")
+    body = _HELLO_REPLY.pack(1 if reply.accepted else 0, 0, len(reason)) + reason
+    return _prefix(HandshakeKind.HELLO_REPLY, 0, len(body)) + body
+
+
+def encode_frame(obj: Frame) -> list[Buffer]:
+    """Frame anything: the buffers to write, in order."""
+    match obj:
+        case Hello():
+            return [encode_hello(obj)]
+        case HelloReply():
+            return [encode_hello_reply(obj)]
+        case Ack() | PredictedToken() | PredictedTokens() | ErrorReply():
+            return encode_reply(obj)
+        case _:
+            return encode_message(obj)
+
+
+def frame_bytes(obj: Frame) -> bytes:
+    """The whole frame as one bytes object (tests, logs; copies)."""
+    return b"".join(bytes(part) for part in encode_frame(obj))
+
+
+def error_reply_for(exc: ProtocolError, stats: StageStats | None = None) -> ErrorReply:
+    """The ErrorReply a server sends before closing on a protocol error."""
+    return ErrorReply(exc.request_id, exc.session_id, exc.code, exc.message, stats or StageStats())
+
+
+# --------------------------------------------------------------------------
+# decoding
+
+
+def _max_message_body(kind: int, limits: Limits, n_embd: int) -> int:
+    row = 4 * n_embd
+    if kind == MessageKind.CONFIGURE_GENERATION:
+        return MESSAGE_HEADER_SIZE + SAMPLING_SIZE + _BIAS.size * limits.max_logit_bias
+    if kind == MessageKind.DECODE:
+        return MESSAGE_HEADER_SIZE + 4 + min(row, limits.max_activation_bytes)
+    if kind in (MessageKind.PREFILL, MessageKind.VERIFY_WINDOW):
+        act = min(limits.max_tokens * row, limits.max_activation_bytes)
+        return MESSAGE_HEADER_SIZE + 4 * limits.max_tokens + act
+    return MESSAGE_HEADER_SIZE  # trim, stop, ping
+
+
+def _body_bounds(kind: int, limits: Limits, n_embd: int | None) -> tuple[int, int]:
+    if kind in MESSAGE_KINDS:
+        assert n_embd is not None
+        lo = MESSAGE_HEADER_SIZE
+        if kind == MessageKind.CONFIGURE_GENERATION:
+            lo += SAMPLING_SIZE
+        return lo, _max_message_body(kind, limits, n_embd)
+    if kind == ReplyKind.ACK:
+        return REPLY_HEADER_SIZE, REPLY_HEADER_SIZE
+    if kind == ReplyKind.PREDICTED_TOKEN:
+        return REPLY_HEADER_SIZE + 4, REPLY_HEADER_SIZE + 4
+    if kind == ReplyKind.PREDICTED_TOKENS:
+        return REPLY_HEADER_SIZE, REPLY_HEADER_SIZE + 4 * limits.max_tokens
+    if kind == ReplyKind.ERROR:
+        return REPLY_HEADER_SIZE, REPLY_HEADER_SIZE + limits.max_error_message
+    if kind == HandshakeKind.HELLO:
+        # generous and version-independent, so a newer peer's Hello can still
+        # be read far enough to refuse it with a version message
+        return _HELLO_VERSION.size, MAX_HELLO_BODY_BYTES
+    if kind == HandshakeKind.HELLO_REPLY:
+        return HELLO_REPLY_SIZE, HELLO_REPLY_SIZE + MAX_REASON_BYTES
+    raise AssertionError(kind)
+
+
+def parse_prefix(
+    data: Buffer,
+    limits: Limits = DEFAULT_LIMITS,
+    *,
+    n_embd: int | None = None,
+    accept: Container[int] | None = None,
+) -> FramePrefix:
+    """Validate the 8-byte frame prefix; nothing is allocated before this passes.
+
+    ``n_embd`` is the activation width agreed in the handshake; while it is
+    None (before the handshake) message frames are refused. ``accept``
+    restricts the kinds expected on this connection.
+    """
+    _need(data, PREFIX_SIZE, "frame prefix")
+    magic, kind, flags, body_len = _PREFIX.unpack_from(data)
+    if magic != FRAME_MAGIC:
+        raise ProtocolError(ErrorCode.BAD_MAGIC, f"bad frame magic {bytes(magic)!r}")
+    if kind not in _ALL_KINDS:
+        raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"unknown frame kind 0x{kind:02x}")
+    if accept is not None and kind not in accept:
+        raise ProtocolError(ErrorCode.UNEXPECTED_KIND, f"unexpected {_kind_name(kind)} frame here")
+    if kind in MESSAGE_KINDS and n_embd is None:
+        raise ProtocolError(ErrorCode.UNEXPECTED_KIND, f"{_kind_name(kind)} before the handshake")
+    allowed, required = _ALLOWED_FLAGS[kind], _REQUIRED_FLAGS[kind]
+    if flags & ~allowed or flags & required != required:
+        raise ProtocolError(ErrorCode.BAD_FLAGS, f"flags 0x{flags:02x} invalid on {_kind_name(kind)}")
+    if PREFIX_SIZE + body_len > limits.max_frame_bytes:
+        raise ProtocolError(
+            ErrorCode.FRAME_TOO_LARGE, f"{_kind_name(kind)} body of {body_len} bytes exceeds the frame limit"
+        )
+    lo, hi = _body_bounds(kind, limits, n_embd)
+    if body_len > hi:
+        raise ProtocolError(
+            ErrorCode.FRAME_TOO_LARGE, f"{_kind_name(kind)} body of {body_len} bytes, at most {hi}"
+        )
+    if body_len < lo:
+        raise ProtocolError(
+            ErrorCode.LENGTH_MISMATCH, f"{_kind_name(kind)} body of {body_len} bytes, at least {lo}"
+        )
+    return FramePrefix(kind, flags, body_len)
+
+
+def parse_message_header(prefix: FramePrefix, data: Buffer, limits: Limits, n_embd: int) -> MessageHeader:
+    """Validate a message's fixed 32-byte header against the prefix and limits."""
+    _need(data, MESSAGE_HEADER_SIZE, "message header")
+    request_id, session_id, pos_start, n_tokens, act_bytes, bias_count, reserved = _MSG_HEADER.unpack_from(data)
+    kind = MessageKind(prefix.kind)
+    ids = {"request_id": request_id, "session_id": session_id}
+
+    def fail(code: ErrorCode, text: str) -> ProtocolError:
+        return ProtocolError(code, f"{kind.name}: {text}", **ids)
+
+    if reserved:
+        raise fail(ErrorCode.BAD_VALUE, "reserved header field is not zero")
+    if n_tokens > limits.max_tokens:
+        raise fail(ErrorCode.LIMIT_EXCEEDED, f"{n_tokens} tokens, at most {limits.max_tokens}")
+    lo, hi = _TOKEN_RANGE[kind]
+    if n_tokens < lo or (hi is not None and n_tokens > hi):
+        raise fail(ErrorCode.BAD_VALUE, f"{n_tokens} tokens, expected {lo}..{hi if hi is not None else 'max'}")
+    if act_bytes > limits.max_activation_bytes:
+        raise fail(
+            ErrorCode.LIMIT_EXCEEDED, f"activation of {act_bytes} bytes, at most {limits.max_activation_bytes}"
+        )
+    if act_bytes and act_bytes != n_tokens * n_embd * 4:
+        raise fail(
+            ErrorCode.LENGTH_MISMATCH,
+            f"activation of {act_bytes} bytes, expected {n_tokens} x {n_embd} x 4 = {n_tokens * n_embd * 4}",
+        )
+    if bias_count > limits.max_logit_bias:
+        raise fail(ErrorCode.LIMIT_EXCEEDED, f"{bias_count} logit-bias entries, at most {limits.max_logit_bias}")
+    sampling = bool(prefix.flags & Flags.SAMPLING)
+    if bias_count and not sampling:
+        raise fail(ErrorCode.BAD_VALUE, "logit-bias entries without a sampling block")
+    if pos_start < 0 or (kind in (MessageKind.STOP, MessageKind.PING, MessageKind.CONFIGURE_GENERATION) and pos_start):
+        raise fail(ErrorCode.BAD_VALUE, f"pos_start {pos_start} invalid")
+    if pos_start + n_tokens > MAX_POSITION:
+        raise fail(ErrorCode.BAD_VALUE, f"positions {pos_start}+{n_tokens} overflow int32")
+    if kind == MessageKind.PING and session_id:
+        raise fail(ErrorCode.BAD_VALUE, "session_id must be 0")
+    tail_len = (SAMPLING_SIZE + _BIAS.size * bias_count if sampling else 0) + 4 * n_tokens
+    expected = MESSAGE_HEADER_SIZE + tail_len + act_bytes
+    if expected != prefix.body_len:
+        raise fail(ErrorCode.LENGTH_MISMATCH, f"body of {prefix.body_len} bytes, header says {expected}")
+    return MessageHeader(
+        kind, prefix.flags, request_id, session_id, pos_start, n_tokens, act_bytes, bias_count, tail_len
+    )
+
+
+def decode_message(header: MessageHeader, tail: Buffer, activation: Buffer | None, n_embd: int) -> Message:
+    """Build the message from its parsed header, its tail and its activation bytes.
+
+    The tokens and the activation are numpy views of ``tail`` and
+    ``activation`` (no copy; writable if those are bytearrays).
+    """
+    kind = header.kind
+    try:
+        if len(tail) != header.tail_len:
+            raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"tail of {len(tail)} bytes, expected {header.tail_len}")
+        act_len = 0 if activation is None else len(activation)
+        if act_len != header.activation_bytes:
+            raise ProtocolError(
+                ErrorCode.LENGTH_MISMATCH, f"activation of {act_len} bytes, expected {header.activation_bytes}"
+            )
+        if kind == MessageKind.CONFIGURE_GENERATION:
+            return ConfigureGeneration(
+                header.request_id,
+                header.session_id,
+                _decode_sampling(tail, header.bias_count),
+                direct_return=bool(header.flags & Flags.DIRECT_RETURN),
+            )
+        if kind == MessageKind.TRIM_SESSION:
+            return TrimSession(header.request_id, header.session_id, header.pos_start)
+        if kind == MessageKind.STOP:
+            return Stop(header.request_id, header.session_id)
+        if kind == MessageKind.PING:
+            return Ping(header.request_id)
+        offset = header.tail_len - 4 * header.token_count
+        tokens = np.frombuffer(tail, dtype="<i4", count=header.token_count, offset=offset)
+        act = None
+        if header.activation_bytes:
+            act = np.frombuffer(activation, dtype="<f4").reshape(header.token_count, n_embd)
+        if kind == MessageKind.PREFILL:
+            return PrefillChunk(
+                header.request_id,
+                header.session_id,
+                header.pos_start,
+                tokens,
+                act,
+                final=bool(header.flags & Flags.FINAL),
+            )
+        if kind == MessageKind.DECODE:
+            return DecodeStep(header.request_id, header.session_id, header.pos_start, tokens, act)
+        return VerifyWindow(header.request_id, header.session_id, header.pos_start, tokens, act)
+    except ProtocolError as exc:
+        exc.request_id, exc.session_id = header.request_id, header.session_id
+        raise
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ProtocolError(
+            ErrorCode.BAD_VALUE,
+            f"{kind.name}: {exc}",
+            request_id=header.request_id,
+            session_id=header.session_id,
+        ) from exc
+
+
+def _decode_sampling(tail: Buffer, bias_count: int) -> SamplingParams:
+    (temperature, top_k, top_p, min_p, repeat, presence, frequency, last_n, seed) = _SAMPLING.unpack_from(tail)
+    bias = tuple(_BIAS.iter_unpack(memoryview(tail)[SAMPLING_SIZE : SAMPLING_SIZE + _BIAS.size * bias_count]))
+    return SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repeat_penalty=repeat,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        penalty_last_n=last_n,
+        seed=seed,
+        logit_bias=bias,
+    )
+
+
+def _need(body: Buffer, size: int, what: str) -> None:
+    if len(body) < size:
+        raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"{what} of {len(body)} bytes, at least {size}")
+
+
+def decode_reply(prefix: FramePrefix, body: Buffer) -> Reply:
+    """Decode a reply body (its size was bounded by :func:`parse_prefix`)."""
+    _need(body, REPLY_HEADER_SIZE, "reply")
+    (request_id, session_id, count, code, reserved, *stats) = _REPLY_HEADER.unpack_from(body)
+    kind = ReplyKind(prefix.kind)
+    ids = {"request_id": request_id, "session_id": session_id}
+    if reserved or (code and kind != ReplyKind.ERROR):
+        raise ProtocolError(ErrorCode.BAD_VALUE, f"{kind.name}: reserved field or code set", **ids)
+    unit = 1 if kind == ReplyKind.ERROR else 4
+    if kind == ReplyKind.ACK and count != 0 or kind == ReplyKind.PREDICTED_TOKEN and count != 1:
+        raise ProtocolError(ErrorCode.BAD_VALUE, f"{kind.name}: count {count}", **ids)
+    if REPLY_HEADER_SIZE + unit * count != len(body):
+        raise ProtocolError(
+            ErrorCode.LENGTH_MISMATCH, f"{kind.name}: body of {len(body)} bytes, count says {count}", **ids
+        )
+    stage_stats = StageStats(*stats)
+    try:
+        if kind == ReplyKind.ACK:
+            return Ack(request_id, session_id, stage_stats)
+        if kind == ReplyKind.PREDICTED_TOKEN:
+            (token,) = struct.unpack_from("<i", body, REPLY_HEADER_SIZE)
+            return PredictedToken(request_id, session_id, token, stage_stats)
+        if kind == ReplyKind.PREDICTED_TOKENS:
+            tokens = np.frombuffer(body, dtype="<i4", count=count, offset=REPLY_HEADER_SIZE)
+            return PredictedTokens(request_id, session_id, tokens, stage_stats)
+        message = bytes(memoryview(body)[REPLY_HEADER_SIZE:]).decode("utf-8")
+        return ErrorReply(request_id, session_id, code, message, stage_stats)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ProtocolError(ErrorCode.BAD_VALUE, f"{kind.name}: {exc}", **ids) from exc
+
+
+def hello_version(body: Buffer) -> int:
+    """The protocol version of a Hello body (readable in every version)."""
+    _need(body, _HELLO_VERSION.size, "hello")
+    magic, version = _HELLO_VERSION.unpack_from(body)
+    if magic != HELLO_MAGIC:
+        raise ProtocolError(ErrorCode.BAD_MAGIC, f"bad hello magic {bytes(magic)!r}")
+    return version
+
+
+def decode_hello(body: Buffer, limits: Limits = DEFAULT_LIMITS) -> Hello:
+    """Decode a Hello body; a different protocol version raises
+    ``ProtocolError(VERSION_MISMATCH, "protocol version mismatch: peer X, ours Y")``."""
+    version = hello_version(body)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.VERSION_MISMATCH, f"protocol version mismatch: peer {version}, ours {PROTOCOL_VERSION}"
+        )
+    if len(body) < HELLO_SIZE:
+        raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"hello of {len(body)} bytes, at least {HELLO_SIZE}")
+    (_, _, role, reserved, fingerprint, stage_index, layer_start, layer_end, n_layer, n_embd, auth_len, node_len) = (
+        _HELLO.unpack_from(body)
+    )
+    if auth_len > MAX_AUTH_BYTES or node_len > MAX_NODE_NAME_BYTES:
+        raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, f"hello auth of {auth_len} or node name of {node_len} bytes")
+    if len(body) != HELLO_SIZE + auth_len + node_len:
+        raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"hello of {len(body)} bytes, fields say otherwise")
+    if not 1 <= n_embd <= limits.max_n_embd:
+        raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, f"hello n_embd {n_embd}, at most {limits.max_n_embd}")
+    if reserved or role not in Role._value2member_map_:
+        raise ProtocolError(ErrorCode.BAD_VALUE, f"hello role {role} / reserved {reserved} invalid")
+    view = memoryview(body)
+    try:
+        return Hello(
+            fingerprint=bytes(fingerprint),
+            stage_index=stage_index,
+            layer_start=layer_start,
+            layer_end=layer_end,
+            n_layer=n_layer,
+            n_embd=n_embd,
+            role=Role(role),
+            version=version,
+            auth=bytes(view[HELLO_SIZE : HELLO_SIZE + auth_len]),
+            node=bytes(view[HELLO_SIZE + auth_len :]).decode("utf-8"),
+        )
+    except (ValueError, TypeError) as exc:
+        raise ProtocolError(ErrorCode.BAD_VALUE, f"hello: {exc}") from exc
+
+
+def decode_hello_reply(body: Buffer) -> HelloReply:
+    _need(body, HELLO_REPLY_SIZE, "hello reply")
+    accepted, reserved, reason_len = _HELLO_REPLY.unpack_from(body)
+    if accepted > 1 or reserved:
+        raise ProtocolError(ErrorCode.BAD_VALUE, "hello reply: bad accepted/reserved byte")
+    if len(body) != HELLO_REPLY_SIZE + reason_len:
+        raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"hello reply of {len(body)} bytes, reason of {reason_len}")
+    try:
+        reason = bytes(memoryview(body)[HELLO_REPLY_SIZE:]).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(ErrorCode.BAD_VALUE, f"hello reply: {exc}") from exc
+    return HelloReply(bool(accepted), reason)
+
+
+def decode_body(prefix: FramePrefix, body: Buffer, limits: Limits = DEFAULT_LIMITS) -> Reply | Hello | HelloReply:
+    """Decode the body of a reply or handshake frame (messages: see :func:`decode_message`)."""
+    if prefix.kind in REPLY_KINDS:
+        return decode_reply(prefix, body)
+    if prefix.kind == HandshakeKind.HELLO:
+        return decode_hello(body, limits)
+    if prefix.kind == HandshakeKind.HELLO_REPLY:
+        return decode_hello_reply(body)
+    raise ProtocolError(ErrorCode.UNEXPECTED_KIND, f"{_kind_name(prefix.kind)} is a message frame")
+
+
+def decode_frame(
+    data: Buffer,
+    *,
+    n_embd: int | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+    accept: Container[int] | None = None,
+) -> Frame:
+    """Decode exactly one complete frame held in ``data`` (views into it, no copies)."""
+    view = memoryview(data)
+    if len(view) < PREFIX_SIZE:
+        raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"frame of {len(view)} bytes is shorter than its prefix")
+    prefix = parse_prefix(view, limits, n_embd=n_embd, accept=accept)
+    if len(view) != PREFIX_SIZE + prefix.body_len:
+        raise ProtocolError(
+            ErrorCode.LENGTH_MISMATCH, f"frame of {len(view)} bytes, prefix says {PREFIX_SIZE + prefix.body_len}"
+        )
+    body = view[PREFIX_SIZE:]
+    if prefix.kind not in MESSAGE_KINDS:
+        return decode_body(prefix, body, limits)
+    assert n_embd is not None
+    header = parse_message_header(prefix, body, limits, n_embd)
+    tail_end = MESSAGE_HEADER_SIZE + header.tail_len
+    activation = body[tail_end:] if header.activation_bytes else None
+    return decode_message(header, body[MESSAGE_HEADER_SIZE:tail_end], activation, n_embd)

@@ -1,0 +1,168 @@
+"""The handshake: both ends say who they are; either end may refuse (fail closed).
+
+Sequence on every new connection (dialer = the side that connected)::
+
+    dialer   → Hello                       (who I am, what I want: role)
+    acceptor checks it; refuses with       HelloReply(accepted=0, reason)
+             or accepts by sending its own Hello
+    dialer   checks the acceptor's Hello → HelloReply(accepted=1) or (0, reason)
+
+The acceptor never reveals its own Hello to a peer it refused. The dialer may
+send its first message right after its accepting HelloReply; the acceptor
+reads it after the reply, through the same ReceiveBuffer.
+
+:func:`check_hello` is the pure validation both sides use. Each refusal
+reason starts with the name of the check that failed:
+
+* ``protocol version mismatch: peer 2, ours 1``
+* ``authentication failed``
+* ``model fingerprint mismatch: peer 1a2b…, ours 3c4d…``
+* ``model shape mismatch: …`` (n_layer or n_embd differ)
+* ``role mismatch: …``
+* ``invalid layer range: …``
+* ``non-adjacent stage: …``
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import trio
+
+from skippyd.wire.codec import HANDSHAKE_KINDS
+from skippyd.wire.errors import HandshakeRefused, ProtocolError, WireError
+from skippyd.wire.messages import DEFAULT_LIMITS, HandshakeKind, Hello, HelloReply, Limits, Role
+from skippyd.wire.stream import ReceiveBuffer, read_frame, write_frame
+
+__all__ = ["check_hello", "handshake_client", "handshake_server"]
+
+_ROLE_NAMES = {Role.LANE: "lane", Role.TOKEN_RETURN: "token-return"}
+
+
+def _describe(h: Hello) -> str:
+    return f"stage {h.stage_index} with layers [{h.layer_start}, {h.layer_end}) of {h.n_layer}"
+
+
+def check_hello(local: Hello, peer: Hello, *, dialer: bool) -> str | None:
+    """Why ``peer`` may not talk to us, or None if it may.
+
+    ``local`` is our own Hello (our version, model, range and the role of this
+    connection) and ``dialer`` says which side we are: together they are the
+    expectation. A lane's dialer is stage k and its acceptor stage k+1
+    (``layer_end`` of the one == ``layer_start`` of the other). A token-return
+    connection is dialed by the final stage to stage 0.
+    """
+    if peer.version != local.version:
+        return f"protocol version mismatch: peer {peer.version}, ours {local.version}"
+    if local.auth and not hmac.compare_digest(peer.auth, local.auth):
+        return "authentication failed"
+    if peer.fingerprint != local.fingerprint:
+        theirs, ours = peer.fingerprint.hex()[:16], local.fingerprint.hex()[:16]
+        return f"model fingerprint mismatch: peer {theirs}…, ours {ours}…"
+    if (peer.n_layer, peer.n_embd) != (local.n_layer, local.n_embd):
+        return (
+            f"model shape mismatch: peer n_layer {peer.n_layer} n_embd {peer.n_embd}, "
+            f"ours n_layer {local.n_layer} n_embd {local.n_embd}"
+        )
+    if peer.role != local.role:
+        return f"role mismatch: peer speaks {_ROLE_NAMES[peer.role]}, this connection is {_ROLE_NAMES[local.role]}"
+    if not peer.layer_start < peer.layer_end <= peer.n_layer:
+        return f"invalid layer range: peer {_describe(peer)}"
+
+    if local.role == Role.LANE:
+        upstream, downstream = (local, peer) if dialer else (peer, local)
+        if upstream.stage_index + 1 != downstream.stage_index or upstream.layer_end != downstream.layer_start:
+            if dialer:
+                want = f"stage {local.stage_index + 1} starting at layer {local.layer_end}"
+            else:
+                want = f"stage {local.stage_index - 1} ending at layer {local.layer_start}"
+            return f"non-adjacent stage: peer is {_describe(peer)}, expected {want}"
+    elif dialer:  # we are the final stage, the peer must be stage 0
+        if peer.stage_index != 0 or peer.layer_start != 0:
+            return f"non-adjacent stage: token-return goes to stage 0, peer is {_describe(peer)}"
+    else:  # we are stage 0, the peer must be the final stage
+        if not peer.is_final or peer.stage_index <= local.stage_index:
+            return f"non-adjacent stage: token-return must come from the final stage, peer is {_describe(peer)}"
+    return None
+
+
+async def _refuse(stream: trio.abc.SendStream, reason: str, timeout: float) -> None:
+    """Best effort: tell the peer why, then let the caller raise."""
+    try:
+        await write_frame(stream, HelloReply(accepted=False, reason=reason), timeout=timeout)
+    except WireError:
+        pass
+
+
+async def _read_peer_hello(
+    stream: trio.abc.Stream, receive: ReceiveBuffer, limits: Limits, timeout: float, accept: set[int]
+) -> Hello | HelloReply:
+    """Read the peer's handshake frame; a malformed Hello is refused."""
+    try:
+        return await read_frame(receive, limits, timeout=timeout, accept=accept)  # type: ignore[return-value]
+    except ProtocolError as exc:
+        await _refuse(stream, exc.message, timeout)
+        raise HandshakeRefused(exc.message, by_peer=False) from exc
+
+
+async def handshake_client(
+    stream: trio.abc.Stream,
+    my_hello: Hello,
+    *,
+    timeout: float,
+    receive: ReceiveBuffer | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+) -> Hello:
+    """Dialer side: send our Hello, check the acceptor's, confirm. Returns the peer's Hello.
+
+    Raises HandshakeRefused (by either side), PeerClosed or a timeout. Each
+    read and write has its own ``timeout``. The caller closes the stream on
+    failure. Pass the connection's ReceiveBuffer as ``receive`` if it will
+    be used for later frames.
+    """
+    receive = receive if receive is not None else ReceiveBuffer(stream, read_size=0)
+    await write_frame(stream, my_hello, timeout=timeout)
+    frame = await _read_peer_hello(stream, receive, limits, timeout, set(HANDSHAKE_KINDS))
+    if isinstance(frame, HelloReply):
+        if frame.accepted:
+            reason = "peer accepted without sending its hello"
+            await _refuse(stream, reason, timeout)
+            raise HandshakeRefused(reason, by_peer=False)
+        raise HandshakeRefused(frame.reason, by_peer=True)
+    reason = check_hello(my_hello, frame, dialer=True)
+    await write_frame(stream, HelloReply(accepted=reason is None, reason=reason or ""), timeout=timeout)
+    if reason is not None:
+        raise HandshakeRefused(reason, by_peer=False)
+    return frame
+
+
+async def handshake_server(
+    stream: trio.abc.Stream,
+    my_hello: Hello,
+    *,
+    timeout: float,
+    receive: ReceiveBuffer | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+) -> Hello:
+    """Acceptor side: check the dialer's Hello, answer with ours, await its verdict.
+
+    Returns the peer's Hello. On refusal (by us) the peer gets a HelloReply
+    with the reason and HandshakeRefused is raised; the caller closes the
+    stream and logs ``exc.reason``.
+    """
+    receive = receive if receive is not None else ReceiveBuffer(stream, read_size=0)
+    peer = await _read_peer_hello(stream, receive, limits, timeout, {HandshakeKind.HELLO})
+    assert isinstance(peer, Hello)
+    reason = check_hello(my_hello, peer, dialer=False)
+    if reason is not None:
+        await _refuse(stream, reason, timeout)
+        raise HandshakeRefused(reason, by_peer=False)
+    await write_frame(stream, my_hello, timeout=timeout)
+    try:
+        verdict = await read_frame(receive, limits, timeout=timeout, accept={HandshakeKind.HELLO_REPLY})
+    except ProtocolError as exc:
+        raise HandshakeRefused(f"bad hello reply: {exc.message}", by_peer=False) from exc
+    assert isinstance(verdict, HelloReply)
+    if not verdict.accepted:
+        raise HandshakeRefused(verdict.reason, by_peer=True)
+    return peer

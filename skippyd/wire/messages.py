@@ -1,0 +1,674 @@
+"""Frames of the stage-to-stage protocol: kinds, limits and the message classes.
+
+Pure data, no I/O. The byte layout lives in :mod:`skippyd.wire.codec` and in
+``skippy-protocol(7)``; this module says *what* travels:
+
+* upstream → downstream **messages**: :class:`ConfigureGeneration`,
+  :class:`PrefillChunk` (``final`` flag), :class:`DecodeStep`,
+  :class:`VerifyWindow`, :class:`TrimSession`, :class:`Stop`, :class:`Ping`;
+* downstream → upstream **replies**: :class:`Ack`, :class:`PredictedToken`,
+  :class:`PredictedTokens`, :class:`ErrorReply`, each with :class:`StageStats`;
+* the **handshake**: :class:`Hello` and :class:`HelloReply`.
+
+Tokens are 1-D ``int32`` numpy arrays, activations 2-D ``float32`` arrays of
+shape ``(len(tokens), n_embd)`` or ``None``. Constructors accept anything
+``numpy.asarray`` does and validate against the protocol's hard limits, so a
+message that exists can be encoded.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from typing import ClassVar, TypeAlias
+
+import attrs
+import numpy as np
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "DEFAULT_SEED",
+    "MAX_ACTIVATION_BYTES",
+    "MAX_AUTH_BYTES",
+    "MAX_ERROR_MESSAGE_BYTES",
+    "MAX_FRAME_BYTES",
+    "MAX_HELLO_BODY_BYTES",
+    "MAX_LOGIT_BIAS",
+    "MAX_NODE_NAME_BYTES",
+    "MAX_N_EMBD",
+    "MAX_POSITION",
+    "MAX_REASON_BYTES",
+    "MAX_TOKENS",
+    "PROTOCOL_VERSION",
+    "Ack",
+    "ConfigureGeneration",
+    "DecodeStep",
+    "ErrorCode",
+    "ErrorReply",
+    "Flags",
+    "Frame",
+    "HandshakeKind",
+    "Hello",
+    "HelloReply",
+    "Limits",
+    "Message",
+    "MessageKind",
+    "Ping",
+    "PredictedToken",
+    "PredictedTokens",
+    "PrefillChunk",
+    "Reply",
+    "ReplyKind",
+    "Role",
+    "SamplingParams",
+    "StageStats",
+    "Stop",
+    "TrimSession",
+    "VerifyWindow",
+    "merge",
+]
+
+PROTOCOL_VERSION = 1
+
+# Hard limits of protocol version 1. A receiver may be configured tighter
+# (see Limits), never looser.
+MAX_TOKENS = 8192  # tokens (positions) in one message or reply
+MAX_N_EMBD = 65536  # activation width
+MAX_ACTIVATION_BYTES = 256 * 1024 * 1024  # activation payload of one message
+MAX_LOGIT_BIAS = 1024  # logit-bias entries in a sampling block
+MAX_ERROR_MESSAGE_BYTES = 4096  # UTF-8 bytes of an ErrorReply message
+MAX_REASON_BYTES = 1024  # UTF-8 bytes of a HelloReply refusal reason
+MAX_AUTH_BYTES = 64  # Hello auth field
+MAX_NODE_NAME_BYTES = 255  # Hello node name (UTF-8)
+MAX_HELLO_BODY_BYTES = 4096  # any Hello body, in every protocol version
+MAX_FRAME_BYTES = MAX_ACTIVATION_BYTES + 64 * 1024  # prefix + body of any frame
+MAX_POSITION = 2**31 - 1  # positions are llama_pos (int32)
+DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: "pick a random seed"
+
+_U32 = 2**32 - 1
+_U64 = 2**64 - 1
+
+
+class HandshakeKind(enum.IntEnum):
+    """Frame kinds exchanged before any message."""
+
+    HELLO = 0x01
+    HELLO_REPLY = 0x02
+
+
+class MessageKind(enum.IntEnum):
+    """Upstream → downstream frame kinds."""
+
+    CONFIGURE_GENERATION = 0x10
+    PREFILL = 0x11
+    DECODE = 0x12
+    VERIFY_WINDOW = 0x13
+    TRIM_SESSION = 0x14
+    STOP = 0x15
+    PING = 0x16
+
+
+class ReplyKind(enum.IntEnum):
+    """Downstream → upstream frame kinds."""
+
+    ACK = 0x20
+    PREDICTED_TOKEN = 0x21
+    PREDICTED_TOKENS = 0x22
+    ERROR = 0x23
+
+
+class Flags(enum.IntFlag):
+    """The flags byte of the frame prefix.
+
+    ``FINAL`` is only valid on ``PREFILL`` (the last chunk of a prompt: the
+    final stage answers it with a prediction). ``SAMPLING`` marks a sampling
+    block; it is required on ``CONFIGURE_GENERATION`` and invalid elsewhere
+    in version 1. ``DIRECT_RETURN`` (``CONFIGURE_GENERATION`` only): the
+    final stage sends this session's predictions on the token-return
+    connection and answers those messages on the lane with an ``Ack``.
+    Every other bit must be zero.
+    """
+
+    NONE = 0
+    FINAL = 0x01
+    SAMPLING = 0x02
+    DIRECT_RETURN = 0x04
+
+
+class ErrorCode(enum.IntEnum):
+    """Codes of ErrorReply and ProtocolError.
+
+    1–31: protocol errors; the connection is closed after the reply.
+    32 and up: request errors; the connection stays usable.
+    """
+
+    # protocol errors (connection closes)
+    BAD_MAGIC = 1
+    UNKNOWN_KIND = 2
+    UNEXPECTED_KIND = 3
+    BAD_FLAGS = 4
+    FRAME_TOO_LARGE = 5
+    LIMIT_EXCEEDED = 6
+    LENGTH_MISMATCH = 7
+    BAD_VALUE = 8
+    VERSION_MISMATCH = 9
+    # request errors (connection stays open)
+    UNKNOWN_SESSION = 32
+    SESSION_BUSY = 33
+    NO_CAPACITY = 34
+    POSITION_GAP = 35
+    CONTEXT_FULL = 36
+    MISSING_ACTIVATION = 37
+    COMPUTE_FAILED = 38
+    DOWNSTREAM_FAILED = 39
+    SHUTTING_DOWN = 40
+    INTERNAL = 41
+
+    @property
+    def closes_connection(self) -> bool:
+        return self.value < 32
+
+
+class Role(enum.IntEnum):
+    """What a connection is for, stated in both Hellos.
+
+    ``LANE``: dialed by stage k to stage k+1; carries messages down and replies
+    up. ``TOKEN_RETURN``: dialed by the final stage to stage 0; carries only
+    ``PredictedToken``/``PredictedTokens`` replies from dialer to acceptor.
+    """
+
+    LANE = 1
+    TOKEN_RETURN = 2
+
+
+# --------------------------------------------------------------------------
+# converters and validators
+
+
+def _as_tokens(value: object) -> np.ndarray:
+    arr = np.asarray(value, dtype="<i4")
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
+    return arr
+
+
+def _as_activation(value: object) -> np.ndarray | None:
+    if value is None:
+        return None
+    arr = np.asarray(value, dtype="<f4")
+    if arr.ndim != 2:
+        raise ValueError(f"activation must be (tokens, n_embd), got shape {arr.shape}")
+    return arr
+
+
+def _tokens_eq(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool(np.array_equal(a, b))
+
+
+def _activation_eq(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    # bitwise: NaN payloads and signed zeros must survive the wire unchanged
+    return a.shape == b.shape and bool(np.array_equal(a.view("<u4"), b.view("<u4")))
+
+
+_F32 = struct.Struct("<f")
+
+
+def _f32(value: float) -> float:
+    """Round to the nearest float32, so a value equals what the wire carries."""
+    try:
+        return _F32.unpack(_F32.pack(float(value)))[0]
+    except OverflowError:
+        raise ValueError(f"{value!r} does not fit a float32") from None
+
+
+def _finite(_inst: object, attribute: attrs.Attribute, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{attribute.name} must be finite, got {value!r}")
+
+
+def _int_range(lo: int, hi: int):
+    def check(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+            raise ValueError(f"{attribute.name} must be an integer in [{lo}, {hi}], got {value!r}")
+
+    return check
+
+
+_u64 = _int_range(0, _U64)
+_u32 = _int_range(0, _U32)
+_i32 = _int_range(-(2**31), 2**31 - 1)
+_position = _int_range(0, MAX_POSITION)
+
+
+def _as_bias(value: object) -> tuple[tuple[int, float], ...]:
+    out = []
+    for token, bias in value:  # type: ignore[attr-defined]
+        token = int(token)
+        if not -(2**31) <= token < 2**31:
+            raise ValueError(f"logit_bias token {token} does not fit int32")
+        bias = _f32(bias)
+        if math.isnan(bias):
+            raise ValueError("logit_bias must not be NaN")
+        out.append((token, bias))
+    return tuple(out)
+
+
+def _bias_len(_inst: object, _attribute: attrs.Attribute, value: tuple) -> None:
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"{len(value)} logit_bias entries, at most {MAX_LOGIT_BIAS}")
+
+
+def _check_tokens(tokens: np.ndarray, *, lo: int, hi: int, what: str) -> None:
+    if not lo <= len(tokens) <= hi:
+        raise ValueError(f"{what} needs {lo}..{hi} tokens, got {len(tokens)}")
+
+
+def _check_positions(pos_start: int, n_tokens: int) -> None:
+    if pos_start + n_tokens > MAX_POSITION:
+        raise ValueError(f"positions {pos_start}+{n_tokens} overflow int32")
+
+
+def _check_activation(activation: np.ndarray | None, n_tokens: int) -> None:
+    if activation is None:
+        return
+    rows, n_embd = activation.shape
+    if rows != n_tokens:
+        raise ValueError(f"activation has {rows} rows for {n_tokens} tokens")
+    if not 1 <= n_embd <= MAX_N_EMBD:
+        raise ValueError(f"activation width {n_embd} outside 1..{MAX_N_EMBD}")
+    if activation.nbytes > MAX_ACTIVATION_BYTES:
+        raise ValueError(f"activation is {activation.nbytes} bytes, at most {MAX_ACTIVATION_BYTES}")
+
+
+def _truncate_utf8(limit: int):
+    def convert(value: str) -> str:
+        data = value.encode("utf-8")
+        if len(data) <= limit:
+            return value
+        return data[:limit].decode("utf-8", errors="ignore")
+
+    return convert
+
+
+def _utf8_len(limit: int):
+    def check(_inst: object, attribute: attrs.Attribute, value: str) -> None:
+        if len(value.encode("utf-8")) > limit:
+            raise ValueError(f"{attribute.name} longer than {limit} UTF-8 bytes")
+
+    return check
+
+
+# --------------------------------------------------------------------------
+# limits
+
+
+@attrs.frozen
+class Limits:
+    """Receiver-side limits, checked before anything is allocated.
+
+    Each may only tighten the protocol's hard limit of the same name (for
+    example ``max_tokens`` = the stage's ``n_batch``).
+    """
+
+    max_tokens: int = attrs.field(default=MAX_TOKENS, validator=_int_range(1, MAX_TOKENS))
+    max_n_embd: int = attrs.field(default=MAX_N_EMBD, validator=_int_range(1, MAX_N_EMBD))
+    max_activation_bytes: int = attrs.field(
+        default=MAX_ACTIVATION_BYTES, validator=_int_range(0, MAX_ACTIVATION_BYTES)
+    )
+    max_logit_bias: int = attrs.field(default=MAX_LOGIT_BIAS, validator=_int_range(0, MAX_LOGIT_BIAS))
+    max_error_message: int = attrs.field(
+        default=MAX_ERROR_MESSAGE_BYTES, validator=_int_range(0, MAX_ERROR_MESSAGE_BYTES)
+    )
+    max_frame_bytes: int = attrs.field(default=MAX_FRAME_BYTES, validator=_int_range(64, MAX_FRAME_BYTES))
+
+
+DEFAULT_LIMITS = Limits()
+
+
+# --------------------------------------------------------------------------
+# sampling and stats
+
+
+@attrs.frozen
+class SamplingParams:
+    """Sampler settings the final stage applies; defaults are llama.cpp's.
+
+    Floats are rounded to float32 on construction (that is what the wire
+    carries), so ``decode(encode(p)) == p`` always holds.
+    ``temperature <= 0`` means greedy. ``logit_bias`` is a tuple of
+    ``(token, bias)`` pairs; a bias may be ``-inf`` to ban a token.
+    """
+
+    temperature: float = attrs.field(default=0.8, converter=_f32, validator=_finite)
+    top_k: int = attrs.field(default=40, validator=_i32)
+    top_p: float = attrs.field(default=0.95, converter=_f32, validator=_finite)
+    min_p: float = attrs.field(default=0.05, converter=_f32, validator=_finite)
+    repeat_penalty: float = attrs.field(default=1.0, converter=_f32, validator=_finite)
+    presence_penalty: float = attrs.field(default=0.0, converter=_f32, validator=_finite)
+    frequency_penalty: float = attrs.field(default=0.0, converter=_f32, validator=_finite)
+    penalty_last_n: int = attrs.field(default=64, validator=_i32)
+    seed: int = attrs.field(default=DEFAULT_SEED, validator=_u32)
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(
+        default=(), converter=_as_bias, validator=_bias_len
+    )
+
+    @classmethod
+    def greedy(cls) -> SamplingParams:
+        return cls(temperature=0.0, top_k=1, top_p=1.0, min_p=0.0)
+
+
+@attrs.frozen
+class StageStats:
+    """Per-stage timings carried by every reply, merged on the way up.
+
+    All times are microseconds. See :func:`merge` for how two reports combine.
+
+    ``compute_us``          time in llama_decode for this message (sum)
+    ``compute_us_max``      slowest single stage's compute (max)
+    ``queue_us``            time waiting for the stage's scheduler (sum)
+    ``forward_write_us``    time writing the frame downstream (sum)
+    ``downstream_wait_us``  time from forward write to downstream reply (max:
+                            the outermost stage's wait already contains every
+                            inner one)
+    ``bytes_sent``          frame bytes written downstream (sum)
+    ``stage_count``         per-stage reports folded in (sum): n for one
+                            message through n stages; more when deferred acks
+                            were folded into a later reply
+    ``slowest_stage``       stage index that reported ``compute_us_max``
+    """
+
+    compute_us: int = 0
+    compute_us_max: int = 0
+    queue_us: int = 0
+    forward_write_us: int = 0
+    downstream_wait_us: int = 0
+    bytes_sent: int = 0
+    stage_count: int = 0
+    slowest_stage: int = 0
+
+    @classmethod
+    def single(
+        cls,
+        stage_index: int,
+        *,
+        compute_us: int = 0,
+        queue_us: int = 0,
+        forward_write_us: int = 0,
+        downstream_wait_us: int = 0,
+        bytes_sent: int = 0,
+    ) -> StageStats:
+        """One stage's own report for one message."""
+        return cls(
+            compute_us=compute_us,
+            compute_us_max=compute_us,
+            queue_us=queue_us,
+            forward_write_us=forward_write_us,
+            downstream_wait_us=downstream_wait_us,
+            bytes_sent=bytes_sent,
+            stage_count=1,
+            slowest_stage=stage_index,
+        )
+
+
+def merge(a: StageStats, b: StageStats) -> StageStats:
+    """Combine two reports: sums for work and bytes, max for waits and maxima.
+
+    Used both when a stage adds its own report to its downstream's reply and
+    when deferred acks are folded into a later reply. ``StageStats()`` is the
+    identity; sums saturate at 2**64-1 (``stage_count`` at 2**32-1).
+    ``slowest_stage`` follows the larger ``compute_us_max`` (``a`` on ties).
+    """
+    slowest = a if a.compute_us_max >= b.compute_us_max else b
+    return StageStats(
+        compute_us=min(a.compute_us + b.compute_us, _U64),
+        compute_us_max=slowest.compute_us_max,
+        queue_us=min(a.queue_us + b.queue_us, _U64),
+        forward_write_us=min(a.forward_write_us + b.forward_write_us, _U64),
+        downstream_wait_us=max(a.downstream_wait_us, b.downstream_wait_us),
+        bytes_sent=min(a.bytes_sent + b.bytes_sent, _U64),
+        stage_count=min(a.stage_count + b.stage_count, _U32),
+        slowest_stage=slowest.slowest_stage,
+    )
+
+
+_NO_STATS = StageStats()
+_NO_TOKENS = np.zeros(0, dtype="<i4")
+_NO_TOKENS.flags.writeable = False
+
+
+# --------------------------------------------------------------------------
+# messages (upstream → downstream)
+
+
+def _tokens_field():
+    return attrs.field(converter=_as_tokens, eq=attrs.cmp_using(eq=_tokens_eq), hash=False)
+
+
+def _activation_field():
+    return attrs.field(
+        default=None, converter=_as_activation, eq=attrs.cmp_using(eq=_activation_eq), hash=False
+    )
+
+
+@attrs.frozen
+class ConfigureGeneration:
+    """Opens a session on every stage: sampler settings for the final stage.
+
+    ``direct_return``: predictions of this session travel on the final
+    stage's token-return connection (the lane still gets one Ack per
+    message). Reply: ``Ack``. Middle stages forward it unchanged.
+    """
+
+    kind: ClassVar[MessageKind] = MessageKind.CONFIGURE_GENERATION
+    request_id: int = attrs.field(validator=_u64)
+    session_id: int = attrs.field(validator=_u64)
+    sampling: SamplingParams = attrs.field(validator=attrs.validators.instance_of(SamplingParams))
+    direct_return: bool = attrs.field(default=False, converter=bool)
+
+
+@attrs.frozen
+class PrefillChunk:
+    """Prompt tokens ``[pos_start, pos_start + len(tokens))`` and their hidden states.
+
+    Reply: ``Ack`` (sent before compute) unless ``final``; the final chunk is
+    answered with ``PredictedToken`` (the first generated token).
+    ``activation`` is None only when the receiver embeds tokens itself.
+    """
+
+    kind: ClassVar[MessageKind] = MessageKind.PREFILL
+    request_id: int = attrs.field(validator=_u64)
+    session_id: int = attrs.field(validator=_u64)
+    pos_start: int = attrs.field(validator=_position)
+    tokens: np.ndarray = _tokens_field()
+    activation: np.ndarray | None = _activation_field()
+    final: bool = attrs.field(default=False, converter=bool)
+
+    def __attrs_post_init__(self) -> None:
+        _check_tokens(self.tokens, lo=1, hi=MAX_TOKENS, what="PrefillChunk")
+        _check_positions(self.pos_start, len(self.tokens))
+        _check_activation(self.activation, len(self.tokens))
+
+
+@attrs.frozen
+class DecodeStep:
+    """One generated token at ``pos_start`` (authoritative: a stage that is
+    ahead trims to ``pos_start`` first). Reply: ``PredictedToken``."""
+
+    kind: ClassVar[MessageKind] = MessageKind.DECODE
+    request_id: int = attrs.field(validator=_u64)
+    session_id: int = attrs.field(validator=_u64)
+    pos_start: int = attrs.field(validator=_position)
+    tokens: np.ndarray = _tokens_field()
+    activation: np.ndarray | None = _activation_field()
+
+    def __attrs_post_init__(self) -> None:
+        _check_tokens(self.tokens, lo=1, hi=1, what="DecodeStep")
+        _check_positions(self.pos_start, 1)
+        _check_activation(self.activation, 1)
+
+    @property
+    def token(self) -> int:
+        return int(self.tokens[0])
+
+
+@attrs.frozen
+class VerifyWindow:
+    """Several tokens (current + drafts) decoded at once for speculative
+    decoding; ``pos_start`` is authoritative. Reply: ``PredictedTokens`` with
+    one prediction per position."""
+
+    kind: ClassVar[MessageKind] = MessageKind.VERIFY_WINDOW
+    request_id: int = attrs.field(validator=_u64)
+    session_id: int = attrs.field(validator=_u64)
+    pos_start: int = attrs.field(validator=_position)
+    tokens: np.ndarray = _tokens_field()
+    activation: np.ndarray | None = _activation_field()
+
+    def __attrs_post_init__(self) -> None:
+        _check_tokens(self.tokens, lo=1, hi=MAX_TOKENS, what="VerifyWindow")
+        _check_positions(self.pos_start, len(self.tokens))
+        _check_activation(self.activation, len(self.tokens))
+
+
+@attrs.frozen
+class TrimSession:
+    """Keep positions ``[0, pos_start)`` of the session, drop the rest. Reply: ``Ack``."""
+
+    kind: ClassVar[MessageKind] = MessageKind.TRIM_SESSION
+    request_id: int = attrs.field(validator=_u64)
+    session_id: int = attrs.field(validator=_u64)
+    pos_start: int = attrs.field(validator=_position)
+
+
+@attrs.frozen
+class Stop:
+    """End the session (release its KV sequence); the lane stays open. Reply: ``Ack``."""
+
+    kind: ClassVar[MessageKind] = MessageKind.STOP
+    request_id: int = attrs.field(validator=_u64)
+    session_id: int = attrs.field(validator=_u64)
+
+
+@attrs.frozen
+class Ping:
+    """Keepalive on an idle lane. Reply: ``Ack`` with the same ``request_id``;
+    a middle stage answers it itself."""
+
+    kind: ClassVar[MessageKind] = MessageKind.PING
+    request_id: int = attrs.field(validator=_u64)
+
+
+Message: TypeAlias = ConfigureGeneration | PrefillChunk | DecodeStep | VerifyWindow | TrimSession | Stop | Ping
+
+
+# --------------------------------------------------------------------------
+# replies (downstream → upstream)
+
+
+@attrs.frozen
+class Ack:
+    kind: ClassVar[ReplyKind] = ReplyKind.ACK
+    request_id: int = attrs.field(validator=_u64)
+    session_id: int = attrs.field(validator=_u64)
+    stats: StageStats = _NO_STATS
+
+
+@attrs.frozen
+class PredictedToken:
+    kind: ClassVar[ReplyKind] = ReplyKind.PREDICTED_TOKEN
+    request_id: int = attrs.field(validator=_u64)
+    session_id: int = attrs.field(validator=_u64)
+    token: int = attrs.field(validator=_i32)
+    stats: StageStats = _NO_STATS
+
+
+@attrs.frozen
+class PredictedTokens:
+    kind: ClassVar[ReplyKind] = ReplyKind.PREDICTED_TOKENS
+    request_id: int = attrs.field(validator=_u64)
+    session_id: int = attrs.field(validator=_u64)
+    tokens: np.ndarray = _tokens_field()
+    stats: StageStats = _NO_STATS
+
+    def __attrs_post_init__(self) -> None:
+        _check_tokens(self.tokens, lo=0, hi=MAX_TOKENS, what="PredictedTokens")
+
+
+@attrs.frozen
+class ErrorReply:
+    """A failed request (code >= 32) or a protocol error (code < 32, after
+    which the sender closes the connection). ``message`` is cut to
+    MAX_ERROR_MESSAGE_BYTES of UTF-8 on construction."""
+
+    kind: ClassVar[ReplyKind] = ReplyKind.ERROR
+    request_id: int = attrs.field(validator=_u64)
+    session_id: int = attrs.field(validator=_u64)
+    code: ErrorCode = attrs.field(converter=ErrorCode)
+    message: str = attrs.field(converter=_truncate_utf8(MAX_ERROR_MESSAGE_BYTES))
+    stats: StageStats = _NO_STATS
+
+
+Reply: TypeAlias = Ack | PredictedToken | PredictedTokens | ErrorReply
+
+
+# --------------------------------------------------------------------------
+# handshake
+
+
+def _as_fingerprint(value: bytes | str) -> bytes:
+    if isinstance(value, str):
+        value = bytes.fromhex(value)
+    value = bytes(value)
+    if len(value) != 32:
+        raise ValueError(f"model fingerprint must be 32 bytes (sha256), got {len(value)}")
+    return value
+
+
+def _auth_len(_inst: object, _attribute: attrs.Attribute, value: bytes) -> None:
+    if len(value) > MAX_AUTH_BYTES:
+        raise ValueError(f"auth longer than {MAX_AUTH_BYTES} bytes")
+
+
+@attrs.frozen
+class Hello:
+    """Who is on this end of a connection; both ends send one.
+
+    ``fingerprint``: sha256 of the whole source model (32 raw bytes; a hex
+    string is accepted). ``layer_start``/``layer_end``: this stage's half-open
+    layer range out of ``n_layer``. ``auth``: opaque shared token (empty =
+    none), compared in constant time. ``node``: free text for logs.
+    """
+
+    kind: ClassVar[HandshakeKind] = HandshakeKind.HELLO
+    fingerprint: bytes = attrs.field(converter=_as_fingerprint, repr=lambda v: v.hex())
+    stage_index: int = attrs.field(validator=_u32)
+    layer_start: int = attrs.field(validator=_u32)
+    layer_end: int = attrs.field(validator=_u32)
+    n_layer: int = attrs.field(validator=_u32)
+    n_embd: int = attrs.field(validator=_int_range(1, MAX_N_EMBD))
+    role: Role = attrs.field(default=Role.LANE, converter=Role)
+    version: int = attrs.field(default=PROTOCOL_VERSION, validator=_int_range(0, 0xFFFF))
+    auth: bytes = attrs.field(default=b"", converter=bytes, validator=_auth_len, repr=False)
+    node: str = attrs.field(default="", validator=_utf8_len(MAX_NODE_NAME_BYTES))
+
+    @property
+    def is_final(self) -> bool:
+        return self.layer_end == self.n_layer
+
+
+@attrs.frozen
+class HelloReply:
+    """The dialer's verdict on the acceptor's Hello, or the acceptor's refusal.
+
+    ``reason`` is empty when accepted; it is cut to MAX_REASON_BYTES.
+    """
+
+    kind: ClassVar[HandshakeKind] = HandshakeKind.HELLO_REPLY
+    accepted: bool = attrs.field(converter=bool)
+    reason: str = attrs.field(default="", converter=_truncate_utf8(MAX_REASON_BYTES))
+
+
+Frame: TypeAlias = Message | Reply | Hello | HelloReply

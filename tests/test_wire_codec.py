@@ -1,0 +1,551 @@
+"""The stage protocol's pure codec: round trips, layout, limits, validation, check_hello."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from skippyd.wire import codec
+from skippyd.wire.codec import (
+    MESSAGE_HEADER_SIZE,
+    PREFIX_SIZE,
+    REPLY_HEADER_SIZE,
+    decode_frame,
+    encode_frame,
+    error_reply_for,
+    frame_bytes,
+    hello_version,
+    parse_message_header,
+    parse_prefix,
+)
+from skippyd.wire.errors import ProtocolError
+from skippyd.wire.handshake import check_hello
+from skippyd.wire.messages import (
+    DEFAULT_LIMITS,
+    MAX_ACTIVATION_BYTES,
+    MAX_LOGIT_BIAS,
+    MAX_TOKENS,
+    PROTOCOL_VERSION,
+    Ack,
+    ConfigureGeneration,
+    DecodeStep,
+    ErrorCode,
+    ErrorReply,
+    Flags,
+    Hello,
+    HelloReply,
+    Limits,
+    MessageKind,
+    Ping,
+    PredictedToken,
+    PredictedTokens,
+    PrefillChunk,
+    ReplyKind,
+    Role,
+    SamplingParams,
+    StageStats,
+    Stop,
+    TrimSession,
+    VerifyWindow,
+    merge,
+)
+
+FP = bytes(range(32))
+OTHER_FP = bytes(32)
+U64 = 2**64 - 1
+
+# --------------------------------------------------------------------------
+# strategies
+
+ids = st.integers(0, U64)
+positions = st.integers(0, 2**24)
+token_ids = st.integers(-(2**31), 2**31 - 1)
+f32s = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+def token_arrays(min_size: int, max_size: int):
+    return st.lists(token_ids, min_size=min_size, max_size=max_size).map(lambda t: np.array(t, dtype="<i4"))
+
+
+def activations(n: int, n_embd: int):
+    # every bit pattern, NaN payloads included: the wire must be bit-exact
+    return hnp.arrays(np.uint32, (n, n_embd)).map(lambda a: a.view("<f4"))
+
+
+sampling_params = st.builds(
+    SamplingParams,
+    temperature=f32s,
+    top_k=token_ids,
+    top_p=f32s,
+    min_p=f32s,
+    repeat_penalty=f32s,
+    presence_penalty=f32s,
+    frequency_penalty=f32s,
+    penalty_last_n=token_ids,
+    seed=st.integers(0, 2**32 - 1),
+    logit_bias=st.lists(
+        st.tuples(token_ids, st.floats(width=32, allow_nan=False)), max_size=12
+    ),
+)
+
+
+@st.composite
+def token_messages(draw, n_embd: int):
+    cls = draw(st.sampled_from([PrefillChunk, DecodeStep, VerifyWindow]))
+    tokens = draw(token_arrays(1, 1 if cls is DecodeStep else 16))
+    act = draw(st.none() | activations(len(tokens), n_embd))
+    kwargs = {"final": draw(st.booleans())} if cls is PrefillChunk else {}
+    return cls(draw(ids), draw(ids), draw(positions), tokens, act, **kwargs)
+
+
+def messages(n_embd: int):
+    return st.one_of(
+        token_messages(n_embd),
+        st.builds(ConfigureGeneration, ids, ids, sampling_params, st.booleans()),
+        st.builds(TrimSession, ids, ids, positions),
+        st.builds(Stop, ids, ids),
+        st.builds(Ping, ids),
+    )
+
+
+stage_stats = st.builds(
+    StageStats,
+    *[ids] * 6,
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 2**32 - 1),
+)
+
+replies = st.one_of(
+    st.builds(Ack, ids, ids, stage_stats),
+    st.builds(PredictedToken, ids, ids, token_ids, stage_stats),
+    st.builds(PredictedTokens, ids, ids, token_arrays(0, 32), stage_stats),
+    st.builds(ErrorReply, ids, ids, st.sampled_from(ErrorCode), st.text(max_size=100), stage_stats),
+)
+
+hellos = st.builds(
+    Hello,
+    fingerprint=st.binary(min_size=32, max_size=32),
+    stage_index=st.integers(0, 2**32 - 1),
+    layer_start=st.integers(0, 2**32 - 1),
+    layer_end=st.integers(0, 2**32 - 1),
+    n_layer=st.integers(0, 2**32 - 1),
+    n_embd=st.integers(1, 65536),
+    role=st.sampled_from(Role),
+    auth=st.binary(max_size=64),
+    node=st.text(max_size=60),
+)
+
+hello_replies = st.builds(HelloReply, st.booleans(), st.text(max_size=200))
+
+
+# --------------------------------------------------------------------------
+# round trips
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(n_embd=st.integers(1, 24), data=st.data())
+def test_message_round_trip(n_embd, data):
+    msg = data.draw(messages(n_embd))
+    wire = frame_bytes(msg)
+    decoded = decode_frame(bytearray(wire), n_embd=n_embd)
+    assert decoded == msg
+    assert type(decoded) is type(msg)
+    assert frame_bytes(decoded) == wire
+
+
+@settings(max_examples=200)
+@given(replies)
+def test_reply_round_trip(reply):
+    wire = frame_bytes(reply)
+    decoded = decode_frame(wire)
+    assert decoded == reply
+    assert frame_bytes(decoded) == wire
+
+
+@settings(max_examples=200)
+@given(hellos)
+def test_hello_round_trip(hello):
+    assert decode_frame(frame_bytes(hello)) == hello
+
+
+@settings(max_examples=100)
+@given(hello_replies)
+def test_hello_reply_round_trip(reply):
+    assert decode_frame(frame_bytes(reply)) == reply
+
+
+def test_activation_decodes_without_copy():
+    act = np.arange(3 * 8, dtype="<f4").reshape(3, 8)
+    wire = bytearray(frame_bytes(PrefillChunk(1, 2, 10, [1, 2, 3], act)))
+    msg = decode_frame(wire, n_embd=8)
+    assert np.shares_memory(msg.activation, np.frombuffer(wire, dtype=np.uint8))
+    assert msg.activation.flags.writeable and msg.activation.shape == (3, 8)
+    assert msg.activation.dtype == np.dtype("<f4")
+    np.testing.assert_array_equal(msg.activation, act)
+
+
+def test_large_activation_is_sent_as_a_separate_view():
+    n_embd = 576
+    act = np.ones((64, n_embd), dtype="<f4")  # 147 KiB > COALESCE_BYTES
+    parts = encode_frame(PrefillChunk(1, 2, 0, np.zeros(64, "<i4"), act))
+    assert len(parts) == 2
+    assert isinstance(parts[1], memoryview) and np.shares_memory(np.asarray(parts[1]), act)
+    assert len(parts[0]) == PREFIX_SIZE + MESSAGE_HEADER_SIZE + 64 * 4
+    small = encode_frame(DecodeStep(1, 2, 0, [5], np.ones((1, n_embd), "<f4")))
+    assert len(small) == 1 and len(small[0]) == 8 + 32 + 4 + n_embd * 4  # 2348 B per decoded token
+
+
+def test_golden_layout():
+    """Pin the byte layout that skippy-protocol(7) documents."""
+    msg = DecodeStep(0x0102030405060708, 9, 17, [-1], np.array([[1.0, -2.0]], dtype="<f4"))
+    wire = frame_bytes(msg)
+    assert wire == (
+        b"SK\x12\x00" + struct.pack("<I", 32 + 4 + 8)
+        + struct.pack("<QQiIIHH", 0x0102030405060708, 9, 17, 1, 8, 0, 0)
+        + struct.pack("<i", -1)
+        + struct.pack("<ff", 1.0, -2.0)
+    )
+    conf = frame_bytes(ConfigureGeneration(1, 2, SamplingParams(temperature=0.5, seed=7, logit_bias=[(3, -1.5)])))
+    assert conf[:8] == b"SK\x10\x02" + struct.pack("<I", 32 + 36 + 8)
+    assert conf[8 + 28 : 8 + 30] == struct.pack("<H", 1)  # bias_count
+    assert struct.unpack_from("<f", conf, 40)[0] == 0.5 and struct.unpack_from("<I", conf, 72)[0] == 7
+    assert conf[76:84] == struct.pack("<if", 3, -1.5)
+    direct = frame_bytes(ConfigureGeneration(1, 2, SamplingParams(), direct_return=True))
+    assert direct[3] == Flags.SAMPLING | Flags.DIRECT_RETURN
+    ack = frame_bytes(Ack(5, 6, StageStats(1, 2, 3, 4, 5, 6, 7, 8)))
+    stats = struct.pack("<QQQQQQII", 1, 2, 3, 4, 5, 6, 7, 8)
+    assert ack == b"SK\x20\x00" + struct.pack("<I", 80) + struct.pack("<QQIHH", 5, 6, 0, 0, 0) + stats
+    hello = frame_bytes(Hello(FP, 1, 10, 20, 30, 576, node="n"))
+    assert hello[:4] == b"SK\x01\x00" and hello[8:14] == b"SKPY" + struct.pack("<H", PROTOCOL_VERSION)
+    assert len(hello) == 8 + 64 + 1
+
+
+def test_final_is_a_flag_on_prefill():
+    wire = frame_bytes(PrefillChunk(1, 2, 0, [1], final=True))
+    assert wire[2] == MessageKind.PREFILL and wire[3] == Flags.FINAL
+    assert decode_frame(wire, n_embd=4).final
+
+
+def test_tokens_only_messages_are_allowed():
+    msg = decode_frame(frame_bytes(PrefillChunk(1, 2, 0, [1, 2])), n_embd=576)
+    assert msg.activation is None and list(msg.tokens) == [1, 2]
+
+
+# --------------------------------------------------------------------------
+# decoding garbage only ever raises ProtocolError
+
+
+@settings(max_examples=1000)
+@given(st.binary(max_size=200), st.sampled_from([None, 4]))
+def test_random_bytes_raise_protocol_error(data, n_embd):
+    try:
+        decode_frame(data, n_embd=n_embd)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=500)
+@given(data=st.data())
+def test_mutated_frames_raise_protocol_error_or_decode(data):
+    n_embd = 4
+    frame = bytearray(frame_bytes(data.draw(st.one_of(messages(n_embd), replies, hellos, hello_replies))))
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(frame) - 1))
+        frame[i] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(frame)))
+    try:
+        decode_frame(frame[:cut], n_embd=n_embd)
+    except ProtocolError:
+        pass
+
+
+# --------------------------------------------------------------------------
+# limits, checked on the prefix / header before anything is allocated
+
+
+def prefix(kind: int, body_len: int, flags: int = 0) -> bytes:
+    return b"SK" + bytes([kind, flags]) + struct.pack("<I", body_len)
+
+
+def header(request_id=1, session_id=2, pos=0, n_tokens=1, act_bytes=0, bias=0, reserved=0) -> bytes:
+    return struct.pack("<QQiIIHH", request_id, session_id, pos, n_tokens, act_bytes, bias, reserved)
+
+
+def code_of(fn, *args, **kwargs) -> ErrorCode:
+    with pytest.raises(ProtocolError) as info:
+        fn(*args, **kwargs)
+    return info.value.code
+
+
+def test_frame_too_large_from_prefix_alone():
+    assert code_of(parse_prefix, prefix(MessageKind.PREFILL, 2**32 - 1), n_embd=576) == ErrorCode.FRAME_TOO_LARGE
+    assert code_of(parse_prefix, prefix(ReplyKind.ERROR, 80 + 4097)) == ErrorCode.FRAME_TOO_LARGE
+    assert code_of(parse_prefix, prefix(ReplyKind.ACK, 81)) == ErrorCode.FRAME_TOO_LARGE
+    too_many = prefix(ReplyKind.PREDICTED_TOKENS, REPLY_HEADER_SIZE + 4 * MAX_TOKENS + 4)
+    assert code_of(parse_prefix, too_many) == ErrorCode.FRAME_TOO_LARGE
+    too_wide = prefix(MessageKind.DECODE, 32 + 4 + 4 * 576 + 1)
+    assert code_of(parse_prefix, too_wide, n_embd=576) == ErrorCode.FRAME_TOO_LARGE
+    assert code_of(parse_prefix, prefix(MessageKind.STOP, 33), n_embd=576) == ErrorCode.FRAME_TOO_LARGE
+    assert code_of(parse_prefix, prefix(0x01, 5000)) == ErrorCode.FRAME_TOO_LARGE  # hello
+    assert code_of(parse_prefix, prefix(ReplyKind.ACK, 79)) == ErrorCode.LENGTH_MISMATCH
+    tight = Limits(max_frame_bytes=1000)
+    assert code_of(parse_prefix, prefix(MessageKind.PREFILL, 1000), tight, n_embd=4) == ErrorCode.FRAME_TOO_LARGE
+
+
+def test_counts_over_limits_rejected_from_header_alone():
+    n_embd = 576
+    huge = MAX_TOKENS + 1
+    p = codec.FramePrefix(MessageKind.PREFILL, 0, 32 + 4 * huge)
+    assert code_of(parse_message_header, p, header(n_tokens=huge), DEFAULT_LIMITS, n_embd) == ErrorCode.LIMIT_EXCEEDED
+    p = codec.FramePrefix(MessageKind.PREFILL, 0, 1000)
+    act = MAX_ACTIVATION_BYTES + 4
+    assert code_of(parse_message_header, p, header(act_bytes=act), DEFAULT_LIMITS, n_embd) == ErrorCode.LIMIT_EXCEEDED
+    p = codec.FramePrefix(MessageKind.CONFIGURE_GENERATION, Flags.SAMPLING, 1000)
+    bias = MAX_LOGIT_BIAS + 1
+    h = header(n_tokens=0, bias=bias)
+    assert code_of(parse_message_header, p, h, DEFAULT_LIMITS, n_embd) == ErrorCode.LIMIT_EXCEEDED
+    tight = Limits(max_tokens=16)
+    p = codec.FramePrefix(MessageKind.PREFILL, 0, 32 + 4 * 17)
+    assert code_of(parse_message_header, p, header(n_tokens=17), tight, n_embd) == ErrorCode.LIMIT_EXCEEDED
+    assert code_of(decode_frame, frame_bytes(PrefillChunk(1, 2, 0, range(17))), n_embd=4, limits=tight) in (
+        ErrorCode.FRAME_TOO_LARGE,
+        ErrorCode.LIMIT_EXCEEDED,
+    )
+
+
+def test_limits_only_tighten():
+    with pytest.raises(ValueError):
+        Limits(max_tokens=MAX_TOKENS + 1)
+    with pytest.raises(ValueError):
+        Limits(max_activation_bytes=MAX_ACTIVATION_BYTES + 1)
+    Limits(max_tokens=512, max_n_embd=4096)
+
+
+def test_oversized_hello_fields_rejected():
+    body = bytearray(frame_bytes(Hello(FP, 0, 0, 1, 2, 8))[8:])
+    struct.pack_into("<H", body, 60, 65)  # auth_len > 64
+    assert code_of(decode_frame, prefix(0x01, len(body)) + body) == ErrorCode.LIMIT_EXCEEDED
+    assert code_of(decode_frame, frame_bytes(Hello(FP, 0, 0, 1, 2, 8192)), limits=Limits(max_n_embd=4096)) == (
+        ErrorCode.LIMIT_EXCEEDED
+    )
+
+
+# --------------------------------------------------------------------------
+# length and value checks
+
+
+def test_activation_length_must_match_tokens_times_n_embd():
+    good = bytearray(frame_bytes(PrefillChunk(1, 2, 0, [1, 2], np.zeros((2, 8), "<f4"))))
+    # same frame read with a different n_embd
+    assert code_of(decode_frame, good, n_embd=16) == ErrorCode.LENGTH_MISMATCH
+    assert code_of(decode_frame, good, n_embd=4) == ErrorCode.LENGTH_MISMATCH
+    # activation_bytes off by 4 (and body_len adjusted to match)
+    bad = bytearray(good)
+    struct.pack_into("<I", bad, 8 + 24, 2 * 8 * 4 - 4)
+    struct.pack_into("<I", bad, 4, len(bad) - 8 - 4)
+    with pytest.raises(ProtocolError) as info:
+        decode_frame(bad[:-4], n_embd=8)
+    assert info.value.code == ErrorCode.LENGTH_MISMATCH
+    assert "expected 2 x 8 x 4 = 64" in info.value.message
+    assert (info.value.request_id, info.value.session_id) == (1, 2)
+
+
+def test_body_length_must_match_header():
+    wire = bytearray(frame_bytes(PrefillChunk(1, 2, 0, [1, 2])))
+    struct.pack_into("<I", wire, 4, len(wire) - 8 + 4)
+    assert code_of(decode_frame, wire + b"\0" * 4, n_embd=8) == ErrorCode.LENGTH_MISMATCH
+    assert code_of(decode_frame, wire, n_embd=8) == ErrorCode.LENGTH_MISMATCH  # frame shorter than prefix says
+
+
+@pytest.mark.parametrize(
+    ("wire", "code"),
+    [
+        (b"XX" + frame_bytes(Stop(1, 2))[2:], ErrorCode.BAD_MAGIC),
+        (prefix(0x7F, 32) + header(), ErrorCode.UNKNOWN_KIND),
+        (prefix(MessageKind.STOP, 32, flags=0x80) + header(n_tokens=0), ErrorCode.BAD_FLAGS),
+        (prefix(MessageKind.DECODE, 36, flags=Flags.FINAL) + header() + b"\0" * 4, ErrorCode.BAD_FLAGS),
+        (prefix(MessageKind.CONFIGURE_GENERATION, 68) + header(n_tokens=0) + b"\0" * 36, ErrorCode.BAD_FLAGS),
+        (prefix(MessageKind.DECODE, 36, flags=Flags.DIRECT_RETURN) + header() + b"\0" * 4, ErrorCode.BAD_FLAGS),
+        (prefix(MessageKind.DECODE, 40) + header(n_tokens=2) + b"\0" * 8, ErrorCode.BAD_VALUE),
+        (prefix(MessageKind.PREFILL, 32) + header(n_tokens=0), ErrorCode.BAD_VALUE),
+        (prefix(MessageKind.STOP, 36) + header(n_tokens=1) + b"\0" * 4, ErrorCode.FRAME_TOO_LARGE),
+        (prefix(MessageKind.STOP, 32) + header(n_tokens=0, reserved=1), ErrorCode.BAD_VALUE),
+        (prefix(MessageKind.PING, 32) + header(n_tokens=0, session_id=5), ErrorCode.BAD_VALUE),
+        (prefix(MessageKind.DECODE, 36) + header(pos=-1) + b"\0" * 4, ErrorCode.BAD_VALUE),
+        (prefix(MessageKind.DECODE, 36) + header(pos=2**31 - 1) + b"\0" * 4, ErrorCode.BAD_VALUE),
+        (prefix(MessageKind.PREFILL, 44) + header(n_tokens=1, bias=1) + b"\0" * 12, ErrorCode.BAD_VALUE),
+    ],
+)
+def test_malformed_messages(wire, code):
+    assert code_of(decode_frame, wire, n_embd=8) == code
+
+
+def test_nan_sampling_rejected():
+    wire = bytearray(frame_bytes(ConfigureGeneration(1, 2, SamplingParams())))
+    struct.pack_into("<f", wire, 40, math.nan)  # temperature
+    assert code_of(decode_frame, wire, n_embd=8) == ErrorCode.BAD_VALUE
+
+
+def test_bad_replies():
+    err = bytearray(frame_bytes(ErrorReply(1, 2, ErrorCode.INTERNAL, "ab")))
+    err[-1] = 0xFF  # invalid UTF-8
+    assert code_of(decode_frame, err) == ErrorCode.BAD_VALUE
+    err = bytearray(frame_bytes(ErrorReply(1, 2, ErrorCode.INTERNAL, "ab")))
+    struct.pack_into("<H", err, 8 + 20, 999)  # unknown error code
+    assert code_of(decode_frame, err) == ErrorCode.BAD_VALUE
+    ack = bytearray(frame_bytes(Ack(1, 2)))
+    struct.pack_into("<H", ack, 8 + 20, 41)  # code on a non-error
+    assert code_of(decode_frame, ack) == ErrorCode.BAD_VALUE
+    toks = bytearray(frame_bytes(PredictedTokens(1, 2, [1, 2])))
+    struct.pack_into("<I", toks, 8 + 16, 3)  # count disagrees with length
+    assert code_of(decode_frame, toks) == ErrorCode.LENGTH_MISMATCH
+
+
+def test_messages_need_the_handshake_and_kinds_can_be_restricted():
+    assert code_of(decode_frame, frame_bytes(Stop(1, 2))) == ErrorCode.UNEXPECTED_KIND
+    assert code_of(decode_frame, frame_bytes(Ack(1, 2)), accept=codec.MESSAGE_KINDS) == ErrorCode.UNEXPECTED_KIND
+
+
+def test_hello_of_another_version_names_both_versions():
+    wire = frame_bytes(Hello(FP, 0, 0, 1, 2, 8, version=2))
+    with pytest.raises(ProtocolError) as info:
+        decode_frame(wire)
+    assert info.value.code == ErrorCode.VERSION_MISMATCH
+    assert info.value.message == f"protocol version mismatch: peer 2, ours {PROTOCOL_VERSION}"
+    # a future version's hello may be longer; its version is still readable
+    future = b"SKPY" + struct.pack("<H", 7) + b"\0" * 500
+    assert hello_version(future) == 7
+    assert code_of(decode_frame, prefix(0x01, len(future)) + future) == ErrorCode.VERSION_MISMATCH
+
+
+def test_constructors_validate():
+    with pytest.raises(ValueError):
+        DecodeStep(1, 2, 0, [1, 2])
+    with pytest.raises(ValueError):
+        PrefillChunk(1, 2, 0, [1, 2], np.zeros((3, 4)))
+    with pytest.raises(ValueError):
+        PrefillChunk(1, 2, 0, [])
+    with pytest.raises(ValueError):
+        PrefillChunk(1, 2, -1, [1])
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=math.nan)
+    with pytest.raises(ValueError):
+        SamplingParams(logit_bias=[(1, 0.0)] * (MAX_LOGIT_BIAS + 1))
+    with pytest.raises(ValueError):
+        Hello("ab", 0, 0, 1, 2, 8)
+    assert len(ErrorReply(1, 2, ErrorCode.INTERNAL, "é" * 4000).message.encode()) == 4096  # cut, not refused
+    with pytest.raises(ValueError):
+        Ack(-1, 0)
+    assert SamplingParams(temperature=0.8).temperature == struct.unpack("<f", struct.pack("<f", 0.8))[0]
+    assert Hello(FP.hex(), 0, 0, 1, 2, 8).fingerprint == FP
+    assert len(HelloReply(False, "é" * 1000).reason.encode()) <= 1024
+
+
+def test_error_reply_for_protocol_error():
+    exc = ProtocolError(ErrorCode.LIMIT_EXCEEDED, "too many", request_id=4, session_id=5)
+    reply = error_reply_for(exc)
+    assert (reply.request_id, reply.session_id) == (4, 5)
+    assert (reply.code, reply.message) == (ErrorCode.LIMIT_EXCEEDED, "too many")
+    assert reply.code.closes_connection and not ErrorCode.UNKNOWN_SESSION.closes_connection
+
+
+# --------------------------------------------------------------------------
+# stats
+
+
+def test_merge_example():
+    final = StageStats.single(2, compute_us=900, bytes_sent=0)
+    middle = StageStats.single(1, compute_us=1200, forward_write_us=30, downstream_wait_us=1500, bytes_sent=2348)
+    head_view = merge(middle, final)
+    assert head_view == StageStats(
+        compute_us=2100,
+        compute_us_max=1200,
+        queue_us=0,
+        forward_write_us=30,
+        downstream_wait_us=1500,
+        bytes_sent=2348,
+        stage_count=2,
+        slowest_stage=1,
+    )
+
+
+@given(stage_stats, stage_stats, stage_stats)
+def test_merge_properties(a, b, c):
+    assert merge(a, StageStats()) == a
+    left, right = merge(merge(a, b), c), merge(a, merge(b, c))
+    assert left == right
+    ab, ba = merge(a, b), merge(b, a)
+    assert attrs_without_slowest(ab) == attrs_without_slowest(ba)
+    assert ab.compute_us_max == max(a.compute_us_max, b.compute_us_max)
+    assert ab.downstream_wait_us == max(a.downstream_wait_us, b.downstream_wait_us)
+    assert ab.compute_us == min(a.compute_us + b.compute_us, U64)
+
+
+def attrs_without_slowest(s: StageStats) -> tuple:
+    return attrs.astuple(attrs.evolve(s, slowest_stage=0))
+
+
+# --------------------------------------------------------------------------
+# check_hello
+
+
+def lane(stage: int, start: int, end: int, **kw) -> Hello:
+    return Hello(kw.pop("fingerprint", FP), stage, start, end, 30, 576, **kw)
+
+
+def test_adjacent_lane_accepted_both_ways():
+    up, down = lane(0, 0, 10), lane(1, 10, 30)
+    assert check_hello(down, up, dialer=False) is None
+    assert check_hello(up, down, dialer=True) is None
+
+
+@pytest.mark.parametrize(
+    ("peer", "reason"),
+    [
+        (lane(0, 0, 10, version=2), "protocol version mismatch: peer 2, ours 1"),
+        (lane(0, 0, 10, fingerprint=OTHER_FP), "model fingerprint mismatch: peer 0000000000000000…, ours 00010203"),
+        (Hello(FP, 0, 0, 10, 30, 1024), "model shape mismatch"),
+        (lane(0, 0, 10, role=Role.TOKEN_RETURN), "role mismatch"),
+        (lane(0, 0, 9), "non-adjacent stage: peer is stage 0 with layers [0, 9) of 30, expected stage 0 ending at"),
+        (lane(2, 0, 10), "non-adjacent stage"),
+        (lane(0, 10, 10), "invalid layer range"),
+        (lane(0, 0, 31), "invalid layer range"),
+    ],
+)
+def test_refusals_say_which_check_failed(peer, reason):
+    me = lane(1, 10, 20)
+    got = check_hello(me, peer, dialer=False)
+    assert got is not None and got.startswith(reason)
+
+
+def test_dialer_refuses_wrong_downstream():
+    me = lane(0, 0, 10)
+    assert check_hello(me, lane(1, 12, 30), dialer=True).startswith(
+        "non-adjacent stage: peer is stage 1 with layers [12, 30) of 30, expected stage 1 starting at layer 10"
+    )
+    assert check_hello(me, lane(2, 10, 30), dialer=True).startswith("non-adjacent stage")
+
+
+def test_auth():
+    me = lane(1, 10, 30, auth=b"secret")
+    assert check_hello(me, lane(0, 0, 10, auth=b"secret"), dialer=False) is None
+    assert check_hello(me, lane(0, 0, 10, auth=b"wrong"), dialer=False) == "authentication failed"
+    assert check_hello(me, lane(0, 0, 10), dialer=False) == "authentication failed"
+
+
+def test_token_return_role():
+    head = lane(0, 0, 10, role=Role.TOKEN_RETURN)
+    final = lane(2, 20, 30, role=Role.TOKEN_RETURN)
+    middle = lane(1, 10, 20, role=Role.TOKEN_RETURN)
+    assert check_hello(head, final, dialer=False) is None
+    assert check_hello(final, head, dialer=True) is None
+    refusal = check_hello(head, middle, dialer=False)
+    assert refusal.startswith("non-adjacent stage: token-return must come from the final")
+    assert check_hello(final, middle, dialer=True).startswith("non-adjacent stage: token-return goes to stage 0")

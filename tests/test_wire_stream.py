@@ -1,0 +1,424 @@
+"""Frames on trio streams: exact reads, deadlines, EOF, limits before allocation, fuzzing, handshake."""
+
+from __future__ import annotations
+
+import random
+import struct
+import tracemalloc
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from skippyd.wire.codec import MESSAGE_KINDS, REPLY_KINDS, frame_bytes
+from skippyd.wire.errors import (
+    HandshakeRefused,
+    PeerClosed,
+    ProtocolError,
+    ReadTimeout,
+    WireError,
+    WriteTimeout,
+)
+from skippyd.wire.handshake import handshake_client, handshake_server
+from skippyd.wire.messages import (
+    Ack,
+    ConfigureGeneration,
+    DecodeStep,
+    ErrorCode,
+    ErrorReply,
+    Hello,
+    HelloReply,
+    Limits,
+    MessageKind,
+    Ping,
+    PredictedToken,
+    PredictedTokens,
+    PrefillChunk,
+    ReplyKind,
+    Role,
+    SamplingParams,
+    StageStats,
+    Stop,
+    TrimSession,
+    VerifyWindow,
+)
+from skippyd.wire.stream import ReceiveBuffer, read_frame, read_message, read_reply, write_frame
+
+N_EMBD = 8
+FP = bytes(range(32))
+
+
+class Trickle(trio.abc.ReceiveStream):
+    """Hands out at most a few bytes per receive_some: every read is short."""
+
+    def __init__(self, inner: trio.abc.ReceiveStream, seed: int = 0) -> None:
+        self.inner = inner
+        self.rng = random.Random(seed)
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        n = self.rng.randint(1, 7)
+        return await self.inner.receive_some(n if max_bytes is None else min(n, max_bytes))
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class Broken(trio.abc.ReceiveStream):
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        raise trio.BrokenResourceError("connection reset")
+
+    async def aclose(self) -> None:
+        pass
+
+
+def sample_frames(n_embd: int = N_EMBD) -> list:
+    rng = np.random.default_rng(0)
+    return [
+        ConfigureGeneration(1, 7, SamplingParams(temperature=0.5, logit_bias=[(3, -float("inf")), (9, 2.0)])),
+        PrefillChunk(2, 7, 0, [1, 2, 3], rng.standard_normal((3, n_embd), dtype=np.float32)),
+        PrefillChunk(3, 7, 3, np.arange(4000), rng.standard_normal((4000, n_embd), dtype=np.float32), final=True),
+        PrefillChunk(4, 7, 0, [5, 6]),  # tokens only
+        DecodeStep(5, 7, 4003, [42], rng.standard_normal((1, n_embd), dtype=np.float32)),
+        VerifyWindow(6, 7, 4004, [1, 2, 3, 4], rng.standard_normal((4, n_embd), dtype=np.float32)),
+        TrimSession(7, 7, 4004),
+        Stop(8, 7),
+        Ping(9),
+        Ack(2, 7, StageStats.single(1, compute_us=10)),
+        PredictedToken(5, 7, 17, StageStats.single(2, compute_us=900, bytes_sent=99)),
+        PredictedTokens(6, 7, [1, 2, 3, 4]),
+        ErrorReply(8, 7, ErrorCode.UNKNOWN_SESSION, "no session 7 — sorry"),
+        Hello(FP, 1, 10, 20, 30, n_embd, node="stage-1"),
+        HelloReply(False, "non-adjacent stage: …"),
+    ]
+
+
+async def feed(data: bytes, *, eof: bool = True) -> trio.abc.ReceiveStream:
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    if data:
+        await send.send_all(data)
+    if eof:
+        await send.aclose()
+    return receive
+
+
+# --------------------------------------------------------------------------
+# round trips
+
+
+@pytest.mark.parametrize("read_size", [0, 16, 64 * 1024, "trickle"])
+async def test_frames_round_trip_over_a_stream(read_size):
+    frames = sample_frames()
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    source = Trickle(receive) if read_size == "trickle" else receive
+    buf = ReceiveBuffer(source, read_size=16 if read_size == "trickle" else read_size)
+    for frame in frames:
+        written = await write_frame(send, frame, timeout=1)
+        assert written == len(frame_bytes(frame))
+    await send.aclose()
+    for frame in frames:
+        got = await read_frame(buf, timeout=1, n_embd=N_EMBD)
+        assert got == frame
+    with pytest.raises(PeerClosed) as info:
+        await read_frame(buf, timeout=1, n_embd=N_EMBD)
+    assert not info.value.mid_frame
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=64),
+    read_size=st.sampled_from([0, 5, 4096]),
+)
+async def test_prefill_round_trip_hypothesis(tokens, read_size):
+    act = np.random.default_rng(len(tokens)).standard_normal((len(tokens), N_EMBD), dtype=np.float32)
+    msg = PrefillChunk(1, 2, 3, tokens, act)
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    await write_frame(send, msg, timeout=1)
+    got = await read_message(ReceiveBuffer(receive, read_size=read_size), timeout=1, n_embd=N_EMBD)
+    assert got == msg
+
+
+async def test_decoded_activation_is_a_writable_view_of_its_own_buffer():
+    msg = sample_frames()[2]
+    receive = await feed(frame_bytes(msg))
+    got = await read_message(ReceiveBuffer(receive), timeout=1, n_embd=N_EMBD)
+    assert got.activation.flags.writeable and got.activation.flags.c_contiguous
+    owner = got.activation
+    while isinstance(owner, np.ndarray | memoryview):
+        owner = owner.obj if isinstance(owner, memoryview) else owner.base
+    assert isinstance(owner, bytearray) and len(owner) == got.activation.nbytes
+
+
+async def test_bare_stream_reads_exactly_and_loses_nothing():
+    frames = sample_frames()[:5]
+    receive = await feed(b"".join(frame_bytes(f) for f in frames))
+    for frame in frames:
+        assert await read_frame(receive, timeout=1, n_embd=N_EMBD) == frame
+
+
+# --------------------------------------------------------------------------
+# EOF, broken transports, deadlines
+
+
+async def test_eof_mid_frame():
+    wire = frame_bytes(sample_frames()[1])
+    for cut in (1, 7, 8, 20, 40, len(wire) - 1):
+        receive = await feed(wire[:cut])
+        with pytest.raises(PeerClosed) as info:
+            await read_frame(ReceiveBuffer(receive), timeout=1, n_embd=N_EMBD)
+        assert info.value.mid_frame
+
+
+async def test_broken_transport_is_peer_closed():
+    with pytest.raises(PeerClosed):
+        await read_frame(Broken(), timeout=1, n_embd=N_EMBD)
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    await receive.aclose()
+    with pytest.raises(PeerClosed):
+        await write_frame(send, Ping(1), timeout=1)
+
+
+async def test_read_deadline(autojump_clock):
+    receive = await feed(b"", eof=False)
+    start = trio.current_time()
+    with pytest.raises(ReadTimeout) as info:
+        await read_frame(receive, timeout=5, n_embd=N_EMBD)
+    assert trio.current_time() - start == pytest.approx(5)
+    assert info.value.timeout == 5
+    # a frame that starts but never finishes
+    receive = await feed(frame_bytes(Ping(1))[:20], eof=False)
+    with pytest.raises(ReadTimeout):
+        await read_frame(receive, timeout=5, n_embd=N_EMBD)
+
+
+async def test_frame_arriving_before_the_deadline(autojump_clock):
+    send, receive = trio.testing.memory_stream_one_way_pair()
+
+    async def late_sender():
+        await trio.sleep(4)
+        await write_frame(send, Ping(3), timeout=1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(late_sender)
+        assert await read_message(receive, timeout=5, n_embd=N_EMBD) == Ping(3)
+
+
+async def test_write_deadline(autojump_clock):
+    send, _receive = trio.testing.lockstep_stream_pair()  # nobody reads
+    with pytest.raises(WriteTimeout):
+        await write_frame(send, Ping(1), timeout=2)
+
+
+# --------------------------------------------------------------------------
+# limits are enforced before the body is read or allocated
+
+
+def prefix(kind: int, body_len: int, flags: int = 0) -> bytes:
+    return b"SK" + bytes([kind, flags]) + struct.pack("<I", body_len)
+
+
+@pytest.mark.parametrize(
+    ("wire", "code"),
+    [
+        (prefix(MessageKind.PREFILL, 2**32 - 1), ErrorCode.FRAME_TOO_LARGE),
+        (prefix(ReplyKind.ERROR, 80 + 10**6), ErrorCode.FRAME_TOO_LARGE),
+        # a header claiming a 300 MiB activation, body_len consistent with it
+        (
+            prefix(MessageKind.PREFILL, 32 + 4 + 300 * 2**20)
+            + struct.pack("<QQiIIHH", 1, 2, 0, 1, 300 * 2**20, 0, 0),
+            ErrorCode.FRAME_TOO_LARGE,
+        ),
+        (
+            prefix(MessageKind.PREFILL, 32 + 4 * 9000) + struct.pack("<QQiIIHH", 1, 2, 0, 9000, 0, 0, 0),
+            ErrorCode.LIMIT_EXCEEDED,
+        ),
+    ],
+)
+async def test_oversized_claims_fail_before_allocation(autojump_clock, wire, code):
+    receive = await feed(wire, eof=False)  # the body never comes
+    tracemalloc.start()
+    try:
+        start = trio.current_time()
+        with pytest.raises(ProtocolError) as info:
+            await read_frame(ReceiveBuffer(receive), Limits(), timeout=5, n_embd=576)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert info.value.code == code
+    assert trio.current_time() == start  # did not wait for the body
+    assert peak < 1024 * 1024
+
+
+async def test_mistyped_frames_rejected_on_the_prefix(autojump_clock):
+    receive = await feed(frame_bytes(Ack(1, 2))[:8], eof=False)
+    with pytest.raises(ProtocolError) as info:
+        await read_message(receive, timeout=5, n_embd=N_EMBD)
+    assert info.value.code == ErrorCode.UNEXPECTED_KIND
+    receive = await feed(frame_bytes(Stop(1, 2))[:8], eof=False)
+    with pytest.raises(ProtocolError) as info:
+        await read_reply(receive, timeout=5)
+    assert info.value.code == ErrorCode.UNEXPECTED_KIND
+
+
+# --------------------------------------------------------------------------
+# fuzz: every input ends in ProtocolError / PeerClosed / ReadTimeout
+
+
+def fuzz_case(rng: random.Random, corpus: list[bytes]) -> bytes:
+    style = rng.randrange(7)
+    if style == 0:  # random bytes, sometimes with a valid magic
+        head = b"SK" if rng.random() < 0.5 else b""
+        return head + rng.randbytes(rng.randrange(0, 120))
+    frames = b"".join(rng.choice(corpus) for _ in range(rng.randint(1, 3)))
+    data = bytearray(frames)
+    if style == 1:  # truncated
+        return bytes(data[: rng.randrange(0, len(data))])
+    if style == 2:  # random byte flips
+        for _ in range(rng.randint(1, 6)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        return bytes(data)
+    if style == 3:  # body_len of the first frame rewritten
+        struct.pack_into("<I", data, 4, rng.choice([0, 1, 79, 80, 2**31, 2**32 - 1, rng.randrange(2**20)]))
+        return bytes(data)
+    if style == 4:  # kind and flags rewritten (mis-typed frames)
+        data[2] = rng.choice([0, 1, 2, 0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x20, 0x21, 0x22, 0x23, 0xFF])
+        data[3] = rng.choice([0, 1, 2, 3, 0x80])
+        return bytes(data)
+    if style == 5 and len(data) >= 40:  # header counts rewritten
+        offset = rng.choice([8 + 16, 8 + 20, 8 + 24, 8 + 28])
+        struct.pack_into("<I", data, offset, rng.choice([0, 1, 2, 7, 8192, 8193, 2**31, 2**32 - 1]))
+        return bytes(data)
+    return bytes(data)  # valid frames, then EOF or silence
+
+
+async def test_fuzz_reader(autojump_clock):
+    rng = random.Random(20240601)
+    corpus = [frame_bytes(f) for f in sample_frames(N_EMBD)]
+    corpus += [frame_bytes(f) for f in sample_frames(4)[:6]]  # other width: length mismatches
+    corpus = [c for c in corpus if len(c) < 4096] + [corpus[2][:4096]]
+    outcomes: dict[str, int] = {}
+    limits = Limits(max_tokens=4096)
+    for case in range(3000):
+        data = fuzz_case(rng, corpus)
+        receive = await feed(data, eof=rng.random() < 0.8)
+        buf = ReceiveBuffer(receive, read_size=rng.choice([0, 3, 64 * 1024]))
+        reader = rng.choice([read_frame, read_message, read_reply])
+        kwargs = {} if reader is read_reply else {"n_embd": N_EMBD}
+        with trio.fail_after(60):  # virtual time: only a reader without a deadline could hit it
+            for _ in range(10):
+                try:
+                    await reader(buf, limits, timeout=1, **kwargs)
+                except (ProtocolError, PeerClosed, ReadTimeout) as exc:
+                    outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
+                    break
+            else:
+                pytest.fail(f"case {case}: reader never stopped")
+    assert set(outcomes) == {"ProtocolError", "PeerClosed", "ReadTimeout"}, outcomes
+    assert min(outcomes.values()) > 100, outcomes
+
+
+# --------------------------------------------------------------------------
+# handshake
+
+
+def stage(index: int, start: int, end: int, **kw) -> Hello:
+    return Hello(kw.pop("fingerprint", FP), index, start, end, 30, 576, **kw)
+
+
+async def run_handshake(client_hello: Hello, server_hello: Hello, *, timeout: float = 5):
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    results = {}
+
+    async def run(name, fn):
+        try:
+            results[name] = await fn()
+        except WireError as exc:
+            results[name] = exc
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run, "client", lambda: handshake_client(client_stream, client_hello, timeout=timeout))
+        nursery.start_soon(run, "server", lambda: handshake_server(server_stream, server_hello, timeout=timeout))
+    return results["client"], results["server"]
+
+
+async def test_handshake_accepts_adjacent_stages():
+    up, down = stage(0, 0, 10, node="head"), stage(1, 10, 30)
+    client, server = await run_handshake(up, down)
+    assert client == down and server == up
+
+
+async def test_handshake_token_return():
+    final, head = stage(2, 20, 30, role=Role.TOKEN_RETURN), stage(0, 0, 10, role=Role.TOKEN_RETURN)
+    client, server = await run_handshake(final, head)
+    assert client == head and server == final
+
+
+@pytest.mark.parametrize(
+    ("client_hello", "reason"),
+    [
+        (stage(0, 0, 10, version=2), "protocol version mismatch: peer 2, ours 1"),
+        (stage(0, 0, 10, fingerprint=bytes(32)), "model fingerprint mismatch: peer 0000000000000000"),
+        (stage(0, 0, 12), "non-adjacent stage: peer is stage 0 with layers [0, 12) of 30, expected stage 0 ending"),
+        (stage(1, 0, 10), "non-adjacent stage"),
+        (stage(0, 0, 10, role=Role.TOKEN_RETURN), "role mismatch"),
+    ],
+)
+async def test_server_refusals_name_the_failed_check(client_hello, reason):
+    client, server = await run_handshake(client_hello, stage(1, 10, 30))
+    assert isinstance(server, HandshakeRefused) and not server.by_peer
+    assert isinstance(client, HandshakeRefused) and client.by_peer
+    assert server.reason.startswith(reason)
+    assert client.reason == server.reason
+
+
+async def test_client_refuses_the_server():
+    client, server = await run_handshake(stage(0, 0, 10, auth=b"k"), stage(1, 10, 30))
+    assert isinstance(client, HandshakeRefused) and not client.by_peer
+    assert client.reason == "authentication failed"
+    assert isinstance(server, HandshakeRefused) and server.by_peer and server.reason == "authentication failed"
+
+
+async def test_handshake_then_pipelined_messages():
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    up, down = stage(0, 0, 10), stage(1, 10, 30)
+    server_buf = ReceiveBuffer(server_stream)
+    got = []
+
+    async def server():
+        peer = await handshake_server(server_stream, down, timeout=5, receive=server_buf)
+        got.append(peer)
+        for _ in range(2):
+            got.append(await read_message(server_buf, timeout=5, n_embd=peer.n_embd))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server)
+        await handshake_client(client_stream, up, timeout=5)
+        await write_frame(client_stream, DecodeStep(1, 2, 0, [3], np.ones((1, 576), "<f4")), timeout=5)
+        await write_frame(client_stream, Stop(2, 2), timeout=5)
+    assert got[0] == up and got[2] == Stop(2, 2) and got[1].token == 3
+
+
+async def test_garbage_instead_of_hello_is_refused():
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    await client_stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    with pytest.raises(HandshakeRefused) as info:
+        await handshake_server(server_stream, stage(1, 10, 30), timeout=5)
+    assert "magic" in info.value.reason
+    reply = await read_frame(client_stream, timeout=1)
+    assert reply == HelloReply(False, info.value.reason)
+
+
+async def test_handshake_deadline_and_eof(autojump_clock):
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    with pytest.raises(ReadTimeout):
+        await handshake_server(server_stream, stage(1, 10, 30), timeout=3)
+    await client_stream.aclose()
+    with pytest.raises(PeerClosed):
+        await handshake_server(server_stream, stage(1, 10, 30), timeout=3)
+
+
+def test_kind_sets_are_disjoint():
+    assert not MESSAGE_KINDS & REPLY_KINDS
