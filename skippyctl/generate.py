@@ -1,0 +1,66 @@
+"""skippyctl generate: stream a generation from the head."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import trio
+import typer
+
+from skippyctl.client import ControlError, open_control
+from skippyctl.render import EXIT_USAGE, fail
+from skippyd.control import messages as m
+
+
+def generate(
+    ctx: typer.Context,
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="The prompt (the user message unless --raw).")],
+    system: Annotated[Optional[str], typer.Option("--system", help="A system message.")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 = off.")] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="1 = off.")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (reproducible runs).")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    json_mode: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
+) -> None:
+    """Generate a reply; text streams to the terminal. Ctrl-C cancels it on the daemon."""
+    g = ctx.obj
+
+    async def go() -> dict:
+        async with open_control(g.url, g.token_file) as client:
+            request = m.Generate(id=client.new_id(), prompt=prompt, system=system, raw=raw, max_tokens=max_tokens,
+                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                 stop=list(stop or []), stream=not json_mode)
+            async for reply in client.replies(request):
+                if isinstance(reply, m.Piece):
+                    sys.stdout.write(reply.text)
+                    sys.stdout.flush()
+                elif isinstance(reply, m.Error):
+                    raise ControlError(reply.message, code=reply.code)
+                elif isinstance(reply, m.Result):
+                    return reply.result
+        raise ControlError("the daemon ended the generation without a result")
+
+    try:
+        result = trio.run(go)
+    except ControlError as exc:
+        if not json_mode:
+            sys.stdout.write("\n")
+        fail(str(exc), EXIT_USAGE if exc.code == "bad_request" else 1)
+    except KeyboardInterrupt:
+        # closing the connection cancels the generation on the daemon
+        sys.stderr.write("\ncancelled\n")
+        raise typer.Exit(130)
+    if json_mode:
+        keep = ("text", "tokens", "finish_reason", "usage", "timings", "session_id", "request_id")
+        sys.stdout.write(json.dumps({k: result[k] for k in keep}) + "\n")
+    else:
+        sys.stdout.write("\n")
+        t = result["timings"]
+        sys.stderr.write(f"[{result['finish_reason']}: {result['usage']['prompt_tokens']} prompt + "
+                         f"{result['usage']['completion_tokens']} generated tokens, ttft {t['ttft_ms']:.0f} ms, "
+                         f"{t['decode_tokens_per_s']:.1f} tok/s]\n")

@@ -1,0 +1,175 @@
+"""The websocket control channel (trio-websocket) on the head.
+
+Every connection must present the token (``Authorization: Bearer …``),
+compared in constant time. Each request runs as a task in the connection's
+nursery, so a streaming generation and a ``sessions kill`` can share one
+connection; when the connection closes (Ctrl-C in skippyctl), the nursery
+is cancelled and so is every generation it started, through the engine's
+normal cleanup path.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+from pathlib import Path
+
+import attrs
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
+
+from skippyd.control import messages as m
+from skippyd.head.engine import GenerationError, GenerationRequest
+
+log = logging.getLogger("skippyd.control")
+
+
+def default_token_file() -> Path:
+    base = os.environ.get("STATE_DIRECTORY") or os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local/state")
+    return Path(base.split(":")[0]) / "skippy" / "control.token"
+
+
+def load_or_create_token(path: Path) -> str:
+    """Read the token; create it (mode 0600, owner only) on first start."""
+    if path.exists():
+        token = path.read_text().strip()
+        if token:
+            return token
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+class ControlServer:
+    def __init__(self, daemon, host: str, port: int, *, token_file: Path | None = None):
+        self.daemon = daemon
+        self.host, self.port = host, port
+        self.token_file = token_file or default_token_file()
+        self.token = load_or_create_token(self.token_file)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(serve_websocket, self._handle, self.host, self.port, None)
+            self.port = server.port
+            log.info("control channel on ws://%s:%d (token in %s)", self.host, self.port, self.token_file)
+            task_status.started(self)
+
+    def _authorized(self, request: WebSocketRequest) -> bool:
+        header = dict(request.headers).get(b"authorization", b"").decode("latin-1")
+        presented = header[7:] if header.lower().startswith("bearer ") else ""
+        return hmac.compare_digest(presented.encode(), self.token.encode())
+
+    async def _handle(self, request: WebSocketRequest) -> None:
+        if not self._authorized(request):
+            await request.reject(401, body=b"missing or wrong control token")
+            return
+        ws = await request.accept()
+        send_lock = trio.Lock()
+
+        async def send(msg) -> None:
+            async with send_lock:
+                await ws.send_message(m.dump(msg))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    text = await ws.get_message()
+                    try:
+                        req = m.parse_request(text if isinstance(text, str) else text.decode("utf-8", "replace"))
+                    except m.BadRequest as exc:
+                        await send(m.Error(exc.request_id, str(exc)))
+                        continue
+                    nursery.start_soon(self._serve_request, req, send)
+        except* ConnectionClosed:
+            pass  # the client went away: its generations were cancelled with the nursery
+        except* Exception as group:  # a bug must not take the daemon down
+            log.error("control: connection handler failed", exc_info=group)
+
+    async def _serve_request(self, req, send) -> None:
+        try:
+            handler = getattr(self, f"on_{m._snake(type(req))}")
+            await handler(req, send)
+        except ConnectionClosed:
+            raise
+        except GenerationError as exc:
+            code = "unavailable" if exc.retryable else ("bad_request" if exc.status == 400 else "failed")
+            await send(m.Error(req.id, str(exc), code=code, retryable=exc.retryable))
+        except _NotFound as exc:
+            await send(m.Error(req.id, str(exc), code="not_found"))
+        except Exception as exc:  # a bug must not take the connection down
+            log.exception("control: %s failed", type(req).__name__)
+            await send(m.Error(req.id, f"internal error: {exc}", code="failed"))
+
+    # ---------------------------------------------------------------- operations
+    @property
+    def engine(self):
+        return self.daemon.head.engine
+
+    async def on_generate(self, req: m.Generate, send) -> None:
+        if self.daemon.draining:
+            raise GenerationError("the daemon is draining: no new generations", retryable=True, status=503)
+        greq = GenerationRequest(
+            prompt=req.prompt, system=req.system, messages=tuple(req.messages), raw=req.raw,
+            max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+            min_p=req.min_p, repeat_penalty=req.repeat_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, seed=req.seed, stop=tuple(req.stop))
+
+        async def on_piece(text: str) -> None:
+            if req.stream:
+                await send(m.Piece(req.id, text))
+
+        result = await self.engine.generate(greq, on_piece)
+        await send(m.Result(req.id, result.to_json()))
+
+    async def on_sessions_list(self, req: m.SessionsList, send) -> None:
+        await send(m.Data(req.id, [g.describe() for g in self.engine.live.values()]))
+
+    def _live(self, session_id: int):
+        live = self.engine.live.get(session_id)
+        if live is None:
+            raise _NotFound(f"unknown session {session_id}")
+        return live
+
+    async def on_session_show(self, req: m.SessionShow, send) -> None:
+        await send(m.Data(req.id, self._live(req.session_id).describe()))
+
+    async def on_session_kill(self, req: m.SessionKill, send) -> None:
+        self._live(req.session_id)
+        self.engine.kill(req.session_id)
+        await send(m.Data(req.id, {"killed": req.session_id}))
+
+    def _lanes(self) -> dict:
+        pool = self.daemon.head.pool
+        if pool is None:
+            return {"draining": self.daemon.draining, "downstream": None, "lanes": []}
+        return {"draining": pool.draining, "downstream": pool.address, "capacity": pool.capacity,
+                "lanes": pool.describe(), "last_error": pool.last_error}
+
+    async def on_lanes_list(self, req: m.LanesList, send) -> None:
+        await send(m.Data(req.id, self._lanes()))
+
+    async def on_lanes_drain(self, req: m.LanesDrain, send) -> None:
+        if self.daemon.head.pool is not None:
+            await self.daemon.head.pool.drain()
+        await send(m.Data(req.id, self._lanes()))
+
+    async def on_lanes_undrain(self, req: m.LanesUndrain, send) -> None:
+        if self.daemon.head.pool is not None:
+            self.daemon.head.pool.undrain()
+        await send(m.Data(req.id, self._lanes()))
+
+    async def on_status(self, req: m.Status, send) -> None:
+        await send(m.Data(req.id, await self.daemon.status()))
+
+    async def on_receipts(self, req: m.Receipts, send) -> None:
+        kept = list(self.engine.receipts)[-max(0, req.limit):]
+        await send(m.Data(req.id, [attrs.asdict(r) for r in kept]))
+
+
+class _NotFound(LookupError):
+    pass

@@ -1,0 +1,465 @@
+"""Generation on the head (stage 0): prompt → prefill → decode loop → text.
+
+The head runs the first slice itself (through its own scheduler, so that
+concurrent generations batch their decode steps), sends hidden states down a
+lane, and gets the predicted token back. With no downstream (single-stage
+mode) it samples locally with the same code path.
+
+Whatever ends a generation (finish, stop string, cancellation, an error) the
+``finally`` of :meth:`HeadEngine.generate` stops the session down the lane
+(shielded, time-bounded) and releases the head's own KV sequence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import secrets
+import time
+from collections import deque
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import attrs
+import numpy as np
+import trio
+
+from skippyd.head.lanes import Lane, LanePool
+from skippyd.head.stops import StopMatcher
+from skippyd.runtime import llama
+from skippyd.runtime.text import Detokenizer
+from skippyd.stage.downstream import DownstreamError
+from skippyd.stage.scheduler import Job, Scheduler
+from skippyd.stage.sessions import NoFreeSlot, SessionTable
+from skippyd.wire.messages import (
+    DEFAULT_SEED,
+    ConfigureGeneration,
+    DecodeStep,
+    ErrorReply,
+    PredictedToken,
+    PrefillChunk,
+    SamplingParams as WireSampling,
+    StageStats,
+    Stop,
+    merge,
+)
+
+log = logging.getLogger("skippyd.head")
+
+STOP_TIMEOUT_S = 2.0
+
+
+class GenerationError(Exception):
+    """A generation failed; `retryable` says whether trying again later may work."""
+
+    def __init__(self, message: str, *, retryable: bool = False, status: int = 500):
+        super().__init__(message)
+        self.retryable = retryable
+        self.status = status
+
+
+class PromptTooLong(GenerationError):
+    def __init__(self, message: str):
+        super().__init__(message, status=400)
+
+
+@attrs.frozen
+class GenerationRequest:
+    prompt: str | None = None  # used as is with raw=True, else as the user message
+    messages: tuple[dict, ...] = ()  # chat messages ({role, content}); wins over prompt
+    system: str | None = None
+    raw: bool = False
+    prompt_tokens: tuple[int, ...] | None = None  # pre-tokenized prompt (tests, benchmarks)
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def sampling(self) -> llama.SamplingParams:
+        return llama.SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+            repeat_penalty=self.repeat_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, logit_bias=self.logit_bias)
+
+
+@attrs.define
+class GenerationResult:
+    request_id: int
+    session_id: int
+    text: str
+    tokens: list[int]
+    finish_reason: str  # stop | length | cancelled | error
+    prompt_tokens: int
+    ttft_ms: float
+    decode_tokens_per_s: float
+    elapsed_ms: float
+    stage_stats: dict = attrs.field(factory=dict)
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "session_id": self.session_id,
+            "text": self.text,
+            "tokens": self.tokens,
+            "finish_reason": self.finish_reason,
+            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
+                      "total_tokens": self.prompt_tokens + len(self.tokens)},
+            "timings": {"ttft_ms": round(self.ttft_ms, 3), "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
+                        "elapsed_ms": round(self.elapsed_ms, 3)},
+            "error": self.error,
+            "stage_stats": self.stage_stats,
+        }
+
+
+@attrs.define
+class Receipt:
+    request_id: int
+    session_id: int
+    prompt_sha256: str
+    prompt_tokens: int
+    tokens: list[int]
+    final_position: int
+    termination: str
+    ttft_ms: float
+    elapsed_ms: float
+    finished_at: float
+
+
+@attrs.define(eq=False)
+class LiveGeneration:
+    """What the control plane sees of a running generation (and how it kills one)."""
+
+    request_id: int
+    session_id: int
+    prompt_tokens: int
+    started: float
+    cancel_scope: trio.CancelScope
+    seq: int = -1
+    lane_id: int | None = None
+    generated: int = 0
+    position: int = 0
+    state: str = "queued"
+    killed: bool = False
+
+    def describe(self) -> dict:
+        return {"session_id": self.session_id, "request_id": self.request_id, "state": self.state,
+                "prompt_tokens": self.prompt_tokens, "generated": self.generated, "position": self.position,
+                "age_s": round(time.monotonic() - self.started, 3), "lane": self.lane_id,
+                "stages": {"0": {"seq": self.seq}}}
+
+
+PieceCallback = Callable[[str], Awaitable[None]]
+
+
+class HeadEngine:
+    def __init__(self, model: llama.Model, context: llama.Context, scheduler: Scheduler,
+                 pool: LanePool | None, *, prefill_chunk: int = 256, receipts_file: Path | None = None,
+                 receipts_kept: int = 256):
+        self.model = model
+        self.context = context
+        self.scheduler = scheduler
+        self.pool = pool
+        self.prefill_chunk = max(1, min(prefill_chunk, context.n_batch))
+        self.sessions = SessionTable(context.n_seq_max)
+        self.live: dict[int, LiveGeneration] = {}
+        self.receipts: deque[Receipt] = deque(maxlen=receipts_kept)
+        self.receipts_file = receipts_file
+        self._request_ids = itertools.count(1)
+        self.totals = {"generations": 0, "prompt_tokens": 0, "completion_tokens": 0, "errors": 0}
+        self.last_stage_stats = StageStats()
+
+    # ------------------------------------------------------------------ prompt
+    def prompt_tokens(self, req: GenerationRequest) -> np.ndarray:
+        if req.prompt_tokens is not None:
+            return np.asarray(req.prompt_tokens, dtype=np.int32)
+        if req.raw:
+            return self.model.tokenize(req.prompt or "", add_special=True, parse_special=False)
+        messages = list(req.messages)
+        if not messages:
+            messages = [{"role": "user", "content": req.prompt or ""}]
+        if req.system and not any(m.get("role") == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": req.system})
+        text = self.model.apply_chat_template(messages, add_assistant=True)
+        return self.model.tokenize(text, add_special=False, parse_special=True)
+
+    # ------------------------------------------------------------------ generate
+    async def generate(self, req: GenerationRequest, on_piece: PieceCallback | None = None) -> GenerationResult:
+        started = time.perf_counter()
+        try:
+            sampling = req.sampling()
+            sampling.validate(self.model.n_vocab)
+        except llama.InvalidArgumentError as exc:
+            raise GenerationError(str(exc), status=400) from exc
+        if req.max_tokens < 1:
+            raise GenerationError("max_tokens must be >= 1", status=400)
+        prompt = self.prompt_tokens(req)
+        n_ctx = self.context.n_ctx_seq
+        if len(prompt) == 0:
+            raise GenerationError("the prompt is empty", status=400)
+        if len(prompt) >= n_ctx:
+            raise PromptTooLong(f"the prompt has {len(prompt)} tokens; the context holds {n_ctx} per session")
+        max_tokens = min(req.max_tokens, n_ctx - len(prompt))
+        request_id = next(self._request_ids)
+        session_id = secrets.randbits(63)
+        live = LiveGeneration(request_id, session_id, len(prompt), time.monotonic(), trio.CancelScope())
+        self.live[session_id] = live
+        run = _Run(self, req, live, prompt, max_tokens, sampling, on_piece, started)
+        try:
+            with live.cancel_scope:
+                await run.execute()
+            if live.cancel_scope.cancelled_caught:
+                run.finish_reason = "cancelled"
+        except GenerationError as exc:
+            self.totals["errors"] += 1
+            run.error = str(exc)
+            raise
+        except trio.Cancelled:
+            run.finish_reason = "cancelled"
+            raise
+        finally:
+            self.live.pop(session_id, None)
+            self._record(run)
+        return run.result()
+
+    def kill(self, session_id: int) -> bool:
+        live = self.live.get(session_id)
+        if live is None:
+            return False
+        live.killed = True
+        live.cancel_scope.cancel()
+        return True
+
+    def _record(self, run: _Run) -> None:
+        if run.finish_reason is None:
+            run.finish_reason = "error"
+        self.totals["generations"] += 1
+        self.totals["prompt_tokens"] += len(run.prompt)
+        self.totals["completion_tokens"] += len(run.tokens)
+        receipt = Receipt(
+            request_id=run.live.request_id, session_id=run.live.session_id,
+            prompt_sha256=hashlib.sha256(np.asarray(run.prompt, dtype="<i4").tobytes()).hexdigest(),
+            prompt_tokens=len(run.prompt), tokens=list(run.tokens), final_position=run.position,
+            termination=run.finish_reason, ttft_ms=run.ttft_ms, elapsed_ms=run.elapsed_ms(),
+            finished_at=time.time())
+        self.receipts.append(receipt)
+        if self.receipts_file is not None:
+            try:
+                with open(self.receipts_file, "a") as f:
+                    f.write(json.dumps(attrs.asdict(receipt)) + "\n")
+            except OSError as exc:
+                log.warning("head: cannot append receipt to %s: %s", self.receipts_file, exc)
+
+
+class _Run:
+    """The state of one generation while it runs."""
+
+    def __init__(self, engine: HeadEngine, req: GenerationRequest, live: LiveGeneration, prompt: np.ndarray,
+                 max_tokens: int, sampling: llama.SamplingParams, on_piece: PieceCallback | None, started: float):
+        self.engine, self.req, self.live = engine, req, live
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.on_piece = on_piece
+        self.started = started
+        self.tokens: list[int] = []
+        self.text_parts: list[str] = []
+        self.finish_reason: str | None = None
+        self.position = 0
+        self.ttft_ms = 0.0
+        self.first_token_at: float | None = None
+        self.stats = StageStats()
+        self.detok = Detokenizer(engine.model.token_piece)
+        self.stops = StopMatcher(req.stop)
+        self.lane: Lane | None = None
+        self.session = None
+        self.sampler: llama.Sampler | None = None
+        self.error: str | None = None
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.started) * 1e3
+
+    def result(self) -> GenerationResult:
+        decode_s = (time.perf_counter() - self.first_token_at) if self.first_token_at else 0.0
+        tps = (len(self.tokens) - 1) / decode_s if decode_s > 0 and len(self.tokens) > 1 else 0.0
+        return GenerationResult(
+            request_id=self.live.request_id, session_id=self.live.session_id, text="".join(self.text_parts),
+            tokens=list(self.tokens), finish_reason=self.finish_reason or "error", prompt_tokens=len(self.prompt),
+            ttft_ms=self.ttft_ms, decode_tokens_per_s=tps, elapsed_ms=self.elapsed_ms(),
+            stage_stats=attrs.asdict(self.stats))
+
+    # ------------------------------------------------------------------ steps
+    async def execute(self) -> None:
+        engine = self.engine
+        try:
+            try:
+                self.session = engine.sessions.open(0, self.live.session_id, self.live.request_id)
+            except NoFreeSlot as exc:
+                raise GenerationError(f"head: {exc}", retryable=True, status=503) from exc
+            self.live.seq = self.session.seq
+            if engine.pool is not None:
+                self.lane = await self._checkout()
+                self.lane.session_id = self.live.session_id
+                self.live.lane_id = self.lane.lane_id
+                await self._request(ConfigureGeneration(self.live.request_id, self.live.session_id,
+                                                        _wire_sampling(self.sampling)))
+            elif not self.sampling.is_plain_greedy:
+                self.sampler = llama.Sampler(engine.model, self.sampling)
+            self.live.state = "prefill"
+            token = await self._prefill()
+            self.live.state = "decode"
+            await self._decode_loop(token)
+        finally:
+            with trio.move_on_after(STOP_TIMEOUT_S, shield=True):
+                await self._cleanup()
+
+    async def _checkout(self) -> Lane:
+        from skippyd.head.lanes import Draining, NoLaneAvailable
+
+        try:
+            return await self.engine.pool.checkout()
+        except Draining as exc:
+            raise GenerationError(str(exc), retryable=True, status=503) from exc
+        except NoLaneAvailable as exc:
+            raise GenerationError(str(exc), retryable=True, status=503) from exc
+        except DownstreamError as exc:
+            raise GenerationError(f"stage 1 is unreachable: {exc}", retryable=True, status=503) from exc
+
+    async def _compute(self, tokens: np.ndarray, pos: int, *, want_token: bool):
+        job = Job(self.session.seq, pos, tokens=tokens, embd=None, sampler=self.sampler, want_token=want_token)
+        try:
+            result = await self.engine.scheduler.submit(job)
+        except llama.LlamaError as exc:
+            raise GenerationError(f"head compute failed: {exc}") from exc
+        self.position = pos + len(tokens)
+        self.live.position = self.position
+        self.stats = merge(self.stats, StageStats.single(0, compute_us=job.compute_us, queue_us=job.queue_us))
+        return result
+
+    async def _request(self, msg):
+        """One request down the lane; any interruption leaves the lane dirty (discarded later)."""
+        lane = self.lane
+        lane.dirty = True
+        try:
+            reply, _, _, _ = await lane.link.request(msg)
+        except DownstreamError as exc:
+            raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502) from exc
+        lane.dirty = False
+        self.stats = merge(self.stats, reply.stats)
+        if isinstance(reply, ErrorReply):
+            raise GenerationError(f"stage error ({reply.code.name.lower()}): {reply.message}",
+                                  retryable=reply.code.name in ("NO_CAPACITY", "SHUTTING_DOWN"),
+                                  status=400 if reply.code.name == "CONTEXT_FULL" else 502)
+        return reply
+
+    async def _prefill(self) -> int:
+        chunk = self.engine.prefill_chunk
+        prompt = self.prompt
+        n = len(prompt)
+        for lo in range(0, n, chunk):
+            part = prompt[lo:lo + chunk]
+            final = lo + chunk >= n
+            if self.lane is None:
+                token = await self._compute(part, lo, want_token=final)
+                if final:
+                    return int(token)
+                continue
+            hidden = await self._compute(part, lo, want_token=False)
+            msg = PrefillChunk(self.live.request_id, self.live.session_id, lo, part, hidden, final=final)
+            if not final:
+                self.lane.dirty = True
+                try:
+                    await self.lane.link.send_deferred(msg)
+                except DownstreamError as exc:
+                    raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502) from exc
+                self.lane.dirty = False
+            else:
+                reply = await self._request(msg)
+                return int(reply.token)
+        raise AssertionError("unreachable: the prompt is not empty")
+
+    async def _decode_loop(self, token: int) -> None:
+        model = self.engine.model
+        while True:
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+                self.ttft_ms = (self.first_token_at - self.started) * 1e3
+            self.tokens.append(token)
+            self.live.generated = len(self.tokens)
+            if not self.req.ignore_eos and model.is_eog(token):
+                self.tokens.pop()  # end-of-generation is not part of the answer
+                await self._emit(self.detok.flush(), final=True)
+                self.finish_reason = "stop"
+                return
+            text, hit = self.stops.push(self.detok.push(token))
+            await self._emit(text)
+            if hit:
+                self.finish_reason = "stop"
+                return
+            if len(self.tokens) >= self.max_tokens:
+                await self._emit(self.detok.flush(), final=True)
+                self.finish_reason = "length"
+                return
+            token = await self._step(token)
+
+    async def _step(self, token: int) -> int:
+        tokens = np.array([token], dtype=np.int32)
+        pos = self.position
+        if self.lane is None:
+            return int(await self._compute(tokens, pos, want_token=True))
+        hidden = await self._compute(tokens, pos, want_token=False)
+        reply = await self._request(DecodeStep(self.live.request_id, self.live.session_id, pos, tokens, hidden))
+        if not isinstance(reply, PredictedToken):
+            raise GenerationError(f"stage 1 answered a decode step with {type(reply).__name__}")
+        return int(reply.token)
+
+    async def _emit(self, text: str, *, final: bool = False) -> None:
+        if final:
+            text += self.stops.flush()
+            if self.stops.stops:  # a stop string may only be completed by what was held back
+                cut = min((i for i in (text.find(s) for s in self.stops.stops) if i >= 0), default=-1)
+                if cut >= 0:
+                    text = text[:cut]
+        if text:
+            self.text_parts.append(text)
+            if self.on_piece is not None:
+                await self.on_piece(text)
+
+    async def _cleanup(self) -> None:
+        engine = self.engine
+        if self.lane is not None:
+            if not self.lane.dirty and not self.lane.link.broken:
+                try:
+                    await self._request(Stop(self.live.request_id, self.live.session_id))
+                except GenerationError as exc:
+                    log.warning("head: stop for session %d failed: %s", self.live.session_id, exc)
+                    self.lane.dirty = True
+            # a lane whose stop was not acknowledged is closed, which makes stage 1 release the session
+            await engine.pool.checkin(self.lane)
+            self.lane = None
+        if self.sampler is not None:
+            self.sampler.close()
+        if self.session is not None:
+            seq = self.session.seq
+            try:
+                await engine.scheduler.run_kv(lambda: engine.context.kv_clear_seq(seq))
+            finally:
+                engine.sessions.forget(self.session)
+
+
+def _wire_sampling(p: llama.SamplingParams) -> WireSampling:
+    return WireSampling(
+        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, repeat_penalty=p.repeat_penalty,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        penalty_last_n=p.penalty_last_n, seed=DEFAULT_SEED if p.seed is None else p.seed,
+        logit_bias=p.logit_bias)

@@ -1,0 +1,167 @@
+"""The head's pool of lanes: persistent connections to stage 1.
+
+A lane carries one generation at a time. Checkout hands out an idle lane
+(replacing one whose peer went away), or opens a new one up to capacity, or
+waits. A lane that was interrupted mid-request is discarded on return: its
+stream may hold half a frame. ``drain`` stops checkouts (running generations
+finish, idle lanes close); ``undrain`` restores service.
+"""
+
+from __future__ import annotations
+
+import itertools
+import select
+import logging
+import time
+
+import attrs
+import trio
+
+from skippyd.stage.downstream import DownstreamError, DownstreamLink
+from skippyd.wire.messages import Hello
+
+log = logging.getLogger("skippyd.head")
+
+
+class Draining(Exception):
+    """The pool is draining: no new generations."""
+
+
+class NoLaneAvailable(Exception):
+    """No lane became free within the queue timeout."""
+
+
+@attrs.define(eq=False)
+class Lane:
+    lane_id: int
+    link: DownstreamLink | None = None
+    session_id: int | None = None
+    state: str = "idle"  # idle | busy | closed
+    opened: float = attrs.field(factory=time.monotonic)
+    generations: int = 0
+    dirty: bool = False  # a request was interrupted: the stream cannot be trusted
+
+    def describe(self) -> dict:
+        return {
+            "lane_id": self.lane_id,
+            "state": self.state,
+            "session_id": self.session_id,
+            "downstream": self.link.address if self.link else None,
+            "generations": self.generations,
+        }
+
+
+class LanePool:
+    def __init__(self, host: str, port: int, hello: Hello, *, capacity: int = 4, credit_limit: int = 2,
+                 connect_timeout: float = 5.0, reply_timeout: float = 30.0, queue_timeout: float = 30.0):
+        self.host, self.port, self.hello = host, port, hello
+        self.capacity = capacity
+        self.credit_limit = credit_limit
+        self.connect_timeout = connect_timeout
+        self.reply_timeout = reply_timeout
+        self.queue_timeout = queue_timeout
+        self.lanes: dict[int, Lane] = {}
+        self._ids = itertools.count(1)
+        self._idle: list[Lane] = []
+        self._slots = trio.Semaphore(capacity)
+        self.draining = False
+        self.last_error: str | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def _open(self) -> DownstreamLink:
+        try:
+            link = await DownstreamLink.connect(self.host, self.port, self.hello,
+                                                connect_timeout=self.connect_timeout,
+                                                credit_limit=self.credit_limit, reply_timeout=self.reply_timeout)
+        except DownstreamError as exc:
+            self.last_error = str(exc)
+            raise
+        self.last_error = None
+        return link
+
+    async def warm(self, n: int | None = None) -> None:
+        """Open lanes ahead of time (best effort)."""
+        for _ in range(min(n or self.capacity, self.capacity) - len(self.lanes)):
+            try:
+                link = await self._open()
+            except DownstreamError as exc:
+                log.warning("head: could not open a lane: %s", exc)
+                return
+            lane = Lane(next(self._ids), link)
+            self.lanes[lane.lane_id] = lane
+            self._idle.append(lane)
+
+    async def checkout(self) -> Lane:
+        if self.draining:
+            raise Draining("the head is draining: no new generations")
+        with trio.move_on_after(self.queue_timeout) as scope:
+            await self._slots.acquire()
+        if scope.cancelled_caught:
+            raise NoLaneAvailable(f"no lane free within {self.queue_timeout:g} s")
+        try:
+            if self.draining:
+                raise Draining("the head is draining: no new generations")
+            while self._idle:
+                lane = self._idle.pop()
+                if _looks_alive(lane.link):
+                    lane.state = "busy"
+                    return lane
+                await self._discard(lane)
+            link = await self._open()
+            lane = Lane(next(self._ids), link, state="busy")
+            self.lanes[lane.lane_id] = lane
+            return lane
+        except BaseException:
+            self._slots.release()
+            raise
+
+    async def checkin(self, lane: Lane) -> None:
+        """Return a lane after its generation; a broken or dirty one is closed instead."""
+        lane.session_id = None
+        lane.generations += 1
+        try:
+            if lane.dirty or lane.link is None or lane.link.broken or self.draining:
+                await self._discard(lane)
+            else:
+                lane.state = "idle"
+                self._idle.append(lane)
+        finally:
+            self._slots.release()
+
+    async def _discard(self, lane: Lane) -> None:
+        lane.state = "closed"
+        self.lanes.pop(lane.lane_id, None)
+        if lane.link is not None:
+            await lane.link.aclose()
+
+    async def drain(self) -> None:
+        self.draining = True
+        while self._idle:
+            await self._discard(self._idle.pop())
+
+    def undrain(self) -> None:
+        self.draining = False
+
+    @property
+    def busy(self) -> int:
+        return sum(1 for lane in self.lanes.values() if lane.state == "busy")
+
+    async def aclose(self) -> None:
+        self.draining = True
+        for lane in list(self.lanes.values()):
+            await self._discard(lane)
+
+    def describe(self) -> list[dict]:
+        return [lane.describe() for lane in self.lanes.values()]
+
+
+def _looks_alive(link: DownstreamLink | None) -> bool:
+    """An idle lane has nothing to read: readable means EOF, a reset, or a stray frame."""
+    if link is None or link.broken:
+        return False
+    poller = select.poll()
+    poller.register(link.stream.socket.fileno(), select.POLLIN | select.POLLPRI)
+    return not poller.poll(0)

@@ -1,0 +1,85 @@
+"""The head node: stage 0's model and context, its scheduler, the lane pool and the engine."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import trio
+
+from skippyd.head.engine import HeadEngine
+from skippyd.head.lanes import LanePool
+from skippyd.runtime.llama import Context, ContextParams, Model
+from skippyd.stage.scheduler import Scheduler
+from skippyd.stage.server import StageConfig
+from skippyd.topology import Topology
+from skippyd.wire.messages import Hello
+
+log = logging.getLogger("skippyd.head")
+
+
+class HeadNode:
+    def __init__(self, config: StageConfig, *, topology: Topology | None = None, model_path: Path | None = None,
+                 prefill_chunk: int = 256, receipts_file: Path | None = None):
+        if topology is None and model_path is None:
+            raise ValueError("the head needs a topology or a model file")
+        self.config = config
+        self.topology = topology
+        self.model_path = Path(model_path) if model_path else topology.stage(0).file
+        self.prefill_chunk = prefill_chunk
+        self.receipts_file = receipts_file
+        self.engine: HeadEngine | None = None
+        self.pool: LanePool | None = None
+        self.model: Model | None = None
+
+    @property
+    def single_stage(self) -> bool:
+        return self.topology is None or len(self.topology.stages) == 1
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        self.model = await trio.to_thread.run_sync(Model, self.model_path)
+        try:
+            if not self.model.stage.is_first:
+                raise ValueError(f"{self.model_path} does not start at layer 0: it cannot be the head")
+            if self.single_stage and not self.model.stage.is_last:
+                raise ValueError(f"{self.model_path} is a non-final slice: give the whole model or a topology")
+            params = ContextParams(n_ctx_per_seq=cfg.n_ctx_per_seq, n_seq_max=cfg.lanes, n_batch=cfg.n_batch,
+                                   n_ubatch=cfg.n_batch, n_threads=cfg.n_threads)
+            context = await trio.to_thread.run_sync(Context, self.model, params)
+            scheduler = Scheduler(context)
+            if not self.single_stage:
+                topo = self.topology
+                s0, s1 = topo.stage(0), topo.stage(1)
+                hello = Hello(fingerprint=topo.source_sha256, stage_index=0, layer_start=s0.layer_start,
+                              layer_end=s0.layer_end, n_layer=topo.n_layer, n_embd=topo.n_embd, node="head")
+                self.pool = LanePool(s1.host, s1.port, hello, capacity=cfg.lanes, credit_limit=cfg.credit_limit,
+                                     connect_timeout=cfg.connect_timeout_s, reply_timeout=cfg.reply_timeout_s)
+            self.engine = HeadEngine(self.model, context, scheduler, self.pool, prefill_chunk=self.prefill_chunk,
+                                     receipts_file=self.receipts_file)
+            try:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(scheduler.serve)
+                    if self.pool is not None:
+                        await self.pool.warm()
+                    log.info("head: %s ready (%s)", self.model.name,
+                             "single stage" if self.single_stage else f"{len(self.topology.stages)} stages")
+                    task_status.started(self)
+            finally:
+                with trio.CancelScope(shield=True):
+                    if self.pool is not None:
+                        await self.pool.aclose()
+                context.close()
+        finally:
+            self.model.close()
+
+    def snapshot(self) -> dict:
+        snap = self.engine.sessions.snapshot() if self.engine else {}
+        snap.update(stage_index=0, scheduler=_stats(self.engine))
+        return snap
+
+
+def _stats(engine: HeadEngine | None) -> dict:
+    import attrs
+
+    return attrs.asdict(engine.scheduler.stats) if engine else {}

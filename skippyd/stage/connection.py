@@ -1,0 +1,333 @@
+"""One upstream connection of a stage: the read loop and one handler per message kind.
+
+Each upstream connection owns its downstream connection (so a lane is a
+chain through the whole pipeline) and the sessions it created. Whatever ends
+the connection (the peer closing, a protocol violation, a dead downstream,
+daemon shutdown) runs ``_release_all`` in a shielded, time-bounded scope, so
+every KV sequence and slot the connection held is freed on this stage, and
+closing our downstream connection makes the next stage do the same.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import TYPE_CHECKING
+
+import attrs
+import numpy as np
+import trio
+
+from skippyd.runtime import llama
+from skippyd.stage.downstream import DownstreamError, DownstreamLink
+from skippyd.stage.scheduler import Job
+from skippyd.stage.sessions import NoFreeSlot, StageSession
+from skippyd.wire.errors import HandshakeRefused, PeerClosed, ProtocolError, ReadTimeout, WireError
+from skippyd.wire.handshake import handshake_server
+from skippyd.wire.messages import (
+    DEFAULT_SEED,
+    Ack,
+    ConfigureGeneration,
+    DecodeStep,
+    ErrorCode,
+    ErrorReply,
+    Limits,
+    Ping,
+    PredictedToken,
+    PrefillChunk,
+    Reply,
+    SamplingParams as WireSampling,
+    StageStats,
+    Stop,
+    TrimSession,
+    VerifyWindow,
+    merge,
+)
+from skippyd.wire.stream import ReceiveBuffer, read_message, write_frame
+
+if TYPE_CHECKING:
+    from skippyd.stage.server import StageServer
+
+log = logging.getLogger("skippyd.stage")
+
+_conn_ids = itertools.count(1)
+CLEANUP_TIMEOUT_S = 5.0
+
+
+class RequestFailed(Exception):
+    """A request error: answered with an ErrorReply, the connection stays usable."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def runtime_sampling(wire: WireSampling) -> llama.SamplingParams:
+    return llama.SamplingParams(
+        temperature=wire.temperature,
+        top_k=max(0, wire.top_k),
+        top_p=wire.top_p if 0.0 < wire.top_p <= 1.0 else 1.0,
+        min_p=min(max(wire.min_p, 0.0), 1.0),
+        repeat_penalty=wire.repeat_penalty,
+        presence_penalty=wire.presence_penalty,
+        frequency_penalty=wire.frequency_penalty,
+        penalty_last_n=wire.penalty_last_n,
+        seed=None if wire.seed == DEFAULT_SEED else wire.seed,
+        logit_bias=wire.logit_bias,
+    )
+
+
+class UpstreamConnection:
+    def __init__(self, server: StageServer, stream: trio.SocketStream):
+        self.server = server
+        self.stream = stream
+        self.conn_id = next(_conn_ids)
+        self.down: DownstreamLink | None = None
+        self.peer_desc = _peer_address(stream)
+        # errors of chunks that were acked before compute, reported on the session's next reply
+        self._deferred: dict[int, ErrorReply] = {}
+
+    # ------------------------------------------------------------------ lifetime
+    async def serve(self) -> None:
+        cfg = self.server.config
+        receive = ReceiveBuffer(self.stream)
+        try:
+            try:
+                await handshake_server(self.stream, self.server.hello, timeout=cfg.handshake_timeout_s,
+                                       receive=receive)
+            except HandshakeRefused as exc:
+                log.warning("stage %d: refused upstream %s: %s", self.server.index, self.peer_desc, exc.reason)
+                return
+            if not self.server.is_final:
+                nxt = self.server.next_stage
+                try:
+                    self.down = await DownstreamLink.connect(
+                        nxt.host, nxt.port, self.server.hello, connect_timeout=cfg.connect_timeout_s,
+                        credit_limit=cfg.credit_limit, reply_timeout=cfg.reply_timeout_s)
+                except DownstreamError as exc:
+                    log.warning("stage %d: %s", self.server.index, exc)
+                    await self._fail_connection(ErrorCode.DOWNSTREAM_FAILED, str(exc))
+                    return
+            self.server.connections[self.conn_id] = self
+            limits = Limits(max_tokens=min(self.server.context.n_batch, 8192))
+            while True:
+                msg = await read_message(receive, limits, timeout=cfg.idle_timeout_s,
+                                         n_embd=self.server.model.n_embd_inp)
+                await self.dispatch(msg)
+        except ProtocolError as exc:
+            log.warning("stage %d: protocol error from %s: %s", self.server.index, self.peer_desc, exc)
+            await self._fail_connection(exc.code, exc.message, exc.request_id, exc.session_id)
+        except DownstreamError as exc:
+            log.warning("stage %d: downstream failed: %s", self.server.index, exc)
+        except ReadTimeout:
+            log.info("stage %d: upstream %s idle past the deadline; closing", self.server.index, self.peer_desc)
+        except (PeerClosed, WireError, trio.BrokenResourceError, trio.ClosedResourceError):
+            log.info("stage %d: upstream %s closed", self.server.index, self.peer_desc)
+        except Exception:  # a bug must cost one connection, never the daemon
+            log.exception("stage %d: connection from %s failed", self.server.index, self.peer_desc)
+        finally:
+            self.server.connections.pop(self.conn_id, None)
+            with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
+                await self._release_all()
+            if self.down is not None:
+                await self.down.aclose()
+            await trio.aclose_forcefully(self.stream)
+
+    async def _release_all(self) -> None:
+        for session in self.server.sessions.owned_by(self.conn_id):
+            await self.server.release(session)
+            log.info("stage %d: released session %d (connection closed)", self.server.index, session.session_id)
+
+    async def _fail_connection(self, code: ErrorCode, message: str, request_id: int = 0, session_id: int = 0):
+        with trio.move_on_after(1.0, shield=True):
+            try:
+                await write_frame(self.stream, ErrorReply(request_id, session_id, code, message[:4000]))
+            except WireError:
+                pass
+
+    async def reply(self, reply: Reply) -> None:
+        await write_frame(self.stream, reply, timeout=self.server.config.write_timeout_s)
+
+    # ------------------------------------------------------------------ dispatch
+    async def dispatch(self, msg) -> None:
+        handler = {
+            ConfigureGeneration: self.on_configure,
+            PrefillChunk: self.on_prefill,
+            DecodeStep: self.on_decode,
+            VerifyWindow: self.on_verify_window,
+            TrimSession: self.on_trim,
+            Stop: self.on_stop,
+            Ping: self.on_ping,
+        }[type(msg)]
+        session_id = getattr(msg, "session_id", 0)
+        try:
+            await handler(msg)
+        except RequestFailed as exc:
+            await self.reply(ErrorReply(msg.request_id, session_id, exc.code, exc.message[:4000],
+                                        stats=self._own_stats()))
+        except DownstreamError as exc:
+            await self.reply(ErrorReply(msg.request_id, session_id, ErrorCode.DOWNSTREAM_FAILED,
+                                        f"stage {self.server.index + 1} failed: {exc}"[:4000]))
+            raise
+
+    def _own_stats(self, job: Job | None = None, *, write_us: int = 0, wait_us: int = 0,
+                   sent: int = 0) -> StageStats:
+        return StageStats.single(self.server.index, compute_us=job.compute_us if job else 0,
+                                 queue_us=job.queue_us if job else 0, forward_write_us=write_us,
+                                 downstream_wait_us=wait_us, bytes_sent=sent)
+
+    async def _relay(self, msg, job: Job | None) -> None:
+        """Forward `msg` and answer upstream with the downstream reply plus our own stats."""
+        down_reply, sent, write_us, wait_us = await self.down.request(msg)
+        own = self._own_stats(job, write_us=write_us, wait_us=wait_us, sent=sent)
+        await self.reply(attrs.evolve(down_reply, stats=merge(own, down_reply.stats)))
+
+    # ------------------------------------------------------------------ sessions
+    def _session(self, msg, *, create: bool) -> StageSession:
+        session = self.server.sessions.get(self.conn_id, msg.session_id)
+        if session is None:
+            if not create:
+                raise RequestFailed(ErrorCode.UNKNOWN_SESSION, f"unknown session {msg.session_id}")
+            try:
+                session = self.server.sessions.open(self.conn_id, msg.session_id, msg.request_id)
+            except NoFreeSlot as exc:
+                raise RequestFailed(ErrorCode.NO_CAPACITY, f"stage {self.server.index}: {exc}") from exc
+        return session
+
+    async def _align(self, session: StageSession, pos_start: int) -> None:
+        """Positions are authoritative: a stage that is ahead trims itself first."""
+        if session.position > pos_start:
+            await self.server.scheduler.run_kv(lambda: self.server.context.kv_trim(session.seq, pos_start))
+            session.position = pos_start
+        elif session.position < pos_start:
+            raise RequestFailed(ErrorCode.POSITION_GAP,
+                                f"session {session.session_id} holds {session.position} positions, "
+                                f"message starts at {pos_start}")
+
+    async def _compute(self, session: StageSession, msg, *, want_token: bool) -> Job:
+        ctx = self.server.context
+        if msg.pos_start + len(msg.tokens) > ctx.n_ctx_seq:
+            raise RequestFailed(ErrorCode.CONTEXT_FULL,
+                                f"positions up to {msg.pos_start + len(msg.tokens)} exceed the context of "
+                                f"{ctx.n_ctx_seq} per session")
+        if ctx.token_input:
+            job = Job(session.seq, msg.pos_start, tokens=msg.tokens, embd=None)
+        else:
+            if msg.activation is None:
+                raise RequestFailed(ErrorCode.MISSING_ACTIVATION, "this stage needs the hidden states")
+            job = Job(session.seq, msg.pos_start, tokens=None, embd=msg.activation)
+        job.sampler = session.sampler
+        job.want_token = want_token
+        try:
+            job.result = await self.server.scheduler.submit(job)
+        except llama.KvCacheFullError as exc:
+            raise RequestFailed(ErrorCode.CONTEXT_FULL, str(exc)) from exc
+        except llama.LlamaError as exc:
+            raise RequestFailed(ErrorCode.COMPUTE_FAILED, str(exc)) from exc
+        session.position = msg.pos_start + len(msg.tokens)
+        return job
+
+    def _forwarded(self, msg, job: Job):
+        """The same message for the next stage, carrying our hidden states."""
+        return attrs.evolve(msg, activation=job.result)
+
+    def _take_deferred(self, session_id: int) -> None:
+        err = self._deferred.pop(session_id, None)
+        if err is not None:
+            raise RequestFailed(err.code, err.message)
+
+    # ------------------------------------------------------------------ handlers
+    async def on_configure(self, msg: ConfigureGeneration) -> None:
+        session = self._session(msg, create=True)
+        session.request_id = msg.request_id
+        self._deferred.pop(msg.session_id, None)
+        if self.server.is_final:
+            params = runtime_sampling(msg.sampling)
+            if session.sampler is not None:
+                session.sampler.close()
+                session.sampler = None
+            try:
+                if not params.is_plain_greedy:
+                    session.sampler = llama.Sampler(self.server.model, params)
+            except llama.InvalidArgumentError as exc:
+                raise RequestFailed(ErrorCode.INTERNAL, str(exc)) from exc
+            await self.reply(Ack(msg.request_id, msg.session_id, stats=self._own_stats()))
+        else:
+            await self._relay(msg, None)
+
+    async def on_prefill(self, msg: PrefillChunk) -> None:
+        if msg.final:
+            await self._on_final_prefill(msg)
+            return
+        # A non-final chunk is acked before compute so upstream can go on; an
+        # error is remembered and reported on the session's next reply.
+        await self.reply(Ack(msg.request_id, msg.session_id, stats=self._own_stats()))
+        if msg.session_id in self._deferred:
+            return
+        try:
+            session = self._session(msg, create=True)
+            await self._align(session, msg.pos_start)
+            session.state = "prefill"
+            job = await self._compute(session, msg, want_token=False)
+            if self.down is not None:
+                await self.down.send_deferred(self._forwarded(msg, job))
+        except RequestFailed as exc:
+            self._deferred[msg.session_id] = ErrorReply(msg.request_id, msg.session_id, exc.code, exc.message)
+
+    async def _on_final_prefill(self, msg: PrefillChunk) -> None:
+        self._take_deferred(msg.session_id)
+        session = self._session(msg, create=True)
+        await self._align(session, msg.pos_start)
+        job = await self._compute(session, msg, want_token=self.server.is_final)
+        session.state = "decode"
+        await self._answer_with_token(session, msg, job)
+
+    async def on_decode(self, msg: DecodeStep) -> None:
+        self._take_deferred(msg.session_id)
+        session = self._session(msg, create=False)
+        await self._align(session, msg.pos_start)
+        job = await self._compute(session, msg, want_token=self.server.is_final)
+        await self._answer_with_token(session, msg, job)
+
+    async def _answer_with_token(self, session: StageSession, msg, job: Job) -> None:
+        if self.server.is_final:
+            session.generated += 1
+            await self.reply(PredictedToken(msg.request_id, msg.session_id, int(job.result),
+                                            stats=self._own_stats(job)))
+        else:
+            await self._relay(self._forwarded(msg, job), job)
+
+    async def on_verify_window(self, msg: VerifyWindow) -> None:
+        raise RequestFailed(ErrorCode.INTERNAL, "verify windows (speculative decoding) are not supported yet")
+
+    async def on_trim(self, msg: TrimSession) -> None:
+        session = self._session(msg, create=False)
+        if session.position > msg.pos_start:
+            await self._align(session, msg.pos_start)
+        if self.down is not None:
+            await self._relay(msg, None)
+        else:
+            await self.reply(Ack(msg.request_id, msg.session_id, stats=self._own_stats()))
+
+    async def on_stop(self, msg: Stop) -> None:
+        """End the session (idempotent: stopping an unknown session is not an error)."""
+        self._deferred.pop(msg.session_id, None)
+        session = self.server.sessions.get(self.conn_id, msg.session_id)
+        if session is not None:
+            await self.server.release(session)
+        if self.down is not None:
+            await self._relay(msg, None)
+        else:
+            await self.reply(Ack(msg.request_id, msg.session_id, stats=self._own_stats()))
+
+    async def on_ping(self, msg: Ping) -> None:
+        await self.reply(Ack(msg.request_id, 0, stats=self._own_stats()))
+
+
+def _peer_address(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+        return f"{host}:{port}"
+    except (OSError, AttributeError):
+        return "?"

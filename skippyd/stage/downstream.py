@@ -1,0 +1,131 @@
+"""A connection to the next stage: handshake, sending, and deferred acks (credits).
+
+Non-final prefill chunks are acknowledged by the next stage before it
+computes them. We do not wait for those acks one by one: up to
+``credit_limit`` may be outstanding, so this stage computes chunk i+1 while
+chunk i is on the wire or being computed downstream. Any message that
+expects a prediction first drains the outstanding acks, folding their
+stats into the reply.
+"""
+
+from __future__ import annotations
+
+import time
+
+import trio
+
+from skippyd.wire.errors import PeerClosed, ProtocolError, WireError
+from skippyd.wire.handshake import handshake_client
+from skippyd.wire.messages import Ack, ErrorReply, Hello, Message, Reply, StageStats, merge
+from skippyd.wire.stream import ReceiveBuffer, read_reply, write_frame
+
+
+class DownstreamError(Exception):
+    """The next stage is unreachable, refused us, or broke the protocol."""
+
+    def __init__(self, address: str, message: str):
+        super().__init__(f"stage at {address}: {message}")
+        self.address = address
+
+
+class DownstreamLink:
+    def __init__(self, stream: trio.SocketStream, peer: Hello, address: str, receive: ReceiveBuffer, *,
+                 credit_limit: int, reply_timeout: float, write_timeout: float):
+        self.stream = stream
+        self.peer = peer
+        self.address = address
+        self._receive = receive
+        self.credit_limit = max(0, credit_limit)
+        self.reply_timeout = reply_timeout
+        self.write_timeout = write_timeout
+        self.pending_acks = 0
+        self._folded = StageStats()
+        self._deferred_error: ErrorReply | None = None
+        self.broken = False
+
+    @classmethod
+    async def connect(cls, host: str, port: int, hello: Hello, *, connect_timeout: float = 5.0,
+                      credit_limit: int = 2, reply_timeout: float = 30.0, write_timeout: float = 10.0
+                      ) -> DownstreamLink:
+        address = f"{host}:{port}"
+        try:
+            with trio.fail_after(connect_timeout):
+                stream = await trio.open_tcp_stream(host, port)
+        except (OSError, trio.TooSlowError) as exc:
+            raise DownstreamError(address, f"cannot connect: {exc or 'timed out'}") from exc
+        receive = ReceiveBuffer(stream)
+        try:
+            peer = await handshake_client(stream, hello, timeout=connect_timeout, receive=receive)
+        except WireError as exc:
+            await trio.aclose_forcefully(stream)
+            raise DownstreamError(address, f"handshake failed: {exc}") from exc
+        return cls(stream, peer, address, receive, credit_limit=credit_limit, reply_timeout=reply_timeout,
+                   write_timeout=write_timeout)
+
+    async def aclose(self) -> None:
+        self.broken = True
+        await trio.aclose_forcefully(self.stream)
+
+    async def send(self, msg: Message) -> tuple[int, int]:
+        """Write one message; returns (bytes, microseconds)."""
+        started = time.perf_counter()
+        try:
+            n = await write_frame(self.stream, msg, timeout=self.write_timeout)
+        except WireError as exc:
+            self.broken = True
+            raise DownstreamError(self.address, f"send failed: {exc}") from exc
+        return n, int((time.perf_counter() - started) * 1e6)
+
+    async def send_deferred(self, msg: Message) -> tuple[int, int]:
+        """Send a message whose ack may arrive later (up to the credit limit outstanding)."""
+        sent = await self.send(msg)
+        self.pending_acks += 1
+        while self.pending_acks > self.credit_limit:
+            await self._collect_one_ack()
+        return sent
+
+    async def _read(self) -> Reply:
+        try:
+            return await read_reply(self._receive, timeout=self.reply_timeout)
+        except (ProtocolError, PeerClosed) as exc:
+            self.broken = True
+            raise DownstreamError(self.address, str(exc)) from exc
+        except WireError as exc:
+            self.broken = True
+            raise DownstreamError(self.address, f"no reply: {exc}") from exc
+
+    async def _collect_one_ack(self) -> None:
+        reply = await self._read()
+        self.pending_acks -= 1
+        self._folded = merge(self._folded, reply.stats)
+        if isinstance(reply, ErrorReply):
+            self._deferred_error = self._deferred_error or reply
+        elif not isinstance(reply, Ack):
+            self.broken = True
+            raise DownstreamError(self.address, f"expected an ack, got {type(reply).__name__}")
+
+    async def drain(self) -> None:
+        while self.pending_acks:
+            await self._collect_one_ack()
+
+    async def request(self, msg: Message) -> tuple[Reply, int, int, int]:
+        """Send `msg`, drain outstanding acks, and return (reply, bytes, write_us, wait_us).
+
+        The reply carries the stats of the drained acks too. An error that a
+        drained ack reported replaces the reply (it happened first).
+        """
+        n, write_us = await self.send(msg)
+        started = time.perf_counter()
+        await self.drain()
+        reply = await self._read()
+        wait_us = int((time.perf_counter() - started) * 1e6)
+        folded, self._folded = self._folded, StageStats()
+        if self._deferred_error is not None:
+            reply, self._deferred_error = self._deferred_error, None
+        return _with_stats(reply, merge(reply.stats, folded)), n, write_us, wait_us
+
+
+def _with_stats(reply: Reply, stats: StageStats) -> Reply:
+    import attrs
+
+    return attrs.evolve(reply, stats=stats)

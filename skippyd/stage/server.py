@@ -1,0 +1,124 @@
+"""A stage: its model slice, its scheduler, its listener, its sessions.
+
+``StageServer.run`` is the stage's lifetime. It reports ready through
+``task_status.started()`` only once the model is loaded and the listener
+accepts connections; cancelling it closes every connection, whose cleanup
+releases every session, then frees the context and the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import attrs
+import trio
+
+from skippyd.runtime.llama import Context, ContextParams, Model
+from skippyd.stage.connection import UpstreamConnection
+from skippyd.stage.scheduler import Scheduler
+from skippyd.stage.sessions import SessionTable, StageSession
+from skippyd.topology import StageSpec, Topology
+from skippyd.wire.messages import Hello
+
+log = logging.getLogger("skippyd.stage")
+
+
+@attrs.define
+class StageConfig:
+    """How one stage runs. Times are seconds."""
+
+    n_ctx_per_seq: int = 4096
+    lanes: int = 4  # sequence slots (n_seq_max): concurrent sessions on this stage
+    n_batch: int = 512
+    n_threads: int = 2
+    credit_limit: int = 2  # outstanding prefill acks towards the next stage
+    handshake_timeout_s: float = 5.0
+    connect_timeout_s: float = 5.0
+    idle_timeout_s: float = 600.0  # an idle lane with no message at all for this long is closed
+    reply_timeout_s: float = 30.0  # the next stage must answer within this
+    write_timeout_s: float = 10.0
+    listen_host: str | None = None  # default: the topology's host for this stage
+    listen_port: int | None = None
+
+
+class StageServer:
+    def __init__(self, topology: Topology, index: int, config: StageConfig = StageConfig(), *,
+                 model_path: Path | None = None):
+        self.topology = topology
+        self.index = index
+        self.spec: StageSpec = topology.stage(index)
+        self.config = config
+        self.model_path = model_path or self.spec.file
+        self.is_final = index == len(topology.stages) - 1
+        self.next_stage: StageSpec | None = None if self.is_final else topology.stage(index + 1)
+        self.model: Model | None = None
+        self.context: Context | None = None
+        self.scheduler: Scheduler | None = None
+        self.sessions = SessionTable(config.lanes)
+        self.connections: dict[int, UpstreamConnection] = {}
+        self.port: int | None = None
+        self.hello = Hello(
+            fingerprint=topology.source_sha256,
+            stage_index=index,
+            layer_start=self.spec.layer_start,
+            layer_end=self.spec.layer_end,
+            n_layer=topology.n_layer,
+            n_embd=topology.n_embd,
+            node=f"stage-{index}",
+        )
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        self.model = await trio.to_thread.run_sync(Model, self.model_path)
+        try:
+            stage = self.model.stage
+            if (stage.layer_start, stage.layer_end) != (self.spec.layer_start, self.spec.layer_end):
+                raise ValueError(f"{self.model_path} holds layers [{stage.layer_start},{stage.layer_end}), "
+                                 f"the topology says [{self.spec.layer_start},{self.spec.layer_end})")
+            params = ContextParams(n_ctx_per_seq=cfg.n_ctx_per_seq, n_seq_max=cfg.lanes, n_batch=cfg.n_batch,
+                                   n_ubatch=cfg.n_batch, n_threads=cfg.n_threads)
+            self.context = await trio.to_thread.run_sync(Context, self.model, params)
+            self.scheduler = Scheduler(self.context)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.scheduler.serve)
+                host = cfg.listen_host or self.spec.host
+                port = self.spec.port if cfg.listen_port is None else cfg.listen_port
+                # trio's SocketStream turns on TCP_NODELAY for every accepted connection
+                listeners = await trio.open_tcp_listeners(port, host=host)
+                self.port = listeners[0].socket.getsockname()[1]
+                nursery.start_soon(trio.serve_listeners, self._handle, listeners)
+                log.info("stage %d: layers [%d,%d) of %s listening on %s:%d", self.index, self.spec.layer_start,
+                         self.spec.layer_end, self.topology.model_name, host, self.port)
+                task_status.started(self)
+        finally:
+            if self.context is not None:
+                self.context.close()
+            self.model.close()
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        await UpstreamConnection(self, stream).serve()
+
+    async def release(self, session: StageSession) -> None:
+        """Clear the session's KV sequence, then free its slot and sampler. Idempotent."""
+        if self.sessions.get(session.conn_id, session.session_id) is not session:
+            return
+        seq = session.seq
+        # shielded: a slot must never be freed with its KV sequence still full
+        with trio.CancelScope(shield=True):
+            try:
+                await self.scheduler.run_kv(lambda: self.context.kv_clear_seq(seq))
+            finally:
+                self.sessions.forget(session)
+
+    def snapshot(self) -> dict:
+        """Live sessions and slots (for the control plane and the tests)."""
+        snap = self.sessions.snapshot()
+        snap.update(
+            stage_index=self.index,
+            layers=[self.spec.layer_start, self.spec.layer_end],
+            connections=len(self.connections),
+            scheduler=attrs.asdict(self.scheduler.stats) if self.scheduler else {},
+            queued=self.scheduler.queued if self.scheduler else 0,
+        )
+        return snap

@@ -1,0 +1,99 @@
+"""Sessions on one stage: which KV sequence each generation holds, and who owns it.
+
+A session is keyed by (connection, session id): the upstream connection that
+created it owns it, so when that connection drops every session it owned is
+released (see ``StageServer.handle_upstream``). Releasing a session frees its
+sequence slot and sampler here; the KV sequence itself is cleared through the
+scheduler so that it never races a compute.
+"""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+
+from skippyd.runtime.llama import Sampler, SamplingParams
+
+
+class NoFreeSlot(Exception):
+    pass
+
+
+@attrs.define(eq=False)
+class StageSession:
+    conn_id: int
+    session_id: int
+    request_id: int
+    seq: int
+    created: float = attrs.field(factory=time.monotonic)
+    position: int = 0  # KV length on this stage
+    sampling: SamplingParams | None = None
+    sampler: Sampler | None = None
+    prompt_tokens: int = 0
+    generated: int = 0
+    state: str = "prefill"
+
+    def describe(self) -> dict:
+        return {
+            "session_id": self.session_id,
+            "request_id": self.request_id,
+            "connection": self.conn_id,
+            "seq": self.seq,
+            "position": self.position,
+            "state": self.state,
+            "generated": self.generated,
+            "age_s": round(time.monotonic() - self.created, 3),
+        }
+
+
+class SessionTable:
+    """Sequence slots [0, n_seq_max) shared by every connection of a stage."""
+
+    def __init__(self, n_seq_max: int):
+        self.n_seq_max = n_seq_max
+        self._free = list(range(n_seq_max - 1, -1, -1))
+        self._sessions: dict[tuple[int, int], StageSession] = {}
+
+    def open(self, conn_id: int, session_id: int, request_id: int) -> StageSession:
+        key = (conn_id, session_id)
+        if key in self._sessions:
+            return self._sessions[key]
+        if not self._free:
+            raise NoFreeSlot(f"all {self.n_seq_max} sequence slots are in use")
+        session = StageSession(conn_id, session_id, request_id, self._free.pop())
+        self._sessions[key] = session
+        return session
+
+    def get(self, conn_id: int, session_id: int) -> StageSession | None:
+        return self._sessions.get((conn_id, session_id))
+
+    def owned_by(self, conn_id: int) -> list[StageSession]:
+        return [s for (c, _), s in self._sessions.items() if c == conn_id]
+
+    def forget(self, session: StageSession) -> bool:
+        """Free the slot and sampler. Idempotent; True if the session was live."""
+        if self._sessions.pop((session.conn_id, session.session_id), None) is None:
+            return False
+        if session.sampler is not None:
+            session.sampler.close()
+            session.sampler = None
+        self._free.append(session.seq)
+        session.state = "released"
+        return True
+
+    @property
+    def live(self) -> list[StageSession]:
+        return list(self._sessions.values())
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def snapshot(self) -> dict:
+        return {
+            "sessions": [s.describe() for s in self._sessions.values()],
+            "live_sessions": len(self._sessions),
+            "free_slots": len(self._free),
+            "n_seq_max": self.n_seq_max,
+        }
