@@ -158,7 +158,7 @@ class Daemon:
                                                                  receipts_file=a.receipts).run)
                     else:
                         self.stages.append(await nursery.start(StageServer(self.topology, k, cfg).run))
-            if self.head is not None and not a.no_control:
+            if not a.no_control:
                 from skippyd.control.server import ControlServer
 
                 control = ControlServer(self, *a.control, token_file=a.control_token_file)

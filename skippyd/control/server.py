@@ -101,6 +101,8 @@ class ControlServer:
             await send(m.Error(req.id, str(exc), code=code, retryable=exc.retryable))
         except _NotFound as exc:
             await send(m.Error(req.id, str(exc), code="not_found"))
+        except _NotHead as exc:
+            await send(m.Error(req.id, str(exc), code="bad_request"))
         except Exception as exc:  # a bug must not take the connection down
             log.exception("control: %s failed", type(req).__name__)
             await send(m.Error(req.id, f"internal error: {exc}", code="failed"))
@@ -108,7 +110,14 @@ class ControlServer:
     # ---------------------------------------------------------------- operations
     @property
     def engine(self):
+        if self.daemon.head is None or self.daemon.head.engine is None:
+            raise _NotHead("this daemon runs no head (stage 0): send generation requests to the head")
         return self.daemon.head.engine
+
+    @property
+    def pool(self):
+        self.engine  # noqa: B018 - raises on a daemon without a head
+        return self.daemon.head.pool
 
     async def on_generate(self, req: m.Generate, send) -> None:
         if self.daemon.draining:
@@ -144,7 +153,7 @@ class ControlServer:
         await send(m.Data(req.id, {"killed": req.session_id}))
 
     def _lanes(self) -> dict:
-        pool = self.daemon.head.pool
+        pool = self.pool
         if pool is None:
             return {"draining": self.daemon.draining, "downstream": None, "lanes": []}
         return {"draining": pool.draining, "downstream": pool.address, "capacity": pool.capacity,
@@ -154,13 +163,13 @@ class ControlServer:
         await send(m.Data(req.id, self._lanes()))
 
     async def on_lanes_drain(self, req: m.LanesDrain, send) -> None:
-        if self.daemon.head.pool is not None:
-            await self.daemon.head.pool.drain()
+        if self.pool is not None:
+            await self.pool.drain()
         await send(m.Data(req.id, self._lanes()))
 
     async def on_lanes_undrain(self, req: m.LanesUndrain, send) -> None:
-        if self.daemon.head.pool is not None:
-            self.daemon.head.pool.undrain()
+        if self.pool is not None:
+            self.pool.undrain()
         await send(m.Data(req.id, self._lanes()))
 
     async def on_status(self, req: m.Status, send) -> None:
@@ -172,4 +181,8 @@ class ControlServer:
 
 
 class _NotFound(LookupError):
+    pass
+
+
+class _NotHead(Exception):
     pass
