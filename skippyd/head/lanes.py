@@ -82,14 +82,24 @@ class LanePool:
         self.last_error = None
         return link
 
+    async def prune(self) -> None:
+        """Close idle lanes whose peer went away."""
+        for lane in [lane for lane in self._idle if not _looks_alive(lane.link)]:
+            self._idle.remove(lane)
+            await self._discard(lane)
+
     async def warm(self, n: int | None = None) -> None:
-        """Open lanes ahead of time (best effort)."""
+        """Open lanes ahead of time (best effort; a failure is logged once until it changes)."""
         for _ in range(min(n or self.capacity, self.capacity) - len(self.lanes)):
+            previous = self.last_error
             try:
                 link = await self._open()
             except DownstreamError as exc:
-                log.warning("head: could not open a lane: %s", exc)
+                if str(exc) != previous:
+                    log.warning("head: could not open a lane: %s", exc)
                 return
+            if previous is not None:
+                log.info("head: %s is reachable again", self.address)
             lane = Lane(next(self._ids), link)
             self.lanes[lane.lane_id] = lane
             self._idle.append(lane)

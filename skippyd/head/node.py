@@ -62,6 +62,7 @@ class HeadNode:
                     await nursery.start(scheduler.serve)
                     if self.pool is not None:
                         await self.pool.warm()
+                        nursery.start_soon(self._keep_lanes_warm)
                     log.info("head: %s ready (%s)", self.model.name,
                              "single stage" if self.single_stage else f"{len(self.topology.stages)} stages")
                     task_status.started(self)
@@ -72,6 +73,19 @@ class HeadNode:
                 context.close()
         finally:
             self.model.close()
+
+    async def _keep_lanes_warm(self) -> None:
+        """Reopen lanes in the background, with backoff, while the next stage is away."""
+        backoff = 0.5
+        while True:
+            await trio.sleep(backoff)
+            pool = self.pool
+            if pool.draining:
+                backoff = 1.0
+                continue
+            await pool.prune()
+            await pool.warm()
+            backoff = 1.0 if pool.last_error is None else min(backoff * 2, 10.0)
 
     def snapshot(self) -> dict:
         snap = self.engine.sessions.snapshot() if self.engine else {}

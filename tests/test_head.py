@@ -1,0 +1,210 @@
+"""The head's generation engine against real skippyd processes.
+
+Single-stage mode (`skippyd --model`), a 2-process and a 3-process pipeline
+of the default model run for the whole module; every test leaves them with
+no live session.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+
+from skippyctl.client import ControlError, open_control
+from skippyd.control import messages as m
+from skippyd.head.stops import StopMatcher
+from tests.procs import Daemon, Pipeline, split_for_test
+
+LONG_PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying oil for the lamp. "
+               "Ships passing the rocky headland depended on the beam to find the channel between the reefs. ") * 8
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    LONG_PROMPT + "Summarise the story in one sentence:",
+]
+COMMON = ["--prefill-chunk", "64", "--lanes", "8", "--ctx", "1024"]
+
+
+class SingleStage(Pipeline):
+    """`skippyd --model FILE`: the whole model in one stage, driven like a pipeline."""
+
+    def __init__(self, model, workdir):
+        self.workdir = workdir
+        self.stages = {0: Daemon(["--model", str(model), *COMMON], workdir, "single")}
+        self.stages[0].wait_ready()
+
+
+@pytest.fixture(scope="module")
+def single(default_model_path, tmp_path_factory):
+    pipe = SingleStage(default_model_path, tmp_path_factory.mktemp("single"))
+    yield pipe
+    assert pipe.stop() == {0: 0}
+
+
+@pytest.fixture(scope="module")
+def two(default_model_path, tmp_path_factory):
+    work = tmp_path_factory.mktemp("two")
+    split_for_test(default_model_path, 2, work)
+    pipe = Pipeline(work / "topology.toml", work, extra=COMMON).start()
+    yield pipe
+    assert all(code == 0 for code in pipe.stop().values())
+
+
+@pytest.fixture(scope="module")
+def three(default_model_path, tmp_path_factory):
+    work = tmp_path_factory.mktemp("three")
+    split_for_test(default_model_path, 3, work)
+    pipe = Pipeline(work / "topology.toml", work, extra=COMMON).start()
+    yield pipe
+    assert all(code == 0 for code in pipe.stop().values())
+
+
+async def test_greedy_parity_across_pipeline_shapes(single, two, three):
+    for prompt in PROMPTS:
+        want = await single.generate(prompt=prompt, raw=True, max_tokens=24)
+        for pipe in (two, three):
+            got = await pipe.generate(prompt=prompt, raw=True, max_tokens=24)
+            assert got["tokens"] == want["tokens"], prompt
+            assert got["text"] == want["text"]
+    assert want["usage"]["prompt_tokens"] > 64 * 3  # the long prompt took several prefill chunks
+    for pipe in (single, two, three):
+        await pipe.wait_all_released()
+
+
+async def test_chat_reply_ends_at_end_of_generation(two):
+    got = await two.generate(prompt="What is the capital of France?", max_tokens=64)
+    assert got["finish_reason"] == "stop"
+    assert "Paris" in got["text"]
+    assert got["usage"]["completion_tokens"] == len(got["tokens"]) < 64
+
+
+async def test_max_tokens_gives_length(two):
+    got = await two.generate(prompt="Count from one to one hundred:", raw=True, max_tokens=7)
+    assert got["finish_reason"] == "length"
+    assert len(got["tokens"]) == 7 == got["usage"]["completion_tokens"]
+
+
+async def test_stop_string_spanning_tokens_is_not_emitted(two):
+    full = await two.generate(prompt="Once upon a time", raw=True, max_tokens=40)
+    text = full["text"]
+    # a stop string made of the end of one token's text and the start of the next
+    pieces = []
+    async with open_control(two.head.url, two.head.token_file) as client:
+        async for reply in client.replies(m.Generate(id="s", prompt="Once upon a time", raw=True, max_tokens=40)):
+            if isinstance(reply, m.Piece):
+                pieces.append(reply.text)
+    boundary = len(pieces[0]) + len(pieces[1])
+    stop = text[boundary - 2: boundary + 3]
+    assert len(stop) == 5 and stop in text
+    got = await two.generate(prompt="Once upon a time", raw=True, max_tokens=40, stop=["zzz-never", stop])
+    assert got["finish_reason"] == "stop"
+    assert got["text"] == text[: text.index(stop)]
+    assert stop not in got["text"]
+
+
+async def test_prompt_too_long_is_a_clear_error(two):
+    with pytest.raises(ControlError) as err:
+        await two.generate(prompt="word " * 1200, raw=True, max_tokens=8)
+    assert err.value.code == "bad_request"
+    assert "context holds 1024" in str(err.value)
+    await two.wait_all_released()
+
+
+async def test_seeded_sampling_reproducible_across_runs_and_shapes(single, two, three):
+    kw = dict(prompt="Tell me about the sea.", max_tokens=24, temperature=0.9, top_k=40, top_p=0.95, seed=4242)
+    first = await two.generate(**kw)
+    assert (await two.generate(**kw))["tokens"] == first["tokens"]
+    assert (await three.generate(**kw))["tokens"] == first["tokens"]
+    assert (await single.generate(**kw))["tokens"] == first["tokens"]
+    other = await two.generate(**{**kw, "seed": 7})
+    assert other["tokens"] != first["tokens"]
+
+
+async def test_concurrent_generations_batch_and_match_alone(two):
+    prompts = [f"Write one sentence about the number {i}." for i in range(8)]
+    alone = [(await two.generate(prompt=p, max_tokens=16))["tokens"] for p in prompts]
+    before = (await two.stage_sessions())[1]["scheduler"]
+    results: list = [None] * 8
+
+    async def run(i: int) -> None:
+        results[i] = (await two.generate(prompt=prompts[i], max_tokens=16))["tokens"]
+
+    async with trio.open_nursery() as nursery:
+        for i in range(8):
+            nursery.start_soon(run, i)
+    assert results == alone
+    after = (await two.stage_sessions())[1]["scheduler"]
+    assert after["multi_seq_batches"] > before["multi_seq_batches"]
+    assert after["max_batch_seqs"] >= 2
+    await two.wait_all_released()
+
+
+async def test_kill_mid_decode_ends_within_a_token_and_frees_everything(two):
+    async with open_control(two.head.url, two.head.token_file) as client:
+        gen = m.Generate(id="g", prompt="Count slowly from one to one thousand:", raw=True, max_tokens=400)
+        await client.ws.send_message(m.dump(gen))
+        pieces = 0
+        while pieces < 5:
+            reply = m.parse_reply(await client.ws.get_message())
+            pieces += isinstance(reply, m.Piece)
+        sessions = await client.call(m.SessionsList(id=client.new_id()))
+        assert len(sessions) == 1 and sessions[0]["state"] == "decode"
+        killed_at = time.monotonic()
+        await client.call(m.SessionKill(id=client.new_id(), session_id=sessions[0]["session_id"]))
+        while True:
+            reply = m.parse_reply(await client.ws.get_message())
+            if isinstance(reply, m.Result):
+                break
+        assert reply.result["finish_reason"] == "cancelled"
+        assert time.monotonic() - killed_at < 1.0
+        assert len(reply.result["tokens"]) < 400
+    await two.wait_all_released(timeout=2)
+    async with open_control(two.head.url, two.head.token_file) as client:
+        lanes = await client.call(m.LanesList(id=client.new_id()))
+    assert all(lane["state"] == "idle" for lane in lanes["lanes"])
+    assert (await two.generate(prompt="Hello", max_tokens=4))["finish_reason"] in ("length", "stop")
+
+
+async def test_stage_restart_fails_in_flight_then_recovers(default_model_path, tmp_path):
+    split_for_test(default_model_path, 2, tmp_path)
+    pipe = Pipeline(tmp_path / "topology.toml", tmp_path, extra=COMMON)
+    await trio.to_thread.run_sync(pipe.start)  # start() waits synchronously
+    try:
+        async with open_control(pipe.head.url, pipe.head.token_file) as client:
+            await client.ws.send_message(m.dump(m.Generate(id="g", prompt="Count from one to five hundred:",
+                                                          raw=True, max_tokens=400)))
+            for _ in range(3):
+                m.parse_reply(await client.ws.get_message())
+            pipe.stages[1].kill()
+            killed_at = time.monotonic()
+            while True:
+                reply = m.parse_reply(await client.ws.get_message())
+                if not isinstance(reply, m.Piece):
+                    break
+            assert isinstance(reply, m.Error)
+            assert time.monotonic() - killed_at < 2.0
+            assert "stage" in reply.message and reply.retryable
+        # while stage 1 is down: a clear, retryable refusal
+        with pytest.raises(ControlError) as err:
+            await pipe.generate(prompt="Hello", max_tokens=4)
+        assert err.value.code == "unavailable"
+        await trio.to_thread.run_sync(pipe.start_stage, 1)
+        got = await pipe.generate(prompt="The capital of France is", raw=True, max_tokens=8)
+        assert len(got["tokens"]) == 8
+        await pipe.wait_all_released()
+    finally:
+        codes = await trio.to_thread.run_sync(pipe.stop)
+    assert codes[0] == 0
+
+
+def test_stop_matcher_holds_back_partial_stops():
+    sm = StopMatcher(["END"])
+    assert sm.push("abc E") == ("abc ", False)
+    assert sm.push("N") == ("", False)
+    assert sm.push("Dxyz") == ("", True)
+    sm = StopMatcher(["END"])
+    assert sm.push("abc EN") == ("abc ", False)
+    assert sm.push("x") == ("ENx", False)
+    assert sm.flush() == ""
