@@ -7,6 +7,7 @@ no live session.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -47,7 +48,8 @@ def single(default_model_path, tmp_path_factory):
 def two(default_model_path, tmp_path_factory):
     work = tmp_path_factory.mktemp("two")
     split_for_test(default_model_path, 2, work)
-    pipe = Pipeline(work / "topology.toml", work, extra=COMMON).start()
+    pipe = Pipeline(work / "topology.toml", work, extra=[*COMMON, "--receipts", str(work / "receipts.jsonl")])
+    pipe.start()
     yield pipe
     assert all(code == 0 for code in pipe.stop().values())
 
@@ -197,6 +199,20 @@ async def test_stage_restart_fails_in_flight_then_recovers(default_model_path, t
     finally:
         codes = await trio.to_thread.run_sync(pipe.stop)
     assert codes[0] == 0
+
+
+async def test_receipts_kept_and_appended(two):
+    got = await two.generate(prompt="Name a colour.", max_tokens=6)
+    lines = [json.loads(line) for line in (two.workdir / "receipts.jsonl").read_text().splitlines()]
+    receipt = next(r for r in lines if r["session_id"] == got["session_id"])
+    assert receipt["tokens"] == got["tokens"]
+    assert receipt["termination"] == got["finish_reason"]
+    assert receipt["final_position"] == got["usage"]["prompt_tokens"] + len(got["tokens"]) - (
+        1 if got["finish_reason"] == "length" else 0)
+    assert len(receipt["prompt_sha256"]) == 64
+    async with open_control(two.head.url, two.head.token_file) as client:
+        kept = await client.call(m.Receipts(id=client.new_id(), limit=5))
+    assert kept[-1]["session_id"] == got["session_id"]
 
 
 def test_stop_matcher_holds_back_partial_stops():
