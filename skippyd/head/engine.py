@@ -165,13 +165,16 @@ PieceCallback = Callable[[str], Awaitable[None]]
 class HeadEngine:
     def __init__(self, model: llama.Model, context: llama.Context, scheduler: Scheduler,
                  pool: LanePool | None, *, prefill_chunk: int = 256, receipts_file: Path | None = None,
-                 receipts_kept: int = 256):
+                 receipts_kept: int = 256, queue_timeout: float = 30.0):
         self.model = model
         self.context = context
         self.scheduler = scheduler
         self.pool = pool
         self.prefill_chunk = max(1, min(prefill_chunk, context.n_batch))
         self.sessions = SessionTable(context.n_seq_max)
+        # admission: a generation waits (up to queue_timeout) for one of the head's sequence slots
+        self.slots = trio.Semaphore(context.n_seq_max)
+        self.queue_timeout = queue_timeout
         self.live: dict[int, LiveGeneration] = {}
         self.receipts: deque[Receipt] = deque(maxlen=receipts_kept)
         self.receipts_file = receipts_file
@@ -190,7 +193,10 @@ class HeadEngine:
             messages = [{"role": "user", "content": req.prompt or ""}]
         if req.system and not any(m.get("role") == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": req.system})
-        text = self.model.apply_chat_template(messages, add_assistant=True)
+        try:
+            text = self.model.apply_chat_template(messages, add_assistant=True)
+        except llama.InvalidArgumentError as exc:
+            raise GenerationError(f"{exc} (send a raw prompt instead)", status=400) from exc
         return self.model.tokenize(text, add_special=False, parse_special=True)
 
     # ------------------------------------------------------------------ generate
@@ -301,10 +307,15 @@ class _Run:
     # ------------------------------------------------------------------ steps
     async def execute(self) -> None:
         engine = self.engine
+        with trio.move_on_after(engine.queue_timeout) as waited:
+            await engine.slots.acquire()
+        if waited.cancelled_caught:
+            raise GenerationError(f"no free session slot within {engine.queue_timeout:g} s (all "
+                                  f"{engine.context.n_seq_max} busy)", retryable=True, status=503)
         try:
             try:
                 self.session = engine.sessions.open(0, self.live.session_id, self.live.request_id)
-            except NoFreeSlot as exc:
+            except NoFreeSlot as exc:  # cannot happen while the semaphore guards the slots
                 raise GenerationError(f"head: {exc}", retryable=True, status=503) from exc
             self.live.seq = self.session.seq
             if engine.pool is not None:
@@ -320,8 +331,11 @@ class _Run:
             self.live.state = "decode"
             await self._decode_loop(token)
         finally:
-            with trio.move_on_after(STOP_TIMEOUT_S, shield=True):
-                await self._cleanup()
+            try:
+                with trio.move_on_after(STOP_TIMEOUT_S, shield=True):
+                    await self._cleanup()
+            finally:
+                engine.slots.release()
 
     async def _checkout(self) -> Lane:
         from skippyd.head.lanes import Draining, NoLaneAvailable
@@ -351,11 +365,13 @@ class _Run:
         lane = self.lane
         lane.dirty = True
         try:
-            reply, _, _, _ = await lane.link.request(msg)
+            reply, sent, write_us, wait_us = await lane.link.request(msg)
         except DownstreamError as exc:
             raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502) from exc
         lane.dirty = False
-        self.stats = merge(self.stats, reply.stats)
+        # the head's own hop (stage_count 0: it is not another stage's report)
+        hop = StageStats(forward_write_us=write_us, downstream_wait_us=wait_us, bytes_sent=sent)
+        self.stats = merge(self.stats, merge(hop, reply.stats))
         if isinstance(reply, ErrorReply):
             raise GenerationError(f"stage error ({reply.code.name.lower()}): {reply.message}",
                                   retryable=reply.code.name in ("NO_CAPACITY", "SHUTTING_DOWN"),

@@ -20,7 +20,7 @@ log = logging.getLogger("skippyd.head")
 
 class HeadNode:
     def __init__(self, config: StageConfig, *, topology: Topology | None = None, model_path: Path | None = None,
-                 prefill_chunk: int = 256, receipts_file: Path | None = None):
+                 prefill_chunk: int = 256, receipts_file: Path | None = None, queue_timeout: float = 30.0):
         if topology is None and model_path is None:
             raise ValueError("the head needs a topology or a model file")
         self.config = config
@@ -28,6 +28,7 @@ class HeadNode:
         self.model_path = Path(model_path) if model_path else topology.stage(0).file
         self.prefill_chunk = prefill_chunk
         self.receipts_file = receipts_file
+        self.queue_timeout = queue_timeout
         self.engine: HeadEngine | None = None
         self.pool: LanePool | None = None
         self.model: Model | None = None
@@ -54,9 +55,10 @@ class HeadNode:
                 hello = Hello(fingerprint=topo.source_sha256, stage_index=0, layer_start=s0.layer_start,
                               layer_end=s0.layer_end, n_layer=topo.n_layer, n_embd=topo.n_embd, node="head")
                 self.pool = LanePool(s1.host, s1.port, hello, capacity=cfg.lanes, credit_limit=cfg.credit_limit,
-                                     connect_timeout=cfg.connect_timeout_s, reply_timeout=cfg.reply_timeout_s)
+                                     connect_timeout=cfg.connect_timeout_s, reply_timeout=cfg.reply_timeout_s,
+                                     queue_timeout=self.queue_timeout)
             self.engine = HeadEngine(self.model, context, scheduler, self.pool, prefill_chunk=self.prefill_chunk,
-                                     receipts_file=self.receipts_file)
+                                     receipts_file=self.receipts_file, queue_timeout=self.queue_timeout)
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(scheduler.serve)
