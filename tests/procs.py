@@ -7,9 +7,11 @@ cleanup on stages that are not the head.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -39,6 +41,18 @@ def free_ports(n: int) -> list[int]:
 def split_for_test(model: Path, n_stages: int, out_dir: Path) -> Topology:
     ports = free_ports(n_stages)
     return split_model(model, None, out_dir, stages=n_stages, hosts=[f"127.0.0.1:{p}" for p in ports])
+
+
+def retarget(topology_path: Path, out_dir: Path) -> Path:
+    """A copy of a topology in `out_dir` with fresh loopback ports, sharing the stage files (no second split)."""
+    import attrs
+
+    topo = Topology.load(topology_path)
+    ports = free_ports(len(topo.stages))
+    stages = [attrs.evolve(s, host="127.0.0.1", port=p) for s, p in zip(topo.stages, ports)]
+    out = out_dir / "topology.toml"
+    attrs.evolve(topo, stages=stages).dump(out)
+    return out
 
 
 class Daemon:
@@ -89,6 +103,10 @@ class Daemon:
 
     def stop(self, timeout: float = 20.0) -> int:
         self.signal(signal.SIGTERM)
+        return self.wait_exit(timeout)
+
+    def wait_exit(self, timeout: float = 20.0) -> int:
+        """Wait for the process to exit (SIGKILL after `timeout`); its exit code."""
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -121,6 +139,12 @@ class Pipeline:
             d.wait_ready()
         return d
 
+    async def astart_stage(self, k: int) -> Daemon:
+        """`start_stage` from inside trio (waits for readiness in a worker thread)."""
+        d = self.start_stage(k, wait=False)
+        await trio.to_thread.run_sync(d.wait_ready)
+        return d
+
     def start(self) -> Pipeline:
         for k in reversed(range(len(self.topology.stages))):
             self.start_stage(k, wait=False)
@@ -128,24 +152,38 @@ class Pipeline:
             self.stages[k].wait_ready()
         return self
 
+    def start_all_in_one(self) -> Pipeline:
+        """Every stage in one daemon (`--stage all`); `stages` maps each index to that daemon."""
+        d = Daemon(["--topology", str(self.topology_path), "--stage", "all", *self.extra], self.workdir, "all",
+                   env=self.env)
+        self.stages = {k: d for k in range(len(self.topology.stages))}
+        d.wait_ready()
+        return self
+
     @property
     def head(self) -> Daemon:
         return self.stages[0]
 
     def stop(self) -> dict[int, int]:
-        return {k: d.stop() for k, d in self.stages.items()}
+        """SIGTERM every daemon (each once) and return the exit codes by stage index."""
+        daemons = {id(d): d for d in self.stages.values()}
+        for d in daemons.values():
+            d.signal(signal.SIGTERM)
+        codes = {key: d.wait_exit() for key, d in daemons.items()}
+        return {k: codes[id(d)] for k, d in self.stages.items()}
 
     async def stage_sessions(self) -> dict[int, dict]:
-        """Per stage: live sessions and free slots (head included)."""
+        """Per stage: live sessions and free slots (head included; every stage of a `--stage all` daemon)."""
         out = {}
-        for k, d in self.stages.items():
+        for d in {id(d): d for d in self.stages.values()}.values():
             if d.proc.poll() is not None:
                 continue
             st = await d.astatus()
-            snap = st["head"] if k == 0 else st["stages"][0]
-            out[k] = {"live": snap["live_sessions"], "free": snap["free_slots"], "n_seq_max": snap["n_seq_max"],
-                      "scheduler": snap.get("scheduler", {})}
-        return out
+            snaps = ([st["head"]] if st.get("head") else []) + list(st["stages"])
+            for snap in snaps:
+                out[snap["stage_index"]] = {"live": snap["live_sessions"], "free": snap["free_slots"],
+                                            "n_seq_max": snap["n_seq_max"], "scheduler": snap.get("scheduler", {})}
+        return dict(sorted(out.items()))
 
     async def wait_all_released(self, timeout: float = 2.0) -> dict[int, dict]:
         """Wait until every live stage reports zero sessions and every slot free."""
@@ -161,3 +199,112 @@ class Pipeline:
     async def generate(self, **kw) -> dict:
         async with open_control(self.head.url, self.head.token_file) as client:
             return await client.call(m.Generate(id=client.new_id(), stream=False, **kw))
+
+
+class Stage0Driver:
+    """Plays stage 0 in the test process: runs the stage-0 slice and speaks the wire protocol to stage 1.
+
+    It uses the daemon's own `DownstreamLink`, so what it sends is exactly what
+    a head sends; unlike a head it can stop anywhere (mid-prefill, mid-decode)
+    and drop the connection abruptly (`reset`).
+    """
+
+    def __init__(self, topology: Topology, *, n_ctx: int = 2048):
+        from skippyd.runtime.llama import Context, ContextParams, Model
+        from skippyd.wire.messages import Hello
+
+        spec = topology.stage(0)
+        self.topology = topology
+        self.model = Model(spec.file)
+        self.ctx = Context(self.model, ContextParams(n_ctx_per_seq=n_ctx, n_seq_max=1, n_threads=1))
+        self.hello = Hello(fingerprint=topology.source_sha256, stage_index=0, layer_start=spec.layer_start,
+                           layer_end=spec.layer_end, n_layer=topology.n_layer, n_embd=topology.n_embd,
+                           node="test-driver")
+        self._ids = itertools.count(1)
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    async def connect(self, hello=None, **kw):
+        """A DownstreamLink to stage 1 (raises DownstreamError if refused)."""
+        from skippyd.stage.downstream import DownstreamLink
+
+        s1 = self.topology.stage(1)
+        return await DownstreamLink.connect(s1.host, s1.port, hello or self.hello, **kw)
+
+    @staticmethod
+    async def reset(link) -> None:
+        """Close the connection with a TCP reset (SO_LINGER 0) instead of a FIN."""
+        link.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await link.aclose()
+
+    def tokenize(self, text: str):
+        return self.model.tokenize(text, add_special=True, parse_special=False)
+
+    def hidden(self, tokens, pos: int):
+        """Stage 0's hidden states for `tokens` at positions [pos, pos+n) (a fresh session starts at 0)."""
+        import numpy as np
+
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if pos == 0:
+            self.ctx.kv_clear_seq(0)
+        self.ctx.decode(np.arange(pos, pos + len(tokens), dtype=np.int32), np.zeros(len(tokens), dtype=np.int32),
+                        tokens=tokens)
+        return self.ctx.hidden()
+
+    async def request(self, link, msg):
+        reply, *_ = await link.request(msg)
+        return reply
+
+    async def configure(self, link, session_id: int):
+        from skippyd.wire.messages import ConfigureGeneration, SamplingParams
+
+        return await self.request(link, ConfigureGeneration(self.next_id(), session_id, SamplingParams.greedy()))
+
+    async def send_prefill(self, link, session_id: int, tokens, *, chunk: int, final: bool = True):
+        """Prefill `tokens` from position 0 in chunks; returns the final chunk's reply (None if not `final`)."""
+        from skippyd.wire.messages import PrefillChunk
+
+        n = len(tokens)
+        for lo in range(0, n, chunk):
+            part = tokens[lo:lo + chunk]
+            last = lo + chunk >= n
+            msg = PrefillChunk(self.next_id(), session_id, lo, part, self.hidden(part, lo), final=last and final)
+            if last and final:
+                return await self.request(link, msg)
+            await link.send_deferred(msg)
+        return None
+
+    def decode_msg(self, session_id: int, token: int, pos: int):
+        import numpy as np
+
+        from skippyd.wire.messages import DecodeStep
+
+        tokens = np.array([token], dtype=np.int32)
+        return DecodeStep(self.next_id(), session_id, pos, tokens, self.hidden(tokens, pos))
+
+    async def stop(self, link, session_id: int):
+        from skippyd.wire.messages import Stop
+
+        return await self.request(link, Stop(self.next_id(), session_id))
+
+    async def generate(self, link, session_id: int, prompt, n: int, *, chunk: int = 16) -> list[int]:
+        """A whole greedy generation of `n` tokens over `link` (no EOG check), then Stop."""
+        from skippyd.wire.messages import Ack, PredictedToken
+
+        assert isinstance(await self.configure(link, session_id), Ack)
+        reply = await self.send_prefill(link, session_id, prompt, chunk=chunk)
+        assert isinstance(reply, PredictedToken), reply
+        out = [reply.token]
+        pos = len(prompt)
+        while len(out) < n:
+            reply = await self.request(link, self.decode_msg(session_id, out[-1], pos))
+            assert isinstance(reply, PredictedToken), reply
+            out.append(reply.token)
+            pos += 1
+        assert isinstance(await self.stop(link, session_id), Ack)
+        return out

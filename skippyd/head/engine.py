@@ -49,6 +49,7 @@ from skippyd.wire.messages import (
 log = logging.getLogger("skippyd.head")
 
 STOP_TIMEOUT_S = 2.0
+PIECE_SEND_TIMEOUT_S = 10.0
 
 
 class GenerationError(Exception):
@@ -449,7 +450,9 @@ class _Run:
         if text:
             self.text_parts.append(text)
             if self.on_piece is not None:
-                await self.on_piece(text)
+                # shielded: a kill must not cut a client's message in half (bounded for a stalled client)
+                with trio.CancelScope(shield=True), trio.move_on_after(PIECE_SEND_TIMEOUT_S):
+                    await self.on_piece(text)
 
     async def _cleanup(self) -> None:
         engine = self.engine

@@ -10,7 +10,6 @@ finish, idle lanes close); ``undrain`` restores service.
 from __future__ import annotations
 
 import itertools
-import select
 import logging
 import time
 
@@ -169,9 +168,4 @@ class LanePool:
 
 
 def _looks_alive(link: DownstreamLink | None) -> bool:
-    """An idle lane has nothing to read: readable means EOF, a reset, or a stray frame."""
-    if link is None or link.broken:
-        return False
-    poller = select.poll()
-    poller.register(link.stream.socket.fileno(), select.POLLIN | select.POLLPRI)
-    return not poller.poll(0)
+    return link is not None and link.looks_alive()

@@ -95,20 +95,13 @@ class UpstreamConnection:
         try:
             try:
                 await handshake_server(self.stream, self.server.hello, timeout=cfg.handshake_timeout_s,
-                                       receive=receive)
+                                       receive=receive, admit=self._admit)
             except HandshakeRefused as exc:
-                log.warning("stage %d: refused upstream %s: %s", self.server.index, self.peer_desc, exc.reason)
+                if exc.by_peer:  # e.g. a status probe, which declines once it has seen our Hello
+                    log.info("stage %d: upstream %s declined: %s", self.server.index, self.peer_desc, exc.reason)
+                else:
+                    log.warning("stage %d: refused upstream %s: %s", self.server.index, self.peer_desc, exc.reason)
                 return
-            if not self.server.is_final:
-                nxt = self.server.next_stage
-                try:
-                    self.down = await DownstreamLink.connect(
-                        nxt.host, nxt.port, self.server.hello, connect_timeout=cfg.connect_timeout_s,
-                        credit_limit=cfg.credit_limit, reply_timeout=cfg.reply_timeout_s)
-                except DownstreamError as exc:
-                    log.warning("stage %d: %s", self.server.index, exc)
-                    await self._fail_connection(ErrorCode.DOWNSTREAM_FAILED, str(exc))
-                    return
             self.server.connections[self.conn_id] = self
             limits = Limits(max_tokens=min(self.server.context.n_batch, 8192))
             while True:
@@ -134,6 +127,47 @@ class UpstreamConnection:
                 await self.down.aclose()
             await trio.aclose_forcefully(self.stream)
 
+    async def _admit(self, peer) -> str | None:
+        """Handshake hook: a middle stage opens its downstream connection before accepting an upstream.
+
+        So a lane is accepted only when it leads all the way to the final
+        stage; otherwise the upstream is refused with the reason (and a head
+        backs off instead of holding lanes that lead nowhere).
+        """
+        if self.server.is_final:
+            return None
+        try:
+            self.down = await self._connect_downstream()
+        except DownstreamError as exc:  # logged as the refusal
+            return f"downstream unavailable: stage {self.server.index + 1} at {exc.address}: {exc.detail}"
+        return None
+
+    async def _connect_downstream(self) -> DownstreamLink:
+        cfg = self.server.config
+        nxt = self.server.next_stage
+        # inside our own handshake: leave the upstream time to hear why, if we fail
+        timeout = min(cfg.connect_timeout_s, 0.8 * cfg.handshake_timeout_s)
+        return await DownstreamLink.connect(nxt.host, nxt.port, self.server.hello, connect_timeout=timeout,
+                                            credit_limit=cfg.credit_limit, reply_timeout=cfg.reply_timeout_s,
+                                            write_timeout=cfg.write_timeout_s)
+
+    async def _ensure_downstream(self) -> None:
+        """Before a lane's next generation: reopen the downstream connection if the next stage dropped it.
+
+        An idle lane does not notice that the next stage went away (restarted,
+        say) until it forwards something; a new generation on this lane would
+        then fail for nothing. Only done while this connection holds no
+        session, so no downstream state is lost. Raises DownstreamError.
+        """
+        down = self.down
+        if down is None or self.server.sessions.owned_by(self.conn_id) or down.looks_alive():
+            return
+        log.info("stage %d: the connection to stage %d was closed; reconnecting", self.server.index,
+                 self.server.index + 1)
+        self.down = None
+        await down.aclose()
+        self.down = await self._connect_downstream()
+
     async def _release_all(self) -> None:
         for session in self.server.sessions.owned_by(self.conn_id):
             await self.server.release(session)
@@ -150,16 +184,18 @@ class UpstreamConnection:
         await write_frame(self.stream, reply, timeout=self.server.config.write_timeout_s)
 
     # ------------------------------------------------------------------ dispatch
+    _HANDLERS = {
+        ConfigureGeneration: "on_configure",
+        PrefillChunk: "on_prefill",
+        DecodeStep: "on_decode",
+        VerifyWindow: "on_verify_window",
+        TrimSession: "on_trim",
+        Stop: "on_stop",
+        Ping: "on_ping",
+    }
+
     async def dispatch(self, msg) -> None:
-        handler = {
-            ConfigureGeneration: self.on_configure,
-            PrefillChunk: self.on_prefill,
-            DecodeStep: self.on_decode,
-            VerifyWindow: self.on_verify_window,
-            TrimSession: self.on_trim,
-            Stop: self.on_stop,
-            Ping: self.on_ping,
-        }[type(msg)]
+        handler = getattr(self, self._HANDLERS[type(msg)])
         session_id = getattr(msg, "session_id", 0)
         try:
             await handler(msg)
@@ -167,8 +203,9 @@ class UpstreamConnection:
             await self.reply(ErrorReply(msg.request_id, session_id, exc.code, exc.message[:4000],
                                         stats=self._own_stats()))
         except DownstreamError as exc:
-            await self.reply(ErrorReply(msg.request_id, session_id, ErrorCode.DOWNSTREAM_FAILED,
-                                        f"stage {self.server.index + 1} failed: {exc}"[:4000]))
+            if not (isinstance(msg, PrefillChunk) and not msg.final):  # a non-final chunk was acked already
+                await self.reply(ErrorReply(msg.request_id, session_id, ErrorCode.DOWNSTREAM_FAILED,
+                                            f"stage {self.server.index + 1} failed: {exc}"[:4000]))
             raise
 
     def _own_stats(self, job: Job | None = None, *, write_us: int = 0, wait_us: int = 0,
@@ -189,6 +226,8 @@ class UpstreamConnection:
         if session is None:
             if not create:
                 raise RequestFailed(ErrorCode.UNKNOWN_SESSION, f"unknown session {msg.session_id}")
+            if self.server.draining:
+                raise RequestFailed(ErrorCode.SHUTTING_DOWN, f"stage {self.server.index} is shutting down")
             try:
                 session = self.server.sessions.open(self.conn_id, msg.session_id, msg.request_id)
             except NoFreeSlot as exc:
@@ -239,10 +278,14 @@ class UpstreamConnection:
 
     # ------------------------------------------------------------------ handlers
     async def on_configure(self, msg: ConfigureGeneration) -> None:
+        await self._ensure_downstream()
         session = self._session(msg, create=True)
         session.request_id = msg.request_id
         self._deferred.pop(msg.session_id, None)
         if self.server.is_final:
+            if msg.direct_return:  # fail closed: the token-return connection is not implemented yet
+                await self.server.release(session)
+                raise RequestFailed(ErrorCode.INTERNAL, "direct token return is not supported by this stage")
             params = runtime_sampling(msg.sampling)
             if session.sampler is not None:
                 session.sampler.close()

@@ -10,6 +10,7 @@ stats into the reply.
 
 from __future__ import annotations
 
+import select
 import time
 
 import trio
@@ -26,6 +27,7 @@ class DownstreamError(Exception):
     def __init__(self, address: str, message: str):
         super().__init__(f"stage at {address}: {message}")
         self.address = address
+        self.detail = message
 
 
 class DownstreamLink:
@@ -61,6 +63,29 @@ class DownstreamLink:
             raise DownstreamError(address, f"handshake failed: {exc}") from exc
         return cls(stream, peer, address, receive, credit_limit=credit_limit, reply_timeout=reply_timeout,
                    write_timeout=write_timeout)
+
+    def looks_alive(self) -> bool:
+        """Non-blocking check between requests: False once the next stage closed or reset the connection.
+
+        With nothing outstanding the next stage has nothing to say, so a
+        readable socket means EOF, a reset, or a frame nobody asked for.
+        While acks are outstanding the answer is True (unknown).
+        """
+        if self.broken:
+            return False
+        if self.pending_acks:
+            return True
+        if self._receive.buffered:
+            return False
+        try:
+            fd = self.stream.socket.fileno()
+        except AttributeError:  # not a socket (memory streams in tests)
+            return True
+        if fd < 0:
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+        return not poller.poll(0)
 
     async def aclose(self) -> None:
         self.broken = True

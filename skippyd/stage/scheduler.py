@@ -161,7 +161,7 @@ class Scheduler:
             results = await trio.to_thread.run_sync(self._compute_sync, batch)
         except BaseException as exc:  # noqa: BLE001 - every waiter must be woken
             for job in batch:
-                job.error = exc if isinstance(exc, Exception) else trio.Cancelled
+                job.error = exc if isinstance(exc, Exception) else trio.ClosedResourceError("scheduler stopped")
                 job.done.set()
             if not isinstance(exc, Exception):
                 raise

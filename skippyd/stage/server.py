@@ -58,6 +58,7 @@ class StageServer:
         self.sessions = SessionTable(config.lanes)
         self.connections: dict[int, UpstreamConnection] = {}
         self.port: int | None = None
+        self.draining = False  # see begin_drain
         self.hello = Hello(
             fingerprint=topology.source_sha256,
             stage_index=index,
@@ -96,6 +97,12 @@ class StageServer:
                 self.context.close()
             self.model.close()
 
+    def begin_drain(self) -> None:
+        """Refuse new sessions (SHUTTING_DOWN); running ones go on until they end or the stage is cancelled."""
+        if not self.draining:
+            log.info("stage %d: draining: no new sessions (%d running)", self.index, len(self.sessions.live))
+        self.draining = True
+
     async def _handle(self, stream: trio.SocketStream) -> None:
         await UpstreamConnection(self, stream).serve()
 
@@ -118,6 +125,7 @@ class StageServer:
             stage_index=self.index,
             layers=[self.spec.layer_start, self.spec.layer_end],
             connections=len(self.connections),
+            draining=self.draining,
             scheduler=attrs.asdict(self.scheduler.stats) if self.scheduler else {},
             queued=self.scheduler.queued if self.scheduler else 0,
         )

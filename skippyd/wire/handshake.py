@@ -21,11 +21,17 @@ reason starts with the name of the check that failed:
 * ``role mismatch: …``
 * ``invalid layer range: …``
 * ``non-adjacent stage: …``
+
+A middle stage may also refuse an otherwise valid upstream with
+``downstream unavailable: stage K+1 at HOST:PORT: …`` when it cannot open its
+own connection to the next stage (see the ``admit`` hook of
+:func:`handshake_server`).
 """
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -143,17 +149,26 @@ async def handshake_server(
     timeout: float,
     receive: ReceiveBuffer | None = None,
     limits: Limits = DEFAULT_LIMITS,
+    admit: Callable[[Hello], Awaitable[str | None]] | None = None,
 ) -> Hello:
     """Acceptor side: check the dialer's Hello, answer with ours, await its verdict.
 
     Returns the peer's Hello. On refusal (by us) the peer gets a HelloReply
     with the reason and HandshakeRefused is raised; the caller closes the
     stream and logs ``exc.reason``.
+
+    ``admit`` (optional) runs once the peer's Hello passed the checks and
+    before we answer: it returns a refusal reason, or None to accept. A
+    middle stage uses it to open its own downstream connection first, so that
+    an upstream is refused (with the reason) rather than accepted onto a lane
+    that leads nowhere.
     """
     receive = receive if receive is not None else ReceiveBuffer(stream, read_size=0)
     peer = await _read_peer_hello(stream, receive, limits, timeout, {HandshakeKind.HELLO})
     assert isinstance(peer, Hello)
     reason = check_hello(my_hello, peer, dialer=False)
+    if reason is None and admit is not None:
+        reason = await admit(peer)
     if reason is not None:
         await _refuse(stream, reason, timeout)
         raise HandshakeRefused(reason, by_peer=False)

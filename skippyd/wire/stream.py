@@ -18,6 +18,7 @@ safe too: it then reads exactly what each frame needs and nothing more.
 
 from __future__ import annotations
 
+import errno
 import math
 from collections.abc import Container
 
@@ -57,15 +58,20 @@ class ReceiveBuffer:
     bytes, allocated once at its final size and filled by ``receive_some``
     (short reads handled), so callers can keep numpy views of it. Small reads
     ask the stream for ``read_size`` bytes and keep the surplus for the next
-    call; reads of ``read_size`` or more ask for exactly what is missing.
-    ``read_size=0`` never reads ahead.
+    call; reads of ``read_size`` or more ask for exactly what is missing, and
+    on a ``trio.SocketStream`` they are received straight into the returned
+    buffer (``recv_into``), so an activation goes from the socket into the
+    array numpy will view without another copy. ``read_size=0`` never reads
+    ahead.
     """
 
-    __slots__ = ("stream", "_read_size", "_pending", "_pos")
+    __slots__ = ("stream", "_read_size", "_pending", "_pos", "_socket")
 
     def __init__(self, stream: trio.abc.ReceiveStream, *, read_size: int = DEFAULT_READ_SIZE) -> None:
         self.stream = stream
         self._read_size = read_size
+        # reads of read_size or more on a socket go through recv_into: no intermediate bytes object
+        self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
         self._pending: Buffer = b""
         self._pos = 0
 
@@ -96,11 +102,16 @@ class ReceiveBuffer:
                 self._pending, self._pos = b"", 0
         while filled < n:
             missing = n - filled
+            if self._socket is not None and missing >= self._read_size:
+                # a large payload (an activation): straight from the socket into its final buffer
+                got = await self._recv_into(view[filled:])
+                if not got:
+                    _raise_eof(filled, n, frame_started)
+                filled += got
+                continue
             data = await self._receive_some(max(missing, self._read_size))
             if not data:
-                if filled == 0 and not frame_started:
-                    raise PeerClosed("peer closed the connection")
-                raise PeerClosed(f"peer closed mid-frame ({filled} of {n} bytes read)", mid_frame=True)
+                _raise_eof(filled, n, frame_started)
             got = len(data)
             if got <= missing:
                 view[filled : filled + got] = data
@@ -110,11 +121,25 @@ class ReceiveBuffer:
                 filled = n
                 self._pending, self._pos = data, missing
 
+    async def _recv_into(self, view: memoryview) -> int:
+        try:
+            return await self._socket.recv_into(view)
+        except OSError as exc:  # the same mapping as trio.SocketStream.receive_some
+            if exc.errno == errno.EBADF:
+                raise trio.ClosedResourceError("this socket was already closed") from None
+            raise PeerClosed(f"connection broken: {exc}", mid_frame=True) from exc
+
     async def _receive_some(self, max_bytes: int) -> Buffer:
         try:
             return await self.stream.receive_some(max_bytes)
         except trio.BrokenResourceError as exc:
             raise PeerClosed(f"connection broken: {exc}", mid_frame=True) from exc
+
+
+def _raise_eof(filled: int, n: int, frame_started: bool):
+    if filled == 0 and not frame_started:
+        raise PeerClosed("peer closed the connection")
+    raise PeerClosed(f"peer closed mid-frame ({filled} of {n} bytes read)", mid_frame=True)
 
 
 def _deadline(timeout: float) -> float:
