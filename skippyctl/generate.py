@@ -29,8 +29,10 @@ def generate(
 ) -> None:
     """Generate a reply; text streams to the terminal. Ctrl-C cancels it on the daemon."""
     g = ctx.obj
+    printed = False  # whether streamed text is on the terminal (then errors start on a new line)
 
     async def go() -> dict:
+        nonlocal printed
         async with open_control(g.url, g.token_file) as client:
             request = m.Generate(id=client.new_id(), prompt=prompt, system=system, raw=raw, max_tokens=max_tokens,
                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -39,6 +41,7 @@ def generate(
                 if isinstance(reply, m.Piece):
                     sys.stdout.write(reply.text)
                     sys.stdout.flush()
+                    printed = True
                 elif isinstance(reply, m.Error):
                     raise ControlError(reply.message, code=reply.code)
                 elif isinstance(reply, m.Result):
@@ -48,12 +51,15 @@ def generate(
     try:
         result = trio.run(go)
     except ControlError as exc:
-        if not json_mode:
+        if printed:
             sys.stdout.write("\n")
         fail(str(exc), EXIT_USAGE if exc.code == "bad_request" else 1)
     except KeyboardInterrupt:
         # closing the connection cancels the generation on the daemon
-        sys.stderr.write("\ncancelled\n")
+        if printed:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        sys.stderr.write("cancelled\n")
         raise typer.Exit(130)
     if json_mode:
         keep = ("text", "tokens", "finish_reason", "usage", "timings", "session_id", "request_id")
@@ -64,3 +70,8 @@ def generate(
         sys.stderr.write(f"[{result['finish_reason']}: {result['usage']['prompt_tokens']} prompt + "
                          f"{result['usage']['completion_tokens']} generated tokens, ttft {t['ttft_ms']:.0f} ms, "
                          f"{t['decode_tokens_per_s']:.1f} tok/s]\n")
+    sys.stdout.flush()
+    if result["finish_reason"] in ("cancelled", "error"):
+        # killed on the daemon (skippyctl sessions kill, or a shutdown past its grace period)
+        fail(f"the generation ended early: {result['finish_reason']}" +
+             (f" ({result['error']})" if result.get("error") else ""))

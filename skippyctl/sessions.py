@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.table import Table
+from rich.table import Column, Table
 
 from skippyctl.client import ControlError, call_once
 from skippyctl.render import emit, fail
@@ -16,12 +16,21 @@ app = typer.Typer(help="Inspect and kill running generations (sessions).", no_ar
 JSON = Annotated[bool, typer.Option("--json", help="Plain JSON on stdout.")]
 
 
-def _table(rows: list[dict]) -> Table:
-    table = Table("session", "state", "prompt", "generated", "position", "age s", "lane", "seq (stage 0)")
+def _table(rows: list[dict]) -> Table | str:
+    if not rows:
+        return "no running sessions"
+    # session ids are 19 digits: never cut them (people copy them into `sessions kill`)
+    table = Table(Column("session", no_wrap=True, min_width=19), "state", "prompt", "gen", "pos", "age s",
+                  "lane", Column("seq", no_wrap=True), caption="prompt/gen: tokens; seq: KV sequence by stage")
     for r in rows:
-        table.add_row(str(r["session_id"]), r["state"], str(r["prompt_tokens"]), str(r["generated"]),
-                      str(r["position"]), f"{r['age_s']:.1f}", str(r["lane"]), str(r["stages"]["0"]["seq"]))
+        seqs = ", ".join(f"{k}:{v['seq']}" for k, v in sorted(r["stages"].items()) if v) or "-"
+        table.add_row(str(r["session_id"]), r["state"], _dash(r["prompt_tokens"]), str(r["generated"]),
+                      str(r["position"]), f"{r['age_s']:.1f}", _dash(r["lane"]), seqs)
     return table
+
+
+def _dash(value) -> str:
+    return "-" if value is None else str(value)
 
 
 def _call(ctx: typer.Context, make):
@@ -48,5 +57,6 @@ def show(ctx: typer.Context, session_id: Annotated[int, typer.Argument(help="Ses
 def kill(ctx: typer.Context, session_id: Annotated[int, typer.Argument(help="Session id.")],
          json_mode: JSON = False) -> None:
     """Cancel a running session; it is released on every stage."""
-    data = _call(ctx, lambda i: m.SessionKill(id=i, session_id=session_id))
-    emit(data, json_mode, lambda d: f"killed session {d['killed']}")
+    data = _call(ctx, lambda i: m.SessionKill(id=i, session_id=session_id, wait=True))
+    emit(data, json_mode, lambda d: f"killed session {d['killed']}" + ("" if d["released"] else
+                                                                              " (still releasing)"))

@@ -12,15 +12,30 @@ from skippyctl.render import emit, fail
 from skippyd.control import messages as m
 
 
+def _yes(value) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
+
+
 def _table(data: dict) -> Table:
     model = data.get("model") or {}
-    table = Table("stage", "address", "layers", "local", "reachable",
+    load = data.get("load") or {}
+    table = Table("stage", "address", "layers", "local", "reachable", "protocol",
                   title=f"{data['role']} · {model.get('name', '?')} · up {data['uptime_s']:.0f}s"
-                        + (" · draining" if data.get("draining") else ""))
+                        + (" · draining" if data.get("draining") else ""),
+                  caption=f"{load.get('live_generations', 0)} generations running, "
+                          f"{load.get('totals', {}).get('generations', 0)} done; skippy {data.get('version')}")
     for s in (data.get("topology") or {}).get("stages", []):
         table.add_row(str(s["index"]), s["address"], f"[{s['layers'][0]},{s['layers'][1]})",
-                      "yes" if s["local"] else "no", "yes" if s["reachable"] else "NO")
+                      "yes" if s["local"] else "no", _yes(s["reachable"]), _dash(s.get("version")))
+    if not data.get("topology"):  # a single-model daemon (--model)
+        for s in data.get("local_stages", []):
+            table.add_row(str(s["index"]), s["listen"] or "-", f"[{s['layers'][0]},{s['layers'][1]})", "yes",
+                          "yes", str(data.get("protocol_version")))
     return table
+
+
+def _dash(value) -> str:
+    return "-" if value is None else str(value)
 
 
 def status(ctx: typer.Context,

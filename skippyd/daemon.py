@@ -1,8 +1,15 @@
-"""skippyd: flags, logging, signals and drain — wires the stage servers, the head and the control channel.
+"""skippyd: flags and config, logging, signals and drain — wires the stage servers, the head and the control channel.
 
     skippyd --topology DIR/topology.toml --stage K     run stage K (stage 0 is the head)
     skippyd --topology DIR/topology.toml --stage all   every stage of the topology in one daemon
     skippyd --model FILE.gguf                          the whole model as one stage
+    skippyd --config /etc/skippy/skippyd.toml          the same, from a file (flags override it)
+
+Life cycle (see skippyd(8)): READY=1 goes to systemd only once every listener
+accepts work. SIGTERM or SIGINT drains: no new generations, running ones get
+`drain_grace` seconds to finish, the rest are cancelled through the normal
+cleanup path, and the daemon exits 0 (a second signal skips the wait).
+SIGHUP re-reads the config file and applies what can change safely.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from pathlib import Path
 
 import trio
 
+from skippyd import config as cfgmod
+from skippyd.config import ConfigError, Settings, parse_hostport
 from skippyd.runtime.llama import LlamaError
 from skippyd.stage.server import StageConfig, StageServer
 from skippyd.topology import TopologyError
@@ -24,41 +33,68 @@ from skippyd.wire.messages import PROTOCOL_VERSION
 
 log = logging.getLogger("skippyd")
 
-DEFAULT_CONTROL = "127.0.0.1:7390"
+DEFAULT_CONTROL = cfgmod.DEFAULT_CONTROL
+KILL_WAIT_S = 3.0  # after the grace period: how long cancelled generations get to clean up
+STATUS_EVERY_S = 5.0  # how often systemd's STATUS= line is refreshed (when it changed)
+PROBE_TTL_S = 1.0  # status: a stage's reachability is probed at most this often
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_SOFTWARE = 0, 1, 2, 70
 
 
 def _hostport(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host or "127.0.0.1", int(port)
+    try:
+        return parse_hostport(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="skippyd", description="skippy pipeline stage daemon (one per host).")
+    """Every flag that has a config key defaults to None: "not given", so the file's value applies."""
+    p = argparse.ArgumentParser(
+        prog="skippyd", description="skippy pipeline stage daemon (one per host). See skippyd(8).",
+        epilog="Flags override the configuration file (skippyd.toml(5)).")
+    p.add_argument("--config", type=Path, default=None,
+                   help="configuration file (default: $CONFIGURATION_DIRECTORY/skippyd.toml, "
+                        "then /etc/skippy/skippyd.toml, if present)")
+    p.add_argument("--check-config", action="store_true",
+                   help="check the configuration, print the settings in force and exit")
     src = p.add_argument_group("what to run")
     src.add_argument("--topology", type=Path, help="topology.toml written by `skippyctl model split`")
     src.add_argument("--stage", default=None, help="stage index to run, or 'all' (default: all)")
     src.add_argument("--model", type=Path, help="run this whole GGUF model as a single stage")
     run = p.add_argument_group("runtime")
-    run.add_argument("--lanes", type=int, default=4, help="concurrent sessions per stage (KV sequences, default 4)")
-    run.add_argument("--ctx", type=int, default=4096, help="context tokens per session (default 4096)")
+    run.add_argument("--lanes", type=int, default=None, help="concurrent sessions per stage (KV sequences, default 4)")
+    run.add_argument("--ctx", type=int, default=None, help="context tokens per session (default 4096)")
     run.add_argument("--threads", type=int, default=None,
                      help="compute threads per stage (default: cores / stages on this host)")
-    run.add_argument("--batch", type=int, default=512, help="max tokens per llama_decode (default 512)")
-    run.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill chunk (default 256)")
-    run.add_argument("--credit", type=int, default=2, help="outstanding prefill acks per link (default 2)")
-    run.add_argument("--reply-timeout", type=float, default=30.0, help="seconds a stage may take to answer")
+    run.add_argument("--batch", type=int, default=None, help="max tokens per llama_decode (default 512)")
+    run.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill chunk (default 256)")
+    run.add_argument("--credit", type=int, default=None, help="outstanding prefill acks per link (default 2)")
+    run.add_argument("--reply-timeout", type=float, default=None,
+                     help="seconds a stage may take to answer (default 30)")
     net = p.add_argument_group("network")
     net.add_argument("--listen", type=_hostport, default=None,
                      help="HOST:PORT for this stage's listener (default: from the topology)")
-    net.add_argument("--control", type=_hostport, default=_hostport(DEFAULT_CONTROL),
-                     help=f"control websocket HOST:PORT on the head (default {DEFAULT_CONTROL})")
+    net.add_argument("--control", type=_hostport, default=None,
+                     help=f"control websocket HOST:PORT (default {DEFAULT_CONTROL})")
     net.add_argument("--control-token-file", type=Path, default=None,
-                     help="file holding the control token (created 0600 if absent)")
+                     help="file holding the control token (created 0600 if absent; "
+                          "default $STATE_DIRECTORY/control.token or ~/.local/state/skippy/control.token)")
     net.add_argument("--no-control", action="store_true", help="do not serve the control channel")
-    p.add_argument("--receipts", type=Path, default=None, help="append a JSON line per generation to this file")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    life = p.add_argument_group("daemon")
+    life.add_argument("--drain-grace", type=float, default=None,
+                      help="seconds running generations may take to finish on SIGTERM (default 30)")
+    life.add_argument("--receipts", type=Path, default=None, help="append a JSON line per generation to this file")
+    life.add_argument("--log-level", default=None, choices=cfgmod.LOG_LEVELS, help="default info")
+    # --- OpenAI API and telemetry (skippyd/openai/, skippyd/telemetry.py) ---
+    api = p.add_argument_group("OpenAI API and telemetry")
+    api.add_argument("--openai", type=_hostport, default=None, metavar="HOST:PORT",
+                     help="serve the OpenAI-compatible HTTP API (and /metrics) here; only the head serves it")
+    api.add_argument("--model-id", default=None,
+                     help="model name the OpenAI API serves (default: the GGUF file name without .gguf)")
+    api.add_argument("--telemetry", default=None, choices=("off", "summary", "debug"),
+                     help="timing spans: off (default), summary (totals), debug (one JSON line per span on stderr)")
+    # --- end OpenAI API and telemetry ---
     return p
 
 
@@ -87,14 +123,20 @@ def setup_logging(level: str) -> None:
 
 
 class Daemon:
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, *, settings: Settings | None = None):
         self.args = args
+        self.settings = settings
         self.stages: list[StageServer] = []
         self.head = None
+        self.control = None
         self.started = time.time()
+        self.ready = False
         self.draining = False
         self.topology = None
+        self._stopping = False
+        self._probes: dict[int, tuple[float, dict]] = {}
 
+    # ---------------------------------------------------------------- what to run
     def _stage_indices(self) -> list[int]:
         n = len(self.topology.stages)
         if self.args.stage in (None, "all"):
@@ -130,28 +172,35 @@ class Daemon:
             cfg.listen_host, cfg.listen_port = a.listen
         return cfg
 
+    # ---------------------------------------------------------------- lifetime
     async def run(self) -> None:
         from skippyd.head.node import HeadNode
         from skippyd.topology import Topology, TopologyError
 
         a = self.args
         if (a.topology is None) == (a.model is None):
-            raise SystemExit("skippyd: give either --topology FILE (with --stage) or --model FILE")
+            raise SystemExit("skippyd: give either --topology FILE (with --stage) or --model FILE "
+                             "(or [pipeline] topology / model in the config file)")
+        indices: list[int] = []
+        if a.topology is not None:
+            try:
+                self.topology = Topology.load(a.topology)
+            except (TopologyError, OSError) as exc:
+                raise SystemExit(f"skippyd: {exc}")
+            indices = self._stage_indices()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_signals, nursery.cancel_scope)
+            nursery.start_soon(self._watch_signals, nursery)
             if a.model is not None:
+                _notify(f"STATUS=loading {a.model}")
                 cfg = self._config(1)
                 self.head = await nursery.start(HeadNode(cfg, model_path=a.model, prefill_chunk=a.prefill_chunk,
                                                          receipts_file=a.receipts).run)
             else:
-                try:
-                    self.topology = Topology.load(a.topology)
-                except (TopologyError, OSError) as exc:
-                    raise SystemExit(f"skippyd: {exc}")
-                indices = self._stage_indices()
                 cfg = self._config(self._stages_on_this_host())
                 # downstream stages first, so the head's lanes find them listening
                 for k in sorted(indices, reverse=True):
+                    spec = self.topology.stage(k)
+                    _notify(f"STATUS=loading stage {k} (layers {spec.layer_start}-{spec.layer_end})")
                     if k == 0:
                         self.head = await nursery.start(HeadNode(cfg, topology=self.topology,
                                                                  prefill_chunk=a.prefill_chunk,
@@ -161,77 +210,267 @@ class Daemon:
             if not a.no_control:
                 from skippyd.control.server import ControlServer
 
-                control = ControlServer(self, *a.control, token_file=a.control_token_file)
-                await nursery.start(control.run)
-            _notify("READY=1")
+                self.control = ControlServer(self, *a.control, token_file=a.control_token_file)
+                await nursery.start(self.control.run)
+            # --- OpenAI API and telemetry (skippyd/openai/, skippyd/telemetry.py) ---
+            from skippyd import telemetry
+
+            telemetry.configure(getattr(a, "telemetry", None) or "off")
+            if self.head is not None and getattr(a, "openai", None):
+                from skippyd.openai.server import OpenAIServer
+
+                await nursery.start(OpenAIServer(self, *a.openai, model_id=getattr(a, "model_id", None)).run)
+            elif getattr(a, "openai", None):
+                log.info("--openai: this daemon runs no head (stage 0): no OpenAI API here")
+            # --- end OpenAI API and telemetry ---
+            # Every listener started above accepts work: only now may systemd hear READY=1.
+            self.ready = True
+            _notify(f"READY=1\nSTATUS={self.describe_load()}")
             log.info("ready: %s", self.describe_role())
+            nursery.start_soon(self._report_status)
 
     def describe_role(self) -> str:
         parts = []
         if self.head is not None:
             parts.append("head")
-        parts += [f"stage {s.index}" for s in self.stages]
+        parts += [f"stage {s.index}" for s in sorted(self.stages, key=lambda s: s.index)]
         return ", ".join(parts)
 
-    async def _watch_signals(self, scope: trio.CancelScope) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                log.info("received %s: draining", signal.Signals(signum).name)
-                _notify("STOPPING=1")
-                await self.drain(grace_s=30.0)
-                scope.cancel()
-                return
+    def describe_load(self) -> str:
+        """One line for systemd's STATUS=."""
+        role = self.describe_role() or "starting"
+        if self.draining:
+            return f"{role}: draining, {self._running()} running"
+        engine = self.head.engine if self.head is not None else None
+        if engine is not None:
+            return f"{role}: {len(engine.live)} generations running, {engine.totals['generations']} done"
+        return f"{role}: {self._running()} sessions"
 
-    async def drain(self, grace_s: float) -> None:
-        """Stop taking new generations, let running ones finish up to `grace_s`."""
+    def _running(self) -> int:
+        """Generations running on the head, or sessions held by this daemon's stages."""
+        if self.head is not None and self.head.engine is not None:
+            return len(self.head.engine.live)
+        return sum(s.sessions.snapshot()["live_sessions"] for s in self.stages)
+
+    async def _report_status(self) -> None:
+        last = None
+        while True:
+            await trio.sleep(STATUS_EVERY_S)
+            line = self.describe_load()
+            if line != last:
+                _notify(f"STATUS={line}")
+                last = line
+
+    # ---------------------------------------------------------------- signals
+    async def _watch_signals(self, nursery: trio.Nursery) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if signum == signal.SIGHUP:
+                    self.reload()
+                elif self._stopping:
+                    log.info("received %s again: cancelling what still runs", name)
+                    await self._cancel_running()
+                    nursery.cancel_scope.cancel()
+                else:
+                    self._stopping = True
+                    log.info("received %s: draining (running generations get %gs to finish)", name,
+                             self.args.drain_grace)
+                    _notify("STOPPING=1\nSTATUS=draining")
+                    nursery.start_soon(self._shutdown, nursery.cancel_scope)
+
+    async def _shutdown(self, scope: trio.CancelScope) -> None:
+        if not await self.drain(self.args.drain_grace):
+            log.warning("drain: grace period over with %d still running: cancelling them", self._running())
+            await self._cancel_running()
+        log.info("stopping")
+        scope.cancel()
+
+    async def drain(self, grace_s: float) -> bool:
+        """Stop taking new generations, let running ones finish up to `grace_s`. True if all finished."""
         self.draining = True
+        for stage in self.stages:
+            stage.begin_drain()  # new sessions from upstream are refused (SHUTTING_DOWN), running ones go on
         if self.head is not None and self.head.pool is not None:
             await self.head.pool.drain()
-        if self.head is not None and self.head.engine is not None:
-            with trio.move_on_after(grace_s):
-                while self.head.engine.live:
-                    await trio.sleep(0.05)
+        last = None
+        with trio.move_on_after(grace_s):
+            while (running := self._running()) > 0:
+                if running != last:
+                    _notify(f"STATUS={self.describe_load()}")
+                    last = running
+                await trio.sleep(0.05)
+        return self._running() == 0
+
+    async def _cancel_running(self) -> None:
+        """Kill every running generation through the engine's cleanup path, and wait a moment for it."""
+        engine = self.head.engine if self.head is not None else None
+        if engine is None:
+            return
+        for session_id in list(engine.live):
+            engine.kill(session_id)
+        with trio.move_on_after(KILL_WAIT_S):
+            while engine.live:
+                await trio.sleep(0.02)
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the config file; apply what can change while running, log the rest."""
+        settings = self.settings
+        if settings is None or settings.path is None:
+            log.info("SIGHUP: no configuration file to re-read (running on flags and defaults)")
+            return
+        _notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        try:
+            result = settings.reload()
+        except ConfigError as exc:
+            log.error("SIGHUP: %s is invalid; keeping the running configuration:\n%s", settings.path, exc)
+            _notify("READY=1")
+            return
+        if "daemon.log_level" in result.applied:
+            logging.getLogger().setLevel(self.args.log_level.upper())
+        for key, (old, new) in result.applied.items():
+            log.info("SIGHUP: %s: %s → %s", key, old, new)
+        for key in result.pinned:
+            log.info("SIGHUP: %s changed in %s, but the command line sets it: ignored", key, settings.path)
+        for key in result.restart:
+            log.warning("SIGHUP: %s changed in %s; it takes effect at the next restart", key, settings.path)
+        if not (result.applied or result.pinned or result.restart):
+            log.info("SIGHUP: re-read %s: nothing changed", settings.path)
+        else:
+            log.info("SIGHUP: re-read %s: %d applied, %d need a restart", settings.path, len(result.applied),
+                     len(result.restart))
+        _notify(f"READY=1\nSTATUS={self.describe_load()}")
+
+    # ---------------------------------------------------------------- status
+    def _model(self):
+        if self.head is not None and self.head.model is not None:
+            return self.head.model
+        return next((s.model for s in self.stages if s.model is not None), None)
 
     async def status(self) -> dict:
-        """Role, model, stages and their reachability, uptime, load."""
+        """Role, model, local stages, the topology with each stage's reachability and version, uptime, load."""
         snap = self.snapshot()
-        head = self.head
-        if head is not None and head.model is not None:
-            snap["model"] = {"name": head.model.name, "path": str(head.model_path),
-                             "architecture": head.model.architecture, "n_layer_total": head.model.stage.n_layer_total}
-            snap["load"] = {"live_generations": len(head.engine.live) if head.engine else 0,
-                            "totals": head.engine.totals if head.engine else {}}
-        if self.topology is not None:
-            stages = []
-            for spec in self.topology.stages:
-                stages.append({"index": spec.index, "address": f"{spec.host}:{spec.port}",
-                               "layers": [spec.layer_start, spec.layer_end],
-                               "local": any(s.index == spec.index for s in self.stages) or (spec.index == 0 and head is not None),
-                               "reachable": spec.index == 0 or await _reachable(spec.host, spec.port)})
-            snap["topology"] = {"model": self.topology.model_name, "source_sha256": self.topology.source_sha256,
-                                "protocol_version": PROTOCOL_VERSION, "stages": stages}
-        else:
-            snap["topology"] = None
+        model = self._model()
+        snap["model"] = None if model is None else {
+            "name": model.name, "path": str(model.path), "architecture": model.architecture,
+            "n_layer_total": model.stage.n_layer_total}
+        local = []
+        if self.head is not None and self.head.model is not None:
+            st = self.head.model.stage
+            local.append({"index": 0, "layers": [st.layer_start, st.layer_end], "listen": None})
+        for s in sorted(self.stages, key=lambda s: s.index):
+            local.append({"index": s.index, "layers": [s.spec.layer_start, s.spec.layer_end],
+                          "listen": f"{s.config.listen_host or s.spec.host}:{s.port}"})
+        snap["local_stages"] = local
+        snap["load"] = self._load()
+        snap["topology"] = await self._topology_status() if self.topology is not None else None
         return snap
 
+    def _load(self) -> dict:
+        engine = self.head.engine if self.head is not None else None
+        pool = self.head.pool if self.head is not None else None
+        schedulers = ([engine.scheduler] if engine else []) + [s.scheduler for s in self.stages if s.scheduler]
+        return {
+            "live_generations": len(engine.live) if engine else 0,
+            "stage_sessions": {str(s.index): s.sessions.snapshot()["live_sessions"] for s in self.stages},
+            "busy_lanes": pool.busy if pool else 0,
+            "queued": sum(s.queued for s in schedulers),
+            "totals": dict(engine.totals) if engine else {},
+        }
+
+    async def _topology_status(self) -> dict:
+        topo = self.topology
+        local = {s.index for s in self.stages} | ({0} if self.head is not None else set())
+        stages: list[dict] = []
+
+        async def one(spec) -> None:
+            entry = {"index": spec.index, "address": f"{spec.host}:{spec.port}",
+                     "layers": [spec.layer_start, spec.layer_end], "local": spec.index in local}
+            if spec.index in local:
+                entry.update(reachable=True, version=PROTOCOL_VERSION, node="this daemon")
+            elif spec.index == 0:  # the head dials out; it has no listener to probe
+                entry.update(reachable=None, version=None, node=None)
+            else:
+                entry.update(await self._probe(spec))
+            stages.append(entry)
+
+        async with trio.open_nursery() as nursery:
+            for spec in topo.stages:
+                nursery.start_soon(one, spec)
+        return {"model": topo.model_name, "source_sha256": topo.source_sha256, "protocol_version": PROTOCOL_VERSION,
+                "stages": sorted(stages, key=lambda s: s["index"])}
+
+    async def _probe(self, spec) -> dict:
+        """Reachability and protocol version of a remote stage: a live lane's handshake, or a probe (cached)."""
+        pool = self.head.pool if self.head is not None else None
+        if pool is not None and spec.index == 1:  # a working lane already went through the handshake
+            from skippyd.head.lanes import _looks_alive
+
+            for lane in list(pool.lanes.values()):
+                if lane.state == "busy" or (lane.state == "idle" and _looks_alive(lane.link)):
+                    return {"reachable": True, "version": lane.link.peer.version, "node": lane.link.peer.node}
+        now = trio.current_time()
+        cached = self._probes.get(spec.index)
+        if cached is not None and now - cached[0] < PROBE_TTL_S:
+            return cached[1]
+        result = await probe_stage(self.topology, spec)
+        self._probes[spec.index] = (trio.current_time(), result)
+        return result
+
     def snapshot(self) -> dict:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            ours = version("skippy")
+        except PackageNotFoundError:
+            ours = None
         return {
             "role": self.describe_role(),
+            "version": ours,
+            "protocol_version": PROTOCOL_VERSION,
+            "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 1),
+            "ready": self.ready,
             "draining": self.draining,
+            "config": str(self.settings.path) if self.settings and self.settings.path else None,
             "head": self.head.snapshot() if self.head else None,
             "stages": [s.snapshot() for s in self.stages],
         }
 
 
-async def _reachable(host: str, port: int) -> bool:
+async def probe_stage(topology, spec, *, timeout: float = 1.0) -> dict:
+    """Connect to a stage and read its handshake Hello (protocol version, node name), then decline politely.
+
+    The probe presents itself as the stage's upstream neighbour, so the stage
+    answers with its own Hello; we then refuse ("status probe") and close:
+    no session is opened and nothing is forwarded downstream.
+    """
+    from skippyd.wire.codec import HANDSHAKE_KINDS
+    from skippyd.wire.errors import WireError
+    from skippyd.wire.messages import DEFAULT_LIMITS, Hello, HelloReply
+    from skippyd.wire.stream import ReceiveBuffer, read_frame, write_frame
+
+    prev = topology.stage(spec.index - 1)
+    hello = Hello(fingerprint=topology.source_sha256, stage_index=prev.index, layer_start=prev.layer_start,
+                  layer_end=prev.layer_end, n_layer=topology.n_layer, n_embd=topology.n_embd,
+                  node="skippyd status probe")
     try:
-        with trio.fail_after(1.0):
-            stream = await trio.open_tcp_stream(host, port)
-    except (OSError, trio.TooSlowError):
-        return False
-    await trio.aclose_forcefully(stream)
-    return True
+        with trio.fail_after(timeout):
+            stream = await trio.open_tcp_stream(spec.host, spec.port)
+    except (OSError, trio.TooSlowError) as exc:
+        return {"reachable": False, "version": None, "node": None, "error": str(exc) or "connect timed out"}
+    try:
+        await write_frame(stream, hello, timeout=timeout)
+        frame = await read_frame(ReceiveBuffer(stream, read_size=0), DEFAULT_LIMITS, timeout=timeout,
+                                 accept=set(HANDSHAKE_KINDS))
+        if isinstance(frame, Hello):
+            await write_frame(stream, HelloReply(accepted=False, reason="status probe"), timeout=timeout)
+            return {"reachable": True, "version": frame.version, "node": frame.node}
+        return {"reachable": True, "version": None, "node": None, "error": f"refused the probe: {frame.reason}"}
+    except (WireError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        return {"reachable": True, "version": None, "node": None, "error": f"handshake failed: {exc}"}
+    finally:
+        await trio.aclose_forcefully(stream)
 
 
 def _notify(state: str) -> None:
@@ -250,29 +489,56 @@ def _notify(state: str) -> None:
         pass
 
 
+def check_config(settings: Settings) -> None:
+    """--check-config: the settings in force, as TOML, each with where it came from."""
+    print(f"# {settings.path or 'no configuration file: built-in defaults'}")
+    section = None
+    for key, value in settings.effective().items():
+        sec, name = key.split(".")
+        if sec != section:
+            print(f"{'' if section is None else chr(10)}[{sec}]")
+            section = sec
+        source = settings.source(key)
+        if value is None:
+            print(f"# {name} is not set")
+        else:
+            print(f"{name} = {cfgmod.toml_value(value)}" + (f"  # {source}" if source != "default" else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging(args.log_level)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
-        trio.run(Daemon(args).run)
+        settings = Settings.load(args, parser)
+    except ConfigError as exc:
+        print(f"skippyd: bad configuration:\n{exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.check_config:
+        check_config(settings)
+        return EXIT_OK
+    setup_logging(settings.args.log_level)
+    if settings.path is not None:
+        log.info("configuration: %s", settings.path)
+    try:
+        trio.run(Daemon(settings.args, settings=settings).run)
     except KeyboardInterrupt:
         pass
     except SystemExit as exc:
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
-            return 2
+            return EXIT_USAGE
         raise
     except (OSError, ValueError, LlamaError, TopologyError) as exc:  # startup failures: one clear line
         log.error("fatal: %s", exc)
-        return 1
+        return EXIT_FAILURE
     except BaseExceptionGroup as group:
         expected, other = group.split((OSError, ValueError, LlamaError, TopologyError))
         if other is None:
             log.error("fatal: %s", "; ".join(str(e) for e in _leaves(expected)))
-            return 1
+            return EXIT_FAILURE
         log.critical("internal error (a bug; please report it)", exc_info=group)
-        return 70
-    return 0
+        return EXIT_SOFTWARE
+    return EXIT_OK
 
 
 def _leaves(group: BaseExceptionGroup):

@@ -1,4 +1,7 @@
-"""The websocket control channel (trio-websocket) on the head.
+"""The websocket control channel (trio-websocket), served by every skippyd.
+
+Generation, ``sessions`` and ``lanes`` need the head; ``status`` (and
+``sessions list`` of a stage's own sessions) work on any daemon.
 
 Every connection must present the token (``Authorization: Bearer …``),
 compared in constant time. Each request runs as a task in the connection's
@@ -12,37 +15,19 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
-import secrets
 from pathlib import Path
 
 import attrs
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
+from trio_websocket import ConnectionClosed, WebSocketRequest, serve_websocket
 
 from skippyd.control import messages as m
+from skippyd.control.token import default_token_file, load_or_create_token
 from skippyd.head.engine import GenerationError, GenerationRequest
 
 log = logging.getLogger("skippyd.control")
 
-
-def default_token_file() -> Path:
-    base = os.environ.get("STATE_DIRECTORY") or os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local/state")
-    return Path(base.split(":")[0]) / "skippy" / "control.token"
-
-
-def load_or_create_token(path: Path) -> str:
-    """Read the token; create it (mode 0600, owner only) on first start."""
-    if path.exists():
-        token = path.read_text().strip()
-        if token:
-            return token
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
+KILL_WAIT_S = 5.0  # `sessions kill` answers once the session is released (or after this long)
 
 
 class ControlServer:
@@ -121,7 +106,8 @@ class ControlServer:
 
     async def on_generate(self, req: m.Generate, send) -> None:
         if self.daemon.draining:
-            raise GenerationError("the daemon is draining: no new generations", retryable=True, status=503)
+            raise GenerationError("the daemon is draining (shutting down): no new generations", retryable=True,
+                                  status=503)
         greq = GenerationRequest(
             prompt=req.prompt, system=req.system, messages=tuple(req.messages), raw=req.raw,
             max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
@@ -136,21 +122,61 @@ class ControlServer:
         await send(m.Result(req.id, result.to_json()))
 
     async def on_sessions_list(self, req: m.SessionsList, send) -> None:
-        await send(m.Data(req.id, [g.describe() for g in self.engine.live.values()]))
+        if self.daemon.head is None or self.daemon.head.engine is None:
+            await send(m.Data(req.id, self._stage_sessions()))
+            return
+        await send(m.Data(req.id, [self._describe(g) for g in self.engine.live.values()]))
+
+    def _describe(self, live) -> dict:
+        """A head session, with its sequence on every stage this daemon also runs (--stage all)."""
+        d = live.describe()
+        for stage in self.daemon.stages:
+            held = next((s for s in stage.sessions.snapshot()["sessions"] if s["session_id"] == live.session_id),
+                        None)
+            d["stages"][str(stage.index)] = {"seq": held["seq"], "position": held["position"]} if held else None
+        return d
+
+    def _stage_sessions(self) -> list[dict]:
+        """Sessions held by this daemon's stages (a daemon without the head)."""
+        out = []
+        for stage in sorted(self.daemon.stages, key=lambda s: s.index):
+            for s in stage.sessions.snapshot()["sessions"]:
+                out.append({"session_id": s["session_id"], "request_id": s["request_id"], "state": s["state"],
+                            "prompt_tokens": None, "generated": s["generated"], "position": s["position"],
+                            "age_s": s["age_s"], "lane": None,
+                            "stages": {str(stage.index): {"seq": s["seq"], "position": s["position"]}}})
+        return out
 
     def _live(self, session_id: int):
         live = self.engine.live.get(session_id)
         if live is None:
-            raise _NotFound(f"unknown session {session_id}")
+            raise _NotFound(f"unknown session {session_id} (finished, or never started here)")
         return live
 
     async def on_session_show(self, req: m.SessionShow, send) -> None:
-        await send(m.Data(req.id, self._live(req.session_id).describe()))
+        if self.daemon.head is None or self.daemon.head.engine is None:
+            found = [s for s in self._stage_sessions() if s["session_id"] == req.session_id]
+            if not found:
+                raise _NotFound(f"unknown session {req.session_id} (finished, or never started here)")
+            await send(m.Data(req.id, found[0]))
+            return
+        await send(m.Data(req.id, self._describe(self._live(req.session_id))))
 
     async def on_session_kill(self, req: m.SessionKill, send) -> None:
+        """Cancel the generation (its normal cleanup runs on every stage).
+
+        The answer comes at once, before the generation's own (cancelled) result;
+        with ``wait`` only once the session is released everywhere (or KILL_WAIT_S).
+        """
         self._live(req.session_id)
         self.engine.kill(req.session_id)
-        await send(m.Data(req.id, {"killed": req.session_id}))
+        if req.wait:
+            with trio.move_on_after(KILL_WAIT_S):
+                while req.session_id in self.engine.live:
+                    await trio.sleep(0.01)
+        released = req.session_id not in self.engine.live
+        log.info("killed session %d%s", req.session_id, "" if released else " (still cleaning up)")
+        await send(m.Data(req.id, {"killed": req.session_id, "released": released}))
 
     def _lanes(self) -> dict:
         pool = self.pool

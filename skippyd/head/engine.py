@@ -28,6 +28,7 @@ import trio
 
 from skippyd.head.lanes import Lane, LanePool
 from skippyd.head.stops import StopMatcher
+from skippyd.telemetry import span
 from skippyd.runtime import llama
 from skippyd.runtime.text import Detokenizer
 from skippyd.stage.downstream import DownstreamError
@@ -223,8 +224,9 @@ class HeadEngine:
         self.live[session_id] = live
         run = _Run(self, req, live, prompt, max_tokens, sampling, on_piece, started)
         try:
-            with live.cancel_scope:
+            with live.cancel_scope, span("head.generation", request=request_id, session=session_id) as sp:
                 await run.execute()
+                sp.set(tokens=len(run.tokens), finish=run.finish_reason)
             if live.cancel_scope.cancelled_caught:
                 run.finish_reason = "cancelled"
         except GenerationError as exc:
@@ -342,7 +344,8 @@ class _Run:
         from skippyd.head.lanes import Draining, NoLaneAvailable
 
         try:
-            return await self.engine.pool.checkout()
+            with span("head.lane_wait", request=self.live.request_id, session=self.live.session_id):
+                return await self.engine.pool.checkout()
         except Draining as exc:
             raise GenerationError(str(exc), retryable=True, status=503) from exc
         except NoLaneAvailable as exc:
@@ -353,7 +356,9 @@ class _Run:
     async def _compute(self, tokens: np.ndarray, pos: int, *, want_token: bool):
         job = Job(self.session.seq, pos, tokens=tokens, embd=None, sampler=self.sampler, want_token=want_token)
         try:
-            result = await self.engine.scheduler.submit(job)
+            with span("head.compute", request=self.live.request_id, session=self.live.session_id, pos=pos,
+                      tokens=len(tokens)):
+                result = await self.engine.scheduler.submit(job)
         except llama.LlamaError as exc:
             raise GenerationError(f"head compute failed: {exc}") from exc
         self.position = pos + len(tokens)
@@ -366,7 +371,9 @@ class _Run:
         lane = self.lane
         lane.dirty = True
         try:
-            reply, sent, write_us, wait_us = await lane.link.request(msg)
+            with span("head.hop", request=self.live.request_id, session=self.live.session_id,
+                      kind=type(msg).__name__, lane=lane.lane_id):
+                reply, sent, write_us, wait_us = await lane.link.request(msg)
         except DownstreamError as exc:
             raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502) from exc
         lane.dirty = False
@@ -396,7 +403,9 @@ class _Run:
             if not final:
                 self.lane.dirty = True
                 try:
-                    await self.lane.link.send_deferred(msg)
+                    with span("head.forward_write", request=self.live.request_id, session=self.live.session_id,
+                              pos=lo, tokens=len(part)):
+                        await self.lane.link.send_deferred(msg)
                 except DownstreamError as exc:
                     raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502) from exc
                 self.lane.dirty = False

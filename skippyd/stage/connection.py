@@ -21,6 +21,7 @@ import trio
 from skippyd.runtime import llama
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.stage.scheduler import Job
+from skippyd.telemetry import span
 from skippyd.stage.sessions import NoFreeSlot, StageSession
 from skippyd.wire.errors import HandshakeRefused, PeerClosed, ProtocolError, ReadTimeout, WireError
 from skippyd.wire.handshake import handshake_server
@@ -198,7 +199,9 @@ class UpstreamConnection:
         handler = getattr(self, self._HANDLERS[type(msg)])
         session_id = getattr(msg, "session_id", 0)
         try:
-            await handler(msg)
+            with span(f"stage.{self._HANDLERS[type(msg)][3:]}", stage=self.server.index, request=msg.request_id,
+                      session=session_id):
+                await handler(msg)
         except RequestFailed as exc:
             await self.reply(ErrorReply(msg.request_id, session_id, exc.code, exc.message[:4000],
                                         stats=self._own_stats()))
@@ -216,7 +219,9 @@ class UpstreamConnection:
 
     async def _relay(self, msg, job: Job | None) -> None:
         """Forward `msg` and answer upstream with the downstream reply plus our own stats."""
-        down_reply, sent, write_us, wait_us = await self.down.request(msg)
+        with span("stage.downstream_wait", stage=self.server.index, request=msg.request_id,
+                  session=getattr(msg, "session_id", 0)):
+            down_reply, sent, write_us, wait_us = await self.down.request(msg)
         own = self._own_stats(job, write_us=write_us, wait_us=wait_us, sent=sent)
         await self.reply(attrs.evolve(down_reply, stats=merge(own, down_reply.stats)))
 

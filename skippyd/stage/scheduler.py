@@ -24,6 +24,7 @@ import numpy as np
 import trio
 
 from skippyd.runtime.llama import Context, LlamaError, Sampler
+from skippyd.telemetry import span
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,9 @@ class Scheduler:
     async def _compute(self, batch: list[Job]) -> None:
         started = time.perf_counter()
         try:
-            results = await trio.to_thread.run_sync(self._compute_sync, batch)
+            with span("scheduler.decode", seqs=len(batch), tokens=sum(j.n for j in batch),
+                      wait_us=max(int((started - j.submitted) * 1e6) for j in batch)):
+                results = await trio.to_thread.run_sync(self._compute_sync, batch)
         except BaseException as exc:  # noqa: BLE001 - every waiter must be woken
             for job in batch:
                 job.error = exc if isinstance(exc, Exception) else trio.ClosedResourceError("scheduler stopped")

@@ -1,0 +1,482 @@
+"""The OpenAI-compatible HTTP API of the head, as a plain ASGI application.
+
+    GET  /v1/models, /v1/models/{id}
+    POST /v1/chat/completions          messages through the model's chat template
+    POST /v1/completions               a raw prompt (string or token ids)
+    GET  /health                       200, or 503 while loading or draining
+    GET  /metrics                      Prometheus text format
+
+Errors have OpenAI's shape, ``{"error": {"message", "type", "param",
+"code"}}``: 400 for a bad body or a prompt that does not fit, 404 for an
+unknown model or path, 503 with ``Retry-After`` while draining or when no
+lane is free within the queue timeout.
+
+Every generation runs in a nursery beside a task that waits for the client's
+``http.disconnect``: a client that goes away cancels its generation, and the
+engine's own cleanup frees the session on every stage. A streamed response
+starts (status 200 and headers) only with its first piece, so anything that
+fails before a token exists (a prompt too long, no lane) is still an honest
+status code; what fails later is an ``error`` event in the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from typing import Any, Awaitable, Callable
+
+import attrs
+import trio
+
+from skippyd.head.engine import GenerationError, GenerationRequest, GenerationResult
+from skippyd.openai import schemas
+from skippyd.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
+from skippyd.runtime.llama import LlamaError
+from skippyd.telemetry import span
+
+log = logging.getLogger("skippyd.openai")
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_QUEUE_TIMEOUT_S = 30.0
+RETRY_AFTER_S = 1
+JSON = b"application/json"
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | None = None, retry_after: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @classmethod
+    def from_generation(cls, exc: GenerationError) -> ApiError:
+        if exc.status == 400:
+            return cls(400, str(exc), code="context_length_exceeded" if "context" in str(exc) else "invalid_value")
+        status = exc.status if exc.status >= 500 else 500
+        if exc.retryable:  # draining, no lane, a stage unreachable: worth trying again shortly
+            return cls(status if status != 500 else 503, str(exc), code="unavailable", retry_after=RETRY_AFTER_S)
+        return cls(status, str(exc), code="generation_failed")
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the answer was complete."""
+
+
+def default_model_id(head: Any) -> str:
+    """The name the API serves the model under: the source GGUF's file name without .gguf."""
+    topology = getattr(head, "topology", None)
+    if topology is not None:
+        return topology.model_name
+    path = getattr(head, "model_path", None)
+    return path.name.removesuffix(".gguf") if path is not None else "skippy"
+
+
+class Exchange:
+    """One HTTP request and its response on the ASGI channel."""
+
+    def __init__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]):
+        self.scope, self._receive, self._send = scope, receive, send
+        self.id = secrets.token_hex(12)
+        self.method = scope.get("method", "GET")
+        self.path = scope.get("path", "/")
+        self.status: int | None = None  # set when the response starts
+        self.disconnected = False
+        self.finished = False
+
+    async def body(self, limit: int = MAX_BODY_BYTES) -> bytes:
+        chunks, size = [], 0
+        while True:
+            msg = await self._receive()
+            if msg["type"] == "http.disconnect":
+                self.disconnected = True
+                raise _ClientGone()
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                return b"".join(chunks)
+
+    async def wait_disconnect(self) -> None:
+        """Return when the client goes away (call only once the body has been read)."""
+        while True:
+            msg = await self._receive()
+            if msg["type"] == "http.disconnect":
+                self.disconnected = True
+                return
+
+    async def start(self, status: int, content_type: bytes, headers: list[tuple[bytes, bytes]] = ()) -> None:
+        self.status = status
+        await self._send({"type": "http.response.start", "status": status,
+                          "headers": [(b"content-type", content_type), (b"x-request-id", self.id.encode()),
+                                      *headers]})
+
+    async def write(self, data: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end(self, data: bytes = b"") -> None:
+        self.finished = True
+        await self._send({"type": "http.response.body", "body": data, "more_body": False})
+
+    async def respond(self, status: int, data: bytes, content_type: bytes = JSON,
+                      headers: list[tuple[bytes, bytes]] = ()) -> None:
+        await self.start(status, content_type, [(b"content-length", str(len(data)).encode()), *headers])
+        await self.end(data)
+
+    async def json(self, status: int, obj: Any, headers: list[tuple[bytes, bytes]] = ()) -> None:
+        await self.respond(status, _dumps(obj), JSON, headers)
+
+    async def error(self, exc: ApiError) -> None:
+        headers = [(b"retry-after", str(exc.retry_after).encode())] if exc.retry_after else []
+        await self.json(exc.status, exc.body(), headers)
+
+    async def event(self, obj: Any) -> None:
+        await self.write(b"data: " + _dumps(obj) + b"\n\n")
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+# ---------------------------------------------------------------- response shapes
+class _Chat:
+    """chat.completion and chat.completion.chunk objects."""
+
+    prefix, object_name = "chatcmpl-", "chat.completion"
+
+    def __init__(self, model: str):
+        self.id = self.prefix + secrets.token_hex(12)
+        self.model = model
+        self.created = int(time.time())
+
+    def _envelope(self, object_name: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "system_fingerprint": "skippy", "choices": choices, **extra}
+
+    def whole(self, result: GenerationResult) -> dict:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text, "refusal": None},
+                  "logprobs": None, "finish_reason": result.finish_reason}
+        return self._envelope(self.object_name, [choice], usage=usage(result))
+
+    def chunk(self, delta: dict, finish_reason: str | None = None, **extra) -> dict:
+        return self._envelope("chat.completion.chunk",
+                              [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+                              **extra)
+
+    def opening(self) -> list[dict]:
+        return [self.chunk({"role": "assistant", "content": ""})]
+
+    def piece(self, text: str) -> dict:
+        return self.chunk({"content": text})
+
+    def closing(self, result: GenerationResult) -> dict:
+        return self.chunk({}, result.finish_reason)
+
+    def usage_chunk(self, result: GenerationResult) -> dict:
+        return self._envelope("chat.completion.chunk", [], usage=usage(result))
+
+
+class _Completion(_Chat):
+    """text_completion objects (streamed chunks have the same object name)."""
+
+    prefix, object_name = "cmpl-", "text_completion"
+
+    def whole(self, result: GenerationResult) -> dict:
+        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        return self._envelope(self.object_name, [choice], usage=usage(result))
+
+    def _text_chunk(self, text: str, finish_reason: str | None) -> dict:
+        return self._envelope(self.object_name,
+                              [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def piece(self, text: str) -> dict:
+        return self._text_chunk(text, None)
+
+    def closing(self, result: GenerationResult) -> dict:
+        return self._text_chunk("", result.finish_reason)
+
+    def usage_chunk(self, result: GenerationResult) -> dict:
+        return self._envelope(self.object_name, [], usage=usage(result))
+
+
+def usage(result: GenerationResult) -> dict:
+    completion = len(result.tokens)
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": result.prompt_tokens + completion}
+
+
+# ---------------------------------------------------------------- the application
+class OpenAIApp:
+    """ASGI 3 application over a daemon's head (``daemon.head.engine``, ``daemon.draining``)."""
+
+    def __init__(self, daemon: Any, *, model_id: str | None = None, metrics: Metrics | None = None,
+                 queue_timeout_s: float | None = None):
+        self.daemon = daemon
+        self._model_id = model_id
+        self.metrics = metrics if metrics is not None else Metrics(daemon)
+        self.queue_timeout_s = queue_timeout_s
+        self.created = int(time.time())
+        self._slots: trio.Semaphore | None = None
+        self.routes: dict[tuple[str, str], Callable[[Exchange], Awaitable[None]]] = {
+            ("GET", "/v1/models"): self.list_models,
+            ("POST", "/v1/chat/completions"): self.chat_completions,
+            ("POST", "/v1/completions"): self.completions,
+            ("GET", "/health"): self.health,
+            ("GET", "/metrics"): self.metrics_text,
+        }
+
+    # ------------------------------------------------------------ state
+    @property
+    def engine(self):
+        head = getattr(self.daemon, "head", None)
+        return getattr(head, "engine", None)
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id or default_model_id(self.daemon.head)
+
+    def _draining(self) -> bool:
+        pool = getattr(self.daemon.head, "pool", None)
+        return bool(getattr(self.daemon, "draining", False) or (pool is not None and pool.draining))
+
+    def _ready_engine(self):
+        engine = self.engine
+        if engine is None:
+            raise ApiError(503, "the model is loading", code="loading", retry_after=RETRY_AFTER_S)
+        if self._draining():
+            raise ApiError(503, "the server is draining: no new generations", code="draining",
+                           retry_after=RETRY_AFTER_S)
+        return engine
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise ApiError(404, f"The model `{model}` does not exist (this server has `{self.model_id}`)",
+                           param="model", code="model_not_found")
+
+    # ------------------------------------------------------------ ASGI
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "http":
+            await self._http(Exchange(scope, receive, send))
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _route(self, ex: Exchange) -> tuple[str, Callable[[Exchange], Awaitable[None]] | None]:
+        path = ex.path.rstrip("/") or "/"
+        handler = self.routes.get((ex.method, path))
+        if handler is not None:
+            return path, handler
+        if path.startswith("/v1/models/"):
+            return "/v1/models/{model}", self.retrieve_model if ex.method == "GET" else None
+        if any(p == path for _, p in self.routes):
+            return path, None  # known path, wrong method
+        return "other", None  # (a bounded set of endpoint labels for the metrics)
+
+    async def _http(self, ex: Exchange) -> None:
+        endpoint, handler = self._route(ex)
+        started = time.perf_counter()
+        try:
+            with span("http.request", request=ex.id, method=ex.method, endpoint=endpoint):
+                if handler is None:
+                    if endpoint == "other":
+                        raise ApiError(404, f"no such endpoint: {ex.method} {ex.path}", code="not_found")
+                    raise ApiError(405, f"{ex.method} is not allowed on {ex.path}", code="method_not_allowed")
+                await handler(ex)
+        except _ClientGone:
+            pass
+        except ApiError as exc:
+            if ex.status is None and not ex.disconnected:
+                await ex.error(exc)
+        except Exception as exc:  # a bug must answer 500, not take the server down
+            log.exception("openai: %s %s failed", ex.method, ex.path)
+            if ex.status is None and not ex.disconnected:
+                await ex.error(ApiError(500, f"internal error: {exc}", code="internal_error"))
+        finally:
+            if ex.disconnected and not ex.finished:
+                status = 499
+            else:
+                status = ex.status or 500
+            self.metrics.observe_request(endpoint, status, time.perf_counter() - started)
+
+    # ------------------------------------------------------------ endpoints
+    def _model_object(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "skippy"}
+
+    async def list_models(self, ex: Exchange) -> None:
+        data = [self._model_object()] if self.engine is not None else []
+        await ex.json(200, {"object": "list", "data": data})
+
+    async def retrieve_model(self, ex: Exchange) -> None:
+        self._check_model(ex.path.rstrip("/")[len("/v1/models/"):])
+        await ex.json(200, self._model_object())
+
+    async def health(self, ex: Exchange) -> None:
+        engine = self.engine
+        if engine is None:
+            await ex.json(503, {"status": "loading"})
+        elif self._draining():
+            await ex.json(503, {"status": "draining", "live_generations": len(engine.live)})
+        else:
+            await ex.json(200, {"status": "ok", "model": self.model_id, "live_generations": len(engine.live)})
+
+    async def metrics_text(self, ex: Exchange) -> None:
+        await ex.respond(200, self.metrics.render(), METRICS_CONTENT_TYPE.encode())
+
+    async def chat_completions(self, ex: Exchange) -> None:
+        await self._generation(ex, schemas.ChatCompletionRequest, _Chat)
+
+    async def completions(self, ex: Exchange) -> None:
+        await self._generation(ex, schemas.CompletionRequest, _Completion)
+
+    # ------------------------------------------------------------ generation
+    async def _generation(self, ex: Exchange, body_type: type, shape_type: type[_Chat]) -> None:
+        body = await ex.body()
+        try:
+            req = schemas.parse(body, body_type)
+        except schemas.BadParameter as exc:
+            raise ApiError(400, str(exc), param=exc.param, code=exc.code) from exc
+        self._check_model(req.model)
+        engine = self._ready_engine()
+        try:
+            greq = req.to_generation(engine.model.n_vocab, engine.context.n_ctx_seq)
+        except schemas.BadParameter as exc:
+            raise ApiError(400, str(exc), param=exc.param, code=exc.code) from exc
+        greq = self._tokenized(engine, greq)
+        shape = shape_type(self.model_id)
+        if req.streaming:
+            await self._stream(ex, engine, greq, shape, include_usage=req.include_usage)
+        else:
+            result = await self._generate(ex, engine, greq, None)
+            await ex.json(200, shape.whole(result))
+
+    def _tokenized(self, engine, greq: GenerationRequest) -> GenerationRequest:
+        """Tokenize here so that a prompt that cannot fit is a 400 before anything is sent."""
+        try:
+            tokens = engine.prompt_tokens(greq)
+        except LlamaError as exc:  # e.g. a model without a chat template
+            raise ApiError(400, str(exc), code="invalid_value") from exc
+        n_ctx = engine.context.n_ctx_seq
+        if len(tokens) == 0:
+            raise ApiError(400, "the prompt is empty", param="prompt" if greq.raw else "messages",
+                           code="invalid_value")
+        if len(tokens) >= n_ctx:
+            raise ApiError(400, f"This model's context holds {n_ctx} tokens per request; the prompt has "
+                           f"{len(tokens)}", param="messages" if not greq.raw else "prompt",
+                           code="context_length_exceeded")
+        return attrs.evolve(greq, prompt_tokens=tuple(int(t) for t in tokens))
+
+    async def _generate(self, ex: Exchange, engine, greq: GenerationRequest,
+                        on_piece: Callable[[str], Awaitable[None]] | None) -> GenerationResult:
+        """Run one generation; the client going away cancels it (and the engine frees the session)."""
+        result: GenerationResult | None = None
+        failure: Exception | None = None
+        with span("openai.generation", request=ex.id) as s:
+            async with trio.open_nursery() as nursery:
+                async def watch() -> None:
+                    await ex.wait_disconnect()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch)
+                try:
+                    result = await self._admitted(engine, greq, on_piece)
+                except Exception as exc:  # raised outside the nursery, so not wrapped in a group
+                    failure = exc
+                finally:
+                    nursery.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
+            if result is None:
+                raise _ClientGone()
+            s.set(engine_request=result.request_id, session=result.session_id, tokens=len(result.tokens),
+                  finish_reason=result.finish_reason)
+        self.metrics.record_generation(result, source="http")
+        if result.finish_reason not in ("stop", "length"):
+            why = result.error or "cancelled by an operator (sessions kill) or a shutdown"
+            raise ApiError(503 if result.finish_reason == "cancelled" else 500,
+                           f"the generation ended early ({result.finish_reason}): {why}", code=result.finish_reason)
+        return result
+
+    async def _admitted(self, engine, greq: GenerationRequest, on_piece) -> GenerationResult:
+        """Wait (up to the queue timeout) for one of the head's slots, then generate."""
+        slots = self._slot_semaphore(engine)
+        timeout = self._queue_timeout()
+        self.metrics.http_waiting += 1
+        try:
+            with trio.move_on_after(timeout) as scope:
+                await slots.acquire()
+        finally:
+            self.metrics.http_waiting -= 1
+        if scope.cancelled_caught:
+            raise ApiError(503, f"no lane free within {timeout:g} s", code="no_lane", retry_after=RETRY_AFTER_S)
+        try:
+            if self._draining():
+                raise ApiError(503, "the server is draining: no new generations", code="draining",
+                               retry_after=RETRY_AFTER_S)
+            return await engine.generate(greq, on_piece)
+        except GenerationError as exc:
+            raise ApiError.from_generation(exc) from exc
+        finally:
+            slots.release()
+
+    def _slot_semaphore(self, engine) -> trio.Semaphore:
+        if self._slots is None:
+            self._slots = trio.Semaphore(engine.sessions.n_seq_max)
+        return self._slots
+
+    def _queue_timeout(self) -> float:
+        if self.queue_timeout_s is not None:
+            return self.queue_timeout_s
+        pool = getattr(self.daemon.head, "pool", None)
+        return pool.queue_timeout if pool is not None else DEFAULT_QUEUE_TIMEOUT_S
+
+    async def _stream(self, ex: Exchange, engine, greq: GenerationRequest, shape: _Chat, *,
+                      include_usage: bool) -> None:
+        extra = {"usage": None} if include_usage else {}
+
+        async def begin() -> None:
+            if ex.status is None:
+                await ex.start(200, b"text/event-stream", [(b"cache-control", b"no-cache")])
+                for chunk in shape.opening():
+                    await ex.event({**chunk, **extra})
+
+        async def on_piece(text: str) -> None:
+            await begin()
+            await ex.event({**shape.piece(text), **extra})
+
+        try:
+            result = await self._generate(ex, engine, greq, on_piece)
+        except ApiError as exc:
+            if ex.status is None:
+                raise  # nothing sent yet: an honest status code
+            await ex.event(exc.body())
+            await ex.end()
+            return
+        await begin()
+        await ex.event({**shape.closing(result), **extra})
+        if include_usage:
+            await ex.event(shape.usage_chunk(result))
+        await ex.end(b"data: [DONE]\n\n")

@@ -1,0 +1,205 @@
+"""Prometheus metrics of one daemon (prometheus_client, a registry of its own).
+
+Two kinds of numbers:
+
+* **events**, recorded as they happen: HTTP requests (``observe_request``)
+  and finished generations (``record_generation``: tokens, TTFT, time per
+  output token, and the pipeline's timings from ``result.stage_stats``);
+* **state**, read from the daemon when scraped (:class:`_DaemonCollector`):
+  live generations and queue depth, lanes by state, sessions and free slots
+  per local stage, scheduler counters per local stage, telemetry span totals.
+
+``record_generation(result, source=...)`` is the one call a generation path
+needs: the OpenAI app calls it with ``source="http"``; the control channel
+can call it with ``source="control"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from skippyd import telemetry
+
+log = logging.getLogger("skippyd.metrics")
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_SECONDS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+_MS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0)
+
+
+class Metrics:
+    def __init__(self, daemon: Any = None):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.http_waiting = 0  # HTTP requests waiting for a free lane (the app keeps it)
+        r = self.registry
+        self.requests = Counter("skippy_http_requests", "HTTP requests by endpoint and status "
+                                "(499: the client went away before the answer was complete)",
+                                ["endpoint", "status"], registry=r)
+        self.request_seconds = Histogram("skippy_http_request_duration_seconds",
+                                         "HTTP request duration, first byte in to last byte out",
+                                         ["endpoint"], buckets=_SECONDS, registry=r)
+        self.generations = Counter("skippy_generations", "Finished generations by source and finish reason",
+                                   ["source", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("skippy_prompt_tokens", "Prompt tokens of finished generations",
+                                     ["source"], registry=r)
+        self.completion_tokens = Counter("skippy_completion_tokens", "Generated tokens of finished generations",
+                                         ["source"], registry=r)
+        self.ttft = Histogram("skippy_time_to_first_token_seconds",
+                              "Time from request to the first generated token", ["source"],
+                              buckets=_SECONDS, registry=r)
+        self.tpot = Histogram("skippy_time_per_output_token_seconds",
+                              "Mean time per generated token after the first, per generation", ["source"],
+                              buckets=_TOKEN_SECONDS, registry=r)
+        self.stage_compute_ms = Histogram(
+            "skippy_stage_compute_milliseconds",
+            "Per generation: mean llama_decode time of one stage for one message (compute_us / stage_count)",
+            buckets=_MS, registry=r)
+        self.hop_wait_ms = Histogram(
+            "skippy_hop_wait_milliseconds",
+            "Per generation: longest wait of a stage for its downstream's reply (downstream_wait_us)",
+            buckets=_MS + (2500.0, 10000.0), registry=r)
+        self.stage_seconds = Counter("skippy_stage_seconds", "Pipeline time summed over stages and messages, "
+                                     "by kind (compute, queue, forward_write)", ["kind"], registry=r)
+        self.stage_reports = Counter("skippy_stage_reports", "Per-stage timing reports folded into replies",
+                                     registry=r)
+        self.pipeline_bytes = Counter("skippy_pipeline_bytes_sent", "Frame bytes written downstream by all stages",
+                                      registry=r)
+        self.slowest_stage = Counter("skippy_slowest_stage", "Generations whose slowest single compute was on "
+                                     "this stage", ["stage"], registry=r)
+        if daemon is not None:
+            r.register(_DaemonCollector(daemon, self))
+
+    # ------------------------------------------------------------ events
+    def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        self.request_seconds.labels(endpoint).observe(seconds)
+
+    def record_generation(self, result: Any, source: str = "control") -> None:
+        """Count one finished generation (a `GenerationResult`, or anything with the same fields)."""
+        tokens = len(result.tokens)
+        self.generations.labels(source, result.finish_reason).inc()
+        self.prompt_tokens.labels(source).inc(result.prompt_tokens)
+        self.completion_tokens.labels(source).inc(tokens)
+        if tokens:
+            self.ttft.labels(source).observe(result.ttft_ms / 1e3)
+        if tokens > 1 and result.decode_tokens_per_s > 0:
+            self.tpot.labels(source).observe(1.0 / result.decode_tokens_per_s)
+        stats = result.stage_stats or {}
+        count = int(stats.get("stage_count", 0))
+        if count:
+            self.stage_compute_ms.observe(stats.get("compute_us", 0) / count / 1e3)
+            self.stage_reports.inc(count)
+            self.slowest_stage.labels(str(stats.get("slowest_stage", 0))).inc()
+        if stats.get("downstream_wait_us"):
+            self.hop_wait_ms.observe(stats["downstream_wait_us"] / 1e3)
+        for kind in ("compute", "queue", "forward_write"):
+            self.stage_seconds.labels(kind).inc(stats.get(f"{kind}_us", 0) / 1e6)
+        self.pipeline_bytes.inc(stats.get("bytes_sent", 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _DaemonCollector(Collector):
+    """The daemon's state at scrape time. Never raises: a scrape must not fail because a part is starting."""
+
+    def __init__(self, daemon: Any, metrics: Metrics):
+        self.daemon = daemon
+        self.metrics = metrics
+
+    def describe(self) -> Iterable:
+        return []  # unchecked collector: its families depend on what the daemon runs
+
+    def collect(self) -> Iterable:
+        try:
+            yield from self._collect()
+        except Exception:  # noqa: BLE001 - a scrape reports what it can
+            log.debug("metrics: collecting daemon state failed", exc_info=True)
+
+    def _collect(self) -> Iterable:
+        daemon = self.daemon
+        head = getattr(daemon, "head", None)
+        engine = getattr(head, "engine", None)
+        yield GaugeMetricFamily("skippy_draining", "1 while the daemon drains (no new generations)",
+                                value=float(bool(getattr(daemon, "draining", False))))
+        if engine is not None:
+            states = {"queued": 0, "prefill": 0, "decode": 0}
+            for live in list(engine.live.values()):
+                states[live.state] = states.get(live.state, 0) + 1
+            g = GaugeMetricFamily("skippy_live_generations", "Running generations on the head by state",
+                                  labels=["state"])
+            for state, n in states.items():
+                g.add_metric([state], n)
+            yield g
+            yield GaugeMetricFamily("skippy_queue_depth", "Generations waiting for a lane or a slot",
+                                    value=states["queued"] + self.metrics.http_waiting)
+            totals = getattr(engine, "totals", {})
+            c = CounterMetricFamily("skippy_head_generations", "Generations the head engine ran, all sources "
+                                    "(errors included)", labels=["outcome"])
+            c.add_metric(["all"], totals.get("generations", 0))
+            c.add_metric(["error"], totals.get("errors", 0))
+            yield c
+            yield self._head_tokens(totals)
+        pool = getattr(head, "pool", None)
+        if pool is not None:
+            lanes = {"idle": 0, "busy": 0}
+            for lane in pool.describe():
+                lanes[lane["state"]] = lanes.get(lane["state"], 0) + 1
+            lanes["unopened"] = max(0, pool.capacity - sum(lanes.values()))
+            g = GaugeMetricFamily("skippy_lanes", "Head lanes to stage 1 by state", labels=["state"])
+            for state, n in lanes.items():
+                g.add_metric([state], n)
+            yield g
+        yield from self._stages(head, engine)
+        spans = telemetry.summary()
+        if spans:
+            count = CounterMetricFamily("skippy_span", "Telemetry spans finished, by name", labels=["span"])
+            secs = CounterMetricFamily("skippy_span_seconds", "Telemetry span time, by name", labels=["span"])
+            for name, s in sorted(spans.items()):
+                count.add_metric([name], s["count"])
+                secs.add_metric([name], s["total_s"])
+            yield count
+            yield secs
+
+    @staticmethod
+    def _head_tokens(totals: dict) -> CounterMetricFamily:
+        c = CounterMetricFamily("skippy_head_tokens", "Tokens through the head engine, all sources",
+                                labels=["kind"])
+        c.add_metric(["prompt"], totals.get("prompt_tokens", 0))
+        c.add_metric(["completion"], totals.get("completion_tokens", 0))
+        return c
+
+    def _stages(self, head: Any, engine: Any) -> Iterable:
+        tables = []  # (stage index, SessionTable, Scheduler)
+        if engine is not None:
+            tables.append((0, engine.sessions, engine.scheduler))
+        for stage in list(getattr(self.daemon, "stages", [])):
+            tables.append((stage.index, getattr(stage, "sessions", None), getattr(stage, "scheduler", None)))
+        if not tables:
+            return
+        live = GaugeMetricFamily("skippy_stage_sessions", "Live sessions (KV sequences) per local stage",
+                                 labels=["stage"])
+        free = GaugeMetricFamily("skippy_stage_free_slots", "Free sequence slots per local stage", labels=["stage"])
+        compute = CounterMetricFamily("skippy_scheduler_compute_seconds", "Time in llama_decode per local stage",
+                                      labels=["stage"])
+        batches = CounterMetricFamily("skippy_scheduler_batches", "llama_decode calls per local stage",
+                                      labels=["stage"])
+        tokens = CounterMetricFamily("skippy_scheduler_tokens", "Tokens computed per local stage", labels=["stage"])
+        for index, table, scheduler in tables:
+            k = str(index)
+            if table is not None:
+                live.add_metric([k], len(table.live))
+                free.add_metric([k], table.free_slots)
+            stats = getattr(scheduler, "stats", None)
+            if stats is not None:
+                compute.add_metric([k], stats.compute_s)
+                batches.add_metric([k], stats.batches)
+                tokens.add_metric([k], stats.tokens)
+        yield from (live, free, compute, batches, tokens)

@@ -1,0 +1,377 @@
+"""OpenAI request bodies: attrs classes, a strict cattrs converter, and the checks that name the bad parameter.
+
+Parsing has two steps. ``parse`` structures the JSON with a converter that
+does not coerce (``"5"`` is not an int, ``1.5`` is not an int, ``true`` is not
+a number) and refuses unknown keys; then ``*.to_generation`` checks values
+(ranges, unsupported features) and builds the engine's ``GenerationRequest``.
+Both raise :class:`BadParameter`, which carries the OpenAI ``param``.
+
+Accepted but ignored, because they change nothing here: ``user``, ``store``,
+``metadata``, ``service_tier``, ``parallel_tool_calls``, ``n=1``,
+``logprobs=false``, ``top_logprobs=0``, ``response_format={"type": "text"}``,
+``echo=false``, ``best_of=1``. Unsupported values of those (``n=2``,
+``logprobs=true``, ``response_format`` json) are 400s. Beyond OpenAI's
+parameters, llama.cpp server's ``top_k``, ``min_p`` and ``repeat_penalty``
+are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from typing import Any, Optional
+
+import attrs
+import cattrs
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+
+from skippyd.head.engine import GenerationRequest
+
+MAX_STOPS = 16
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+
+class BadParameter(ValueError):
+    """A request body that cannot be served; `param` names the field (OpenAI's error.param)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = "invalid_value"):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class _Invalid(ValueError):
+    """Raised by the strict hooks; its text is the whole description."""
+
+
+# ---------------------------------------------------------------- bodies
+@attrs.frozen
+class StreamOptions:
+    include_usage: Optional[bool] = None
+    include_obfuscation: Optional[bool] = None  # OpenAI's; nothing to obfuscate here
+
+
+@attrs.frozen
+class ResponseFormat:
+    type: str
+
+
+@attrs.frozen
+class ChatMessage:
+    role: str
+    content: Any = None  # a string, or a list of {"type": "text", "text": ...} parts
+    name: Optional[str] = None
+
+
+@attrs.frozen(kw_only=True)
+class _Sampling:
+    """Parameters shared by both endpoints."""
+
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Any = None  # a string or a list of strings
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = None
+    user: Optional[str] = None
+    # llama.cpp server's extensions
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repeat_penalty: Optional[float] = None
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _common(self, n_vocab: int, max_tokens: int | None, default_max_tokens: int) -> dict:
+        if self.n not in (None, 1):
+            raise BadParameter("only n=1 is supported", "n", "unsupported_value")
+        if self.stream_options is not None and not self.stream:
+            raise BadParameter("stream_options is only allowed when stream is true", "stream_options")
+        if max_tokens is not None and max_tokens < 1:
+            raise BadParameter(f"{max_tokens} is less than the minimum of 1", self._max_tokens_param())
+        _in_range(self.temperature, 0.0, 2.0, "temperature")
+        _in_range(self.top_p, 0.0, 1.0, "top_p")
+        _in_range(self.presence_penalty, -2.0, 2.0, "presence_penalty")
+        _in_range(self.frequency_penalty, -2.0, 2.0, "frequency_penalty")
+        _in_range(self.min_p, 0.0, 1.0, "min_p")
+        if self.top_k is not None and self.top_k < 0:
+            raise BadParameter(f"{self.top_k} is less than the minimum of 0", "top_k")
+        if self.repeat_penalty is not None and not self.repeat_penalty > 0:
+            raise BadParameter("repeat_penalty must be > 0", "repeat_penalty")
+        temperature = 1.0 if self.temperature is None else self.temperature
+        top_p = 1.0 if self.top_p is None else self.top_p
+        if top_p == 0.0:  # keep only the most likely token: greedy
+            temperature, top_p = 0.0, 1.0
+        seed = self.seed
+        if seed is None:
+            seed = secrets.randbits(32) if temperature > 0 else None
+        else:
+            seed %= 2**32
+        return dict(
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            temperature=temperature, top_p=top_p, top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0, repeat_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            seed=seed, logit_bias=_logit_bias(self.logit_bias, n_vocab), stop=_stops(self.stop))
+
+    def _max_tokens_param(self) -> str:
+        return "max_tokens"
+
+
+@attrs.frozen(kw_only=True)
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    response_format: Optional[ResponseFormat] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    def _max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def chat_messages(self) -> tuple[dict, ...]:
+        if not self.messages:
+            raise BadParameter("messages must hold at least one message", "messages")
+        out = []
+        for i, msg in enumerate(self.messages):
+            role = ROLES.get(msg.role)
+            if role is None:
+                raise BadParameter(f"role {msg.role!r} is not supported (system, developer, user, assistant)",
+                                   f"messages[{i}].role", "unsupported_value")
+            out.append({"role": role, "content": _content(msg.content, role, f"messages[{i}].content")})
+        return tuple(out)
+
+    def to_generation(self, n_vocab: int, n_ctx: int) -> GenerationRequest:
+        if self.logprobs:
+            raise BadParameter("logprobs are not supported", "logprobs", "unsupported_value")
+        if self.top_logprobs:
+            raise BadParameter("top_logprobs are not supported", "top_logprobs", "unsupported_value")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise BadParameter(f"response_format {self.response_format.type!r} is not supported (only 'text')",
+                               "response_format.type", "unsupported_value")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        # chat has no default limit: the engine stops at the end of the context
+        params = self._common(n_vocab, max_tokens, n_ctx)
+        return GenerationRequest(messages=self.chat_messages(), **params)
+
+
+@attrs.frozen(kw_only=True)
+class CompletionRequest(_Sampling):
+    prompt: Any  # a string, a list of token ids, or a one-element list of either
+    echo: Optional[bool] = None
+    best_of: Optional[int] = None
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def to_generation(self, n_vocab: int, n_ctx: int) -> GenerationRequest:
+        if self.echo:
+            raise BadParameter("echo is not supported", "echo", "unsupported_value")
+        if self.best_of not in (None, 1):
+            raise BadParameter("only best_of=1 is supported", "best_of", "unsupported_value")
+        if self.logprobs:
+            raise BadParameter("logprobs are not supported", "logprobs", "unsupported_value")
+        if self.suffix:
+            raise BadParameter("suffix is not supported", "suffix", "unsupported_value")
+        params = self._common(n_vocab, self.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+        prompt = self.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            return GenerationRequest(prompt=prompt, raw=True, **params)
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < n_vocab]
+            if bad:
+                raise BadParameter(f"token {bad[0]} is outside the vocabulary [0, {n_vocab})", "prompt")
+            return GenerationRequest(prompt_tokens=tuple(prompt), raw=True, **params)
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise BadParameter("only one prompt per request is supported", "prompt", "unsupported_value")
+        raise BadParameter("prompt must be a string or a non-empty list of token ids", "prompt", "invalid_type")
+
+
+# ---------------------------------------------------------------- value checks
+def _in_range(value: float | None, lo: float, hi: float, param: str) -> None:
+    if value is None:
+        return
+    if value < lo:
+        raise BadParameter(f"{value} is less than the minimum of {lo:g}", param)
+    if value > hi:
+        raise BadParameter(f"{value} is greater than the maximum of {hi:g}", param)
+
+
+def _stops(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > MAX_STOPS:
+            raise BadParameter(f"at most {MAX_STOPS} stop sequences are supported", "stop")
+        return tuple(s for s in stop if s)
+    raise BadParameter("stop must be a string or a list of strings", "stop", "invalid_type")
+
+
+def _logit_bias(bias: dict[str, float] | None, n_vocab: int) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, value in (bias or {}).items():
+        if not key.isascii() or not key.isdigit():
+            raise BadParameter(f"logit_bias keys are token ids, not {key!r}", "logit_bias")
+        token = int(key)
+        if token >= n_vocab:
+            raise BadParameter(f"logit_bias token {token} is outside the vocabulary [0, {n_vocab})", "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise BadParameter(f"logit_bias for token {token} must be in [-100, 100]", "logit_bias")
+        out.append((token, float(value)))
+    return tuple(out)
+
+
+def _content(content: Any, role: str, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadParameter(f"content part of type {kind!r} is not supported (only 'text')",
+                                   f"{param}[{i}].type", "unsupported_value")
+            if set(part) - {"type", "text"} or not isinstance(part.get("text"), str):
+                raise BadParameter("a text content part is {\"type\": \"text\", \"text\": STRING}", f"{param}[{i}]")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise BadParameter("content must be a string or a list of text parts", param, "invalid_type")
+
+
+# ---------------------------------------------------------------- the converter
+def _strict(kind: str, ok) -> Any:
+    def hook(value: Any, _type: Any) -> Any:
+        if not ok(value):
+            raise _Invalid(f"expected {kind}, got {_json_type(value)}")
+        return float(value) if kind == "a number" else value
+
+    return hook
+
+
+def _json_type(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _finite(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+converter.register_structure_hook(int, _strict("an integer", lambda v: type(v) is int))
+converter.register_structure_hook(float, _strict("a number", _finite))
+converter.register_structure_hook(str, _strict("a string", lambda v: type(v) is str))
+converter.register_structure_hook(bool, _strict("a boolean", lambda v: type(v) is bool))
+converter.register_structure_hook(Any, lambda v, _: v)
+
+
+def _list_of(item_type: type):
+    inner = converter.get_structure_hook(list[item_type])
+
+    def hook(value: Any, type_: Any) -> list:
+        if not isinstance(value, list):
+            raise _Invalid(f"expected an array, got {_json_type(value)}")
+        return inner(value, type_)
+
+    return hook
+
+
+def _dict_of(val_type: type):
+    inner = converter.get_structure_hook(dict[str, val_type])
+
+    def hook(value: Any, type_: Any) -> dict:
+        if not isinstance(value, dict):
+            raise _Invalid(f"expected an object, got {_json_type(value)}")
+        return inner(value, type_)
+
+    return hook
+
+
+def _attrs_object(cls: type):
+    inner = converter.get_structure_hook(cls)
+
+    def hook(value: Any, type_: Any):
+        if not isinstance(value, dict):
+            raise _Invalid(f"expected an object, got {_json_type(value)}")
+        return inner(value, type_)
+
+    return hook
+
+
+for _cls in (StreamOptions, ResponseFormat, ChatMessage):  # before the containers that hold them
+    converter.register_structure_hook(_cls, _attrs_object(_cls))
+for _type, _hook in ((list[ChatMessage], _list_of(ChatMessage)), (dict[str, float], _dict_of(float)),
+                     (dict[str, str], _dict_of(str))):
+    converter.register_structure_hook_func(lambda t, _type=_type: t == _type, _hook)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse(body: bytes, cls: type):
+    """JSON bytes → an instance of `cls`, or BadParameter naming the first bad field."""
+    try:
+        raw = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadParameter(f"the request body is not valid JSON: {exc}", None, "invalid_json") from exc
+    if not isinstance(raw, dict):
+        raise BadParameter("the request body must be a JSON object", None, "invalid_json")
+    try:
+        return converter.structure(raw, cls)
+    except (ClassValidationError, IterableValidationError) as exc:
+        errors = list(_leaves(exc, ""))
+        path, leaf = errors[0] if errors else ("", exc)
+        raise BadParameter(_describe(leaf, path), path or None,
+                           "unrecognized_argument" if isinstance(leaf, ForbiddenExtraKeysError) else
+                           "missing_required_parameter" if isinstance(leaf, KeyError) else "invalid_type") from exc
+
+
+def _leaves(exc: BaseException, path: str):
+    """(path, exception) for each failure, paths like OpenAI's params: messages[0].role."""
+    if isinstance(exc, (ClassValidationError, IterableValidationError)):
+        with_notes, without = exc.group_exceptions()
+        for sub, note in with_notes:
+            step = f"[{note.index}]" if isinstance(exc, IterableValidationError) else f".{note.name}"
+            yield from _leaves(sub, f"{path}{step}".lstrip("."))
+        for sub in without:
+            yield from _leaves(sub, path)
+    elif isinstance(exc, ForbiddenExtraKeysError):
+        first = sorted(exc.extra_fields)[0]
+        yield (f"{path}.{first}" if path else first), exc
+    else:
+        yield path, exc
+
+
+def _describe(exc: BaseException, path: str) -> str:
+    where = f" ({path})" if path else ""
+    if isinstance(exc, ForbiddenExtraKeysError):
+        names = ", ".join(sorted(exc.extra_fields))
+        return f"unrecognized request argument supplied: {names}"
+    if isinstance(exc, KeyError):
+        return f"missing required parameter: {path}"
+    if isinstance(exc, _Invalid):
+        return f"invalid type for {path}: {exc}" if path else str(exc)
+    return f"invalid value{where}: {exc}"

@@ -1,0 +1,63 @@
+"""Serve the OpenAI app with hypercorn's trio worker, in the daemon's nursery."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from skippyd.openai.app import OpenAIApp
+from skippyd.openai.metrics import Metrics
+
+log = logging.getLogger("skippyd.openai")
+
+
+class OpenAIServer:
+    """``await nursery.start(OpenAIServer(daemon, host, port).run)``: returns once it accepts connections.
+
+    The daemon's ``metrics`` (a :class:`Metrics`) is used when it has one, else
+    one is made and set on the daemon, so that other parts can record into it.
+    """
+
+    def __init__(self, daemon: Any, host: str, port: int, *, model_id: str | None = None,
+                 queue_timeout_s: float | None = None, graceful_timeout_s: float = 5.0):
+        self.daemon = daemon
+        self.host, self.port = host, port
+        metrics = getattr(daemon, "metrics", None)
+        if not isinstance(metrics, Metrics):
+            metrics = Metrics(daemon)
+            try:
+                daemon.metrics = metrics
+            except AttributeError:
+                pass
+        self.metrics = metrics
+        self.app = OpenAIApp(daemon, model_id=model_id, metrics=metrics, queue_timeout_s=queue_timeout_s)
+        self.graceful_timeout_s = graceful_timeout_s
+        self._shutdown = trio.Event()
+
+    def _config(self) -> Config:
+        config = Config()
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        config.bind = [f"{host}:{self.port}"]
+        config.errorlog = logging.getLogger("skippyd.openai.http")
+        config.accesslog = None
+        config.graceful_timeout = self.graceful_timeout_s
+        config.include_server_header = False
+        return config
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(lambda task_status: serve(self.app, self._config(),
+                                                                  shutdown_trigger=self._shutdown.wait,
+                                                                  task_status=task_status))
+            if binds:
+                self.port = int(binds[0].rsplit(":", 1)[1])
+            log.info("OpenAI API on http://%s:%d/v1 (model %s)", self.host, self.port, self.app.model_id)
+            task_status.started(self)
+
+    def shutdown(self) -> None:
+        """Stop accepting, finish running requests (up to the graceful timeout), then return from run."""
+        self._shutdown.set()

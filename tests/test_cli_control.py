@@ -1,0 +1,303 @@
+"""skippyctl against a real 2-stage pipeline of the default model (one pipeline for the module).
+
+Commands run in-process through typer's CliRunner (in a worker thread when a
+generation must run at the same time); Ctrl-C runs a real `skippyctl`
+subprocess. The control protocol itself (bad requests, streaming order) is
+checked with the websocket client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+import trio
+from typer.testing import CliRunner
+
+from skippyctl.app import app
+from skippyctl.client import open_control
+from skippyd.control import messages as m
+from tests.procs import REPO, Daemon, Pipeline, free_ports, split_for_test
+
+STORY = "Write a long story about a brave dragon who lives in the mountains."
+GREEDY = ["--prompt", "The capital of France is", "--raw"]
+
+
+@pytest.fixture(scope="module")
+def smol2(default_model_path, tmp_path_factory):
+    work = tmp_path_factory.mktemp("cli2")
+    split_for_test(default_model_path, 2, work)
+    pipe = Pipeline(work / "topology.toml", work).start()
+    yield pipe
+    codes = pipe.stop()
+    assert all(c == 0 for c in codes.values()), codes
+
+
+def ctl(daemon: Daemon, *args: str, token_file=None):
+    """`skippyctl --url … --token-file … ARGS` in-process; the click Result."""
+    tf = daemon.token_file if token_file is None else token_file
+    return CliRunner().invoke(app, ["--url", daemon.url, "--token-file", str(tf), *args])
+
+
+def ctl_json(daemon: Daemon, *args: str):
+    result = ctl(daemon, *args, "--json")
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    return json.loads(result.stdout)
+
+
+async def actl(daemon: Daemon, *args: str):
+    """`ctl` in a worker thread, for use while a generation runs in this trio task."""
+    return await trio.to_thread.run_sync(lambda: ctl(daemon, *args))
+
+
+async def actl_json(daemon: Daemon, *args: str):
+    return await trio.to_thread.run_sync(lambda: ctl_json(daemon, *args))
+
+
+def assert_clean_error(result, *needles: str, code: int = 1) -> None:
+    """One "error: …" line on stderr, the expected exit status, no traceback."""
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    assert result.stderr.startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
+class Running:
+    """A streamed generation on its own control connection, driven by a task: pieces, then the result."""
+
+    def __init__(self, daemon: Daemon, **kw):
+        self.daemon = daemon
+        self.kw = {"prompt": STORY, "max_tokens": 400, **kw}
+        self.pieces: list[str] = []
+        self.result: dict | None = None
+        self.error: m.Error | None = None
+        self.first_piece = trio.Event()
+        self.done = trio.Event()
+
+    async def run(self) -> None:
+        async with open_control(self.daemon.url, self.daemon.token_file) as client:
+            async for reply in client.replies(m.Generate(id=client.new_id(), **self.kw)):
+                if isinstance(reply, m.Piece):
+                    self.pieces.append(reply.text)
+                    self.first_piece.set()
+                elif isinstance(reply, m.Result):
+                    self.result = reply.result
+                elif isinstance(reply, m.Error):
+                    self.error = reply
+        self.first_piece.set()
+        self.done.set()
+
+
+# ---------------------------------------------------------------- status and errors
+def test_status(smol2):
+    data = ctl_json(smol2.head, "status")
+    assert data["role"] == "head" and data["ready"] and not data["draining"]
+    assert data["model"]["architecture"] == "llama" and data["model"]["n_layer_total"] == 30
+    assert data["local_stages"] == [{"index": 0, "layers": [0, 15], "listen": None}]
+    assert data["uptime_s"] >= 0 and data["version"] and data["protocol_version"] >= 1
+    assert set(data["load"]) >= {"live_generations", "busy_lanes", "queued", "totals"}
+    topo = data["topology"]
+    assert [(s["index"], s["layers"], s["local"]) for s in topo["stages"]] == [(0, [0, 15], True),
+                                                                               (1, [15, 30], False)]
+    assert all(s["reachable"] is True and s["version"] == topo["protocol_version"] for s in topo["stages"])
+    table = ctl(smol2.head, "status")
+    assert table.exit_code == 0 and "head" in table.stdout and "[15,30)" in table.stdout
+
+
+def test_status_of_a_stage_daemon(smol2):
+    data = ctl_json(smol2.stages[1], "status")
+    assert data["role"] == "stage 1" and data["head"] is None
+    assert data["local_stages"][0]["index"] == 1 and data["local_stages"][0]["layers"] == [15, 30]
+    stages = {s["index"]: s for s in data["topology"]["stages"]}
+    assert stages[1]["local"] and stages[1]["reachable"]
+    assert stages[0]["reachable"] is None  # the head has no listener to probe
+    # generation needs the head: a clear refusal (a bad request for this daemon), not a crash
+    assert_clean_error(ctl(smol2.stages[1], "generate", "--prompt", "hi"), "no head", code=2)
+
+
+def test_token_file_is_private(smol2):
+    assert stat.S_IMODE(os.stat(smol2.head.token_file).st_mode) == 0o600
+
+
+def test_bad_token_is_refused(smol2, tmp_path):
+    wrong = tmp_path / "wrong.token"
+    wrong.write_text("not-the-token\n")
+    assert_clean_error(ctl(smol2.head, "status", token_file=wrong), "refused the control token")
+    assert_clean_error(ctl(smol2.head, "sessions", "list", token_file=tmp_path / "missing"), "no control token")
+
+
+def test_daemon_not_running(smol2, tmp_path):
+    token = tmp_path / "t.token"
+    token.write_text("x\n")
+    port = free_ports(1)[0]
+    result = CliRunner().invoke(app, ["--url", f"ws://127.0.0.1:{port}", "--token-file", str(token), "status"])
+    assert_clean_error(result, "cannot reach skippyd", "Connection refused")
+
+
+def test_unknown_session(smol2):
+    for command in ("show", "kill"):
+        assert_clean_error(ctl(smol2.head, "sessions", command, "12345"), "unknown session 12345")
+
+
+async def test_bad_requests_get_error_replies_on_a_usable_connection(smol2):
+    async with open_control(smol2.head.url, smol2.head.token_file) as client:
+        async def send_raw(text: str) -> m.Reply:
+            await client.ws.send_message(text)
+            return m.parse_reply(await client.ws.get_message())
+
+        reply = await send_raw('{"type": "generate", "id": "g1", "prompt": "hi", "max_tokens": "lots"}')
+        assert isinstance(reply, m.Error) and reply.id == "g1" and reply.code == "bad_request"
+        assert "$.max_tokens" in reply.message and "expected an integer" in reply.message
+        reply = await send_raw('{"type": "session_kill", "id": "k1", "session": 3}')
+        assert isinstance(reply, m.Error) and "$.session" in reply.message and "$.session_id" in reply.message
+        reply = await send_raw('{"type": "explode", "id": "x"}')
+        assert isinstance(reply, m.Error) and "$.type" in reply.message
+        reply = await send_raw("this is not json")
+        assert isinstance(reply, m.Error) and "malformed JSON" in reply.message
+        # the same connection still works
+        data = await client.call(m.Status(id=client.new_id()))
+        assert data["role"] == "head"
+
+
+# ---------------------------------------------------------------- generate
+def test_generate_json_matches_the_heads_result(smol2):
+    out = ctl_json(smol2.head, "generate", *GREEDY, "--max-tokens", "24")
+    assert set(out) >= {"text", "tokens", "finish_reason", "usage", "timings"}
+    assert out["usage"]["completion_tokens"] == len(out["tokens"]) and out["usage"]["prompt_tokens"] > 0
+    assert out["timings"]["ttft_ms"] > 0 and out["timings"]["decode_tokens_per_s"] >= 0
+    head = trio.run(lambda: smol2.generate(prompt="The capital of France is", raw=True, max_tokens=24))
+    for key in ("text", "tokens", "finish_reason"):
+        assert out[key] == head[key], key
+    assert out["usage"]["prompt_tokens"] == head["usage"]["prompt_tokens"]
+    assert " Paris" in out["text"]
+
+    # the text mode prints the same text, then a summary on stderr
+    plain = ctl(smol2.head, "generate", *GREEDY, "--max-tokens", "24")
+    assert plain.exit_code == 0, plain.stderr
+    assert plain.stdout == out["text"] + "\n"
+    assert f"{len(out['tokens'])} generated tokens" in plain.stderr
+
+
+def test_generate_options(smol2):
+    stopped = ctl_json(smol2.head, "generate", *GREEDY, "--max-tokens", "24", "--stop", "zzz", "--stop", ".")
+    assert stopped["finish_reason"] == "stop" and stopped["text"] == " Paris"
+    sampled = ["--temperature", "0.9", "--top-k", "40", "--top-p", "0.9", "--seed", "7", "--max-tokens", "12"]
+    a = ctl_json(smol2.head, "generate", "--prompt", "Name a colour.", "--system", "Answer in one word.", *sampled)
+    b = ctl_json(smol2.head, "generate", "--prompt", "Name a colour.", "--system", "Answer in one word.", *sampled)
+    assert a["tokens"] == b["tokens"]  # a seed makes sampling reproducible
+    chat = ctl_json(smol2.head, "generate", "--prompt", "Name a colour.", "--max-tokens", "4")
+    assert chat["usage"]["prompt_tokens"] > 5  # the chat template wrapped the prompt
+    bad = ctl(smol2.head, "generate", "--prompt", "hi", "--max-tokens", "0")
+    assert_clean_error(bad, "max_tokens", code=2)
+
+
+async def test_generation_streams_pieces_before_the_result(smol2):
+    seen = []
+    async with open_control(smol2.head.url, smol2.head.token_file) as client:
+        first = trio.Event()
+
+        async def generate() -> None:
+            request = m.Generate(id=client.new_id(), prompt="Once upon a time", raw=True, max_tokens=32)
+            async for reply in client.replies(request):
+                seen.append((type(reply).__name__, time.monotonic()))
+                first.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(generate)
+            await first.wait()
+            # the same connection serves another request while the generation streams
+            status = await client.call(m.Status(id=client.new_id()))
+            assert status["load"]["live_generations"] == 1
+    kinds = [k for k, _ in seen]
+    assert kinds[-1] == "Result" and set(kinds[:-1]) == {"Piece"} and len(kinds) >= 4, kinds
+    assert seen[-1][1] - seen[0][1] > 0  # the first piece came while the generation still ran
+
+
+async def test_ctrl_c_cancels_the_generation_on_every_stage(smol2):
+    # `python -c`, so that SIGINT has its default handler even when the test runner ignores it
+    code = "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); " \
+           "from skippyctl.app import main; sys.argv[0] = 'skippyctl'; main()"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "--url", smol2.head.url, "--token-file", str(smol2.head.token_file),
+         "generate", "--prompt", STORY, "--max-tokens", "400"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        # the text streams: some arrives while the generation still runs
+        first = await trio.to_thread.run_sync(lambda: os.read(proc.stdout.fileno(), 64))
+        assert first and proc.poll() is None
+        assert (await smol2.stage_sessions())[1]["live"] == 1
+        proc.send_signal(signal.SIGINT)
+        await smol2.wait_all_released(timeout=2.0)
+        rc = await trio.to_thread.run_sync(lambda: proc.wait(10))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read().decode()
+    assert rc == 130, err
+    assert "cancelled" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- sessions and lanes
+async def test_sessions_list_show_kill(smol2):
+    gen = Running(smol2.head)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gen.run)
+        await gen.first_piece.wait()
+        listed = await actl_json(smol2.head, "sessions", "list")
+        assert len(listed) == 1
+        s = listed[0]
+        assert s["state"] in ("prefill", "decode") and s["prompt_tokens"] > 0 and s["generated"] >= 1
+        assert s["position"] >= s["prompt_tokens"] and s["age_s"] >= 0 and s["lane"] is not None
+        assert s["stages"]["0"]["seq"] >= 0
+        shown = await actl_json(smol2.head, "sessions", "show", str(s["session_id"]))
+        assert shown["session_id"] == s["session_id"] and shown["generated"] >= s["generated"]
+        table = await actl(smol2.head, "sessions", "list")
+        assert str(s["session_id"]) in table.stdout
+        # stage 1's own daemon lists the same session with its sequence there
+        on_stage1 = await actl_json(smol2.stages[1], "sessions", "list")
+        assert [r["session_id"] for r in on_stage1] == [s["session_id"]] and on_stage1[0]["stages"]["1"]["seq"] >= 0
+        killed = await actl_json(smol2.head, "sessions", "kill", str(s["session_id"]))
+        assert killed == {"killed": s["session_id"], "released": True}
+        await gen.done.wait()
+    assert gen.result["finish_reason"] == "cancelled"
+    assert 0 < gen.result["usage"]["completion_tokens"] < 400
+    await smol2.wait_all_released()
+    assert await actl_json(smol2.head, "sessions", "list") == []
+
+
+async def test_lanes_drain_and_undrain(smol2):
+    lanes = await actl_json(smol2.head, "lanes", "list")
+    s1 = smol2.topology.stage(1)
+    assert not lanes["draining"] and lanes["downstream"] == f"{s1.host}:{s1.port}"
+    assert all(set(lane) >= {"lane_id", "state", "session_id", "downstream"} for lane in lanes["lanes"])
+    gen = Running(smol2.head, max_tokens=48)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gen.run)
+            await gen.first_piece.wait()
+            drained = await actl_json(smol2.head, "lanes", "drain")
+            assert drained["draining"]
+            busy = [lane for lane in drained["lanes"] if lane["state"] == "busy"]
+            assert len(busy) == 1 and busy[0]["session_id"] is not None
+            refused = await actl(smol2.head, "generate", "--prompt", "hi", "--max-tokens", "4")
+            assert_clean_error(refused, "draining")
+            await gen.done.wait()
+        # the running generation was not disturbed
+        assert gen.error is None and gen.result["finish_reason"] in ("length", "stop")
+        assert gen.result["finish_reason"] == "stop" or gen.result["usage"]["completion_tokens"] == 48
+    finally:
+        undrained = await actl_json(smol2.head, "lanes", "undrain")
+    assert not undrained["draining"]
+    again = await actl_json(smol2.head, "generate", *GREEDY, "--max-tokens", "4")
+    assert again["finish_reason"] == "length"
+    table = await actl(smol2.head, "lanes", "list")
+    assert table.exit_code == 0 and "lane" in table.stdout
+    await smol2.wait_all_released()

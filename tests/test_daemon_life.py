@@ -1,0 +1,348 @@
+"""skippyd as a service: config file, sd_notify, signals (drain, grace, reload), exit status.
+
+The process tests share one 2-stage split of the default model and one plain
+stage 1; each test that stops a daemon starts its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from skippyctl.client import open_control
+from skippyd import config as cfgmod
+from skippyd.config import Config, ConfigError, Settings, find_config, load
+from skippyd.control import messages as m
+from skippyd.daemon import _JournalFormatter, _notify, build_parser
+from tests.procs import REPO, Daemon, Pipeline, free_ports, split_for_test
+
+
+def run_skippyd(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "skippyd.daemon", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+# ---------------------------------------------------------------- config (no model)
+def settings(tmp_path: Path, toml: str | None, *flags: str, environ: dict | None = None) -> Settings:
+    parser = build_parser()
+    if toml is not None:
+        (tmp_path / "skippyd.toml").write_text(toml)
+        flags = ("--config", str(tmp_path / "skippyd.toml"), *flags)
+    return Settings.load(parser.parse_args(list(flags)), parser, environ={} if environ is None else environ)
+
+
+def test_config_file_then_flags(tmp_path):
+    s = settings(tmp_path, """
+[daemon]
+drain_grace = 12.5
+log_level = "warning"
+[pipeline]
+topology = "split/topology.toml"
+stage = 1
+[runtime]
+lanes = 2
+threads = 3
+[control]
+listen = "127.0.0.1:7400"
+token_file = "/run/skippy/token"
+""", "--lanes", "6", "--control", "127.0.0.1:9000")
+    a = s.args
+    assert a.lanes == 6 and a.threads == 3 and a.ctx == 4096  # flag > file > default
+    assert a.control == ("127.0.0.1", 9000) and a.control_token_file == Path("/run/skippy/token")
+    assert a.drain_grace == 12.5 and a.log_level == "warning" and a.stage == "1"
+    assert a.topology == tmp_path / "split/topology.toml"  # relative to the file's directory
+    assert not a.no_control
+    assert s.source("runtime.lanes") == "flag" and s.source("runtime.threads") == "file"
+    assert s.source("runtime.ctx") == "default"
+
+
+def test_a_model_flag_replaces_the_files_topology(tmp_path):
+    s = settings(tmp_path, '[pipeline]\ntopology = "t.toml"\nstage = 1\n', "--model", "/m.gguf")
+    assert s.args.model == Path("/m.gguf") and s.args.topology is None
+
+
+def test_defaults_without_a_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(cfgmod, "SYSTEM_CONFIG_DIR", tmp_path / "nothing-here")
+    s = settings(tmp_path, None)
+    assert s.path is None and s.file == Config()
+    assert s.args.control == ("127.0.0.1", 7390) and s.args.drain_grace == 30.0 and s.args.lanes == 4
+
+
+def test_config_search_order(tmp_path, monkeypatch):
+    system, unit = tmp_path / "etc", tmp_path / "unit"
+    for d in (system, unit):
+        d.mkdir()
+        (d / "skippyd.toml").write_text("")
+    monkeypatch.setattr(cfgmod, "SYSTEM_CONFIG_DIR", system)
+    explicit = tmp_path / "mine.toml"
+    assert find_config(explicit, {"CONFIGURATION_DIRECTORY": str(unit)}) == explicit
+    assert find_config(None, {"CONFIGURATION_DIRECTORY": str(unit)}) == unit / "skippyd.toml"
+    assert find_config(None, {"CONFIGURATION_DIRECTORY": str(tmp_path / "empty")}) == system / "skippyd.toml"
+    assert find_config(None, {}) == system / "skippyd.toml"
+    monkeypatch.setattr(cfgmod, "SYSTEM_CONFIG_DIR", tmp_path / "none")
+    assert find_config(None, {}) is None
+
+
+def test_every_bad_key_is_reported_with_file_and_key(tmp_path):
+    path = tmp_path / "skippyd.toml"
+    path.write_text("""
+[daemon]
+log_level = "loud"
+drain_grace = -1
+colour = "blue"
+[runtime]
+lanes = "4"
+ctx = 8
+[control]
+listen = "nowhere"
+[stage]
+listen = "0.0.0.0:7400"
+[extra]
+""")
+    with pytest.raises(ConfigError) as info:
+        load(path)
+    problems = dict(info.value.problems)
+    assert problems.keys() == {"daemon.log_level", "daemon.drain_grace", "daemon.colour", "runtime.lanes",
+                               "runtime.ctx", "control.listen", "extra"}
+    assert problems["daemon.colour"] == problems["extra"] == "unknown key"
+    assert "expected an integer" in problems["runtime.lanes"] and "at least 16" in problems["runtime.ctx"]
+    # at start: every problem on stderr, one line each, with the file and the key; exit status 2
+    proc = run_skippyd("--config", str(path))
+    assert proc.returncode == 2
+    assert f"{path}: runtime.lanes: expected an integer, got \"4\"" in proc.stderr
+    assert f"{path}: daemon.colour: unknown key" in proc.stderr and "Traceback" not in proc.stderr
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[daemon\n")
+    proc = run_skippyd("--config", str(broken))
+    assert proc.returncode == 2 and f"{broken}: not valid TOML" in proc.stderr
+    proc = run_skippyd("--config", str(tmp_path / "missing.toml"))
+    assert proc.returncode == 2 and "missing.toml: no such file" in proc.stderr
+
+
+def test_check_config_prints_the_settings_in_force(tmp_path):
+    path = tmp_path / "skippyd.toml"
+    path.write_text('[runtime]\nlanes = 2\n[openai]\nlisten = "127.0.0.1:8080"\n')
+    proc = run_skippyd("--config", str(path), "--check-config", "--ctx", "1024")
+    assert proc.returncode == 0, proc.stderr
+    assert "lanes = 2  # file" in proc.stdout and "ctx = 1024  # flag" in proc.stdout
+    assert 'listen = "127.0.0.1:7390"' in proc.stdout
+
+
+def test_sd_notify_is_a_noop_without_a_socket(monkeypatch, tmp_path):
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    _notify("READY=1")
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "nobody-listens"))
+    _notify("READY=1")  # never raises
+
+
+def test_journald_priority_prefixes(monkeypatch):
+    monkeypatch.setenv("JOURNAL_STREAM", "8:1234")
+    fmt = _JournalFormatter()
+    record = logging.LogRecord("skippyd", logging.WARNING, __file__, 1, "disk %s", ("full",), None)
+    assert fmt.format(record) == "<4>skippyd: disk full"
+    monkeypatch.delenv("JOURNAL_STREAM")
+    assert _JournalFormatter().format(record).endswith("warning skippyd: disk full")
+
+
+# ---------------------------------------------------------------- real daemons
+class NotifySocket:
+    """A fake systemd notify socket (unix datagram); remembers every line it got, in order."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.lines: list[str] = []
+
+    def wait_for(self, line: str, daemon: Daemon, timeout: float = 60.0) -> list[str]:
+        """Read datagrams until one holds `line`; returns every line read so far."""
+        deadline = time.monotonic() + timeout
+        while line not in self.lines:
+            if daemon.proc.poll() is not None and line != "STOPPING=1":
+                raise AssertionError(f"{daemon.name} exited with {daemon.proc.returncode}:\n{daemon.log()}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {line} within {timeout}s; got {self.lines}\n{daemon.log()}")
+            self.sock.settimeout(min(left, 0.5))
+            try:
+                data = self.sock.recv(4096)
+            except socket.timeout:
+                continue
+            self.lines += data.decode().splitlines()
+        return self.lines
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def split(default_model_path, tmp_path_factory):
+    work = tmp_path_factory.mktemp("life")
+    split_for_test(default_model_path, 2, work)
+    return work / "topology.toml"
+
+
+@pytest.fixture(scope="module")
+def stage1(split):
+    pipe = Pipeline(split, split.parent)
+    daemon = pipe.start_stage(1)
+    yield daemon
+    assert daemon.stop() == 0
+
+
+def test_notify_ready_reload_and_stopping(split, tmp_path):
+    """READY=1 only once the stage listener and the control channel accept; SIGHUP reloads; SIGTERM: STOPPING=1."""
+    notify = NotifySocket(tmp_path / "notify")
+    cfg = tmp_path / "skippyd.toml"
+    cfg.write_text('[daemon]\nlog_level = "info"\ndrain_grace = 5\n[runtime]\nlanes = 2\n')
+    port = free_ports(1)[0]
+    d = Daemon(["--config", str(cfg), "--topology", str(split), "--stage", "1", "--listen", f"127.0.0.1:{port}"],
+               tmp_path, "notify", env={"NOTIFY_SOCKET": str(notify.path)})
+    try:
+        lines = notify.wait_for("READY=1", d)
+        assert accepts(port) and accepts(d.control_port)  # checked right after READY=1 arrived
+        assert any(line.startswith("STATUS=loading stage 1") for line in lines[: lines.index("READY=1")])
+        assert "STOPPING=1" not in lines
+        assert lines[lines.index("READY=1") + 1].startswith("STATUS=stage 1")
+        status = d.status()
+        assert status["config"] == str(cfg) and status["ready"]
+
+        # SIGHUP: log level and drain grace apply at once; lanes needs a restart; flags still win
+        cfg.write_text('[daemon]\nlog_level = "debug"\ndrain_grace = 7\n[runtime]\nlanes = 3\n')
+        del notify.lines[:]
+        d.signal(signal.SIGHUP)
+        notify.wait_for("READY=1", d, timeout=10)
+        assert notify.lines[0] == "RELOADING=1"
+        log = d.log()
+        assert "SIGHUP: daemon.log_level: info → debug" in log and "SIGHUP: daemon.drain_grace: 5.0 → 7.0" in log
+        assert "SIGHUP: runtime.lanes changed in" in log and "next restart" in log
+        # an invalid file is refused; the daemon keeps running on what it had
+        cfg.write_text('[daemon]\nlog_level = "chatty"\n')
+        del notify.lines[:]
+        d.signal(signal.SIGHUP)
+        notify.wait_for("READY=1", d, timeout=10)
+        assert "daemon.log_level: must be one of" in d.log() and "keeping the running configuration" in d.log()
+        assert d.status()["ready"]
+
+        d.signal(signal.SIGTERM)
+        notify.wait_for("STOPPING=1", d, timeout=10)
+        assert d.wait_exit(20) == 0
+        assert "received SIGTERM: draining (running generations get 7s to finish)" in d.log()
+    finally:
+        if d.proc.poll() is None:
+            d.kill()
+        notify.close()
+
+
+async def wait_released(stage1: Daemon, timeout: float = 2.0) -> None:
+    deadline = trio.current_time() + timeout
+    while (snap := (await stage1.astatus())["stages"][0])["live_sessions"] or snap["free_slots"] != snap["n_seq_max"]:
+        assert trio.current_time() < deadline, f"stage 1 still holds sessions: {snap}"
+        await trio.sleep(0.05)
+
+
+async def start_generation(head: Daemon, nursery: trio.Nursery, **kw) -> dict:
+    """Start a streamed generation; returns a dict that gets "pieces", then "result" (or "error")."""
+    state: dict = {"pieces": [], "first": trio.Event(), "done": trio.Event()}
+
+    async def run() -> None:
+        try:
+            async with open_control(head.url, head.token_file) as client:
+                async for reply in client.replies(m.Generate(id=client.new_id(), **kw)):
+                    if isinstance(reply, m.Piece):
+                        state["pieces"].append(reply.text)
+                        state["first"].set()
+                    elif isinstance(reply, m.Result):
+                        state["result"] = reply.result
+                    else:
+                        state["error"] = reply
+        finally:
+            state["first"].set()
+            state["done"].set()
+
+    nursery.start_soon(run)
+    await state["first"].wait()
+    return state
+
+
+async def test_sigterm_lets_running_generations_finish(split, stage1, tmp_path):
+    head = Daemon(["--topology", str(split), "--stage", "0", "--drain-grace", "30"], tmp_path, "head")
+    try:
+        await trio.to_thread.run_sync(head.wait_ready)
+        async with trio.open_nursery() as nursery:
+            gen = await start_generation(head, nursery, prompt="Once upon a time", raw=True, max_tokens=120)
+            signalled = time.monotonic()
+            head.signal(signal.SIGTERM)
+            # draining: the control channel still answers, but new generations are refused
+            while not (await head.astatus())["draining"]:
+                await trio.sleep(0.02)
+            async with open_control(head.url, head.token_file) as client:
+                reply = [r async for r in client.replies(m.Generate(id="late", prompt="hi", max_tokens=4))][-1]
+            assert isinstance(reply, m.Error) and "draining" in reply.message and reply.retryable
+            await gen["done"].wait()
+        assert "error" not in gen, gen.get("error")
+        result = gen["result"]
+        assert result["finish_reason"] in ("length", "stop")
+        assert result["finish_reason"] == "stop" or result["usage"]["completion_tokens"] == 120
+        assert "".join(gen["pieces"]) == result["text"]
+        rc = await trio.to_thread.run_sync(lambda: head.wait_exit(20))
+        assert rc == 0, head.log()
+        assert time.monotonic() - signalled < 30
+        assert "received SIGTERM: draining" in head.log()
+    finally:
+        if head.proc.poll() is None:
+            head.kill()
+    await wait_released(stage1)
+
+
+async def test_sigint_past_the_grace_period_cancels_and_exits_0(split, stage1, tmp_path):
+    head = Daemon(["--topology", str(split), "--stage", "0", "--drain-grace", "0.5"], tmp_path, "head")
+    try:
+        await trio.to_thread.run_sync(head.wait_ready)
+        async with trio.open_nursery() as nursery:
+            gen = await start_generation(head, nursery, prompt="Write a long story about a dragon.", max_tokens=1000)
+            signalled = time.monotonic()
+            head.signal(signal.SIGINT)
+            await gen["done"].wait()
+        assert gen["result"]["finish_reason"] == "cancelled", gen
+        assert time.monotonic() - signalled < 5
+        rc = await trio.to_thread.run_sync(lambda: head.wait_exit(20))
+        assert rc == 0, head.log()
+        assert "grace period over" in head.log()
+    finally:
+        if head.proc.poll() is None:
+            head.kill()
+    await wait_released(stage1)  # the head stopped the session on stage 1 on its way out
+
+
+async def test_status_probe_reads_a_stages_version_and_sees_a_dead_one(split, stage1):
+    import attrs
+
+    from skippyd.daemon import probe_stage
+    from skippyd.topology import Topology
+    from skippyd.wire.messages import PROTOCOL_VERSION
+
+    topology = Topology.load(split)
+    live = await probe_stage(topology, topology.stage(1))
+    assert live == {"reachable": True, "version": PROTOCOL_VERSION, "node": "stage-1"}
+    dead = await probe_stage(topology, attrs.evolve(topology.stage(1), port=free_ports(1)[0]))
+    assert dead["reachable"] is False and dead["version"] is None and dead["error"]
+    # the probe opened no session on the stage
+    assert (await stage1.astatus())["stages"][0]["live_sessions"] == 0

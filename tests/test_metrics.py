@@ -1,0 +1,179 @@
+"""Metrics (prometheus_client, one registry per daemon) and telemetry spans, without processes."""
+
+from __future__ import annotations
+
+import io
+import json
+from types import SimpleNamespace
+
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from skippyd import telemetry
+from skippyd.head.engine import GenerationResult
+from skippyd.openai.metrics import Metrics
+
+
+def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def result(**kw) -> GenerationResult:
+    base = dict(request_id=1, session_id=2, text="hi", tokens=[5, 6, 7, 8], finish_reason="length",
+                prompt_tokens=10, ttft_ms=40.0, decode_tokens_per_s=50.0, elapsed_ms=100.0,
+                stage_stats={"compute_us": 8000, "compute_us_max": 3000, "queue_us": 100, "forward_write_us": 50,
+                             "downstream_wait_us": 6000, "bytes_sent": 4096, "stage_count": 4, "slowest_stage": 1})
+    base.update(kw)
+    return GenerationResult(**base)
+
+
+def test_record_generation_moves_counters_and_histograms():
+    m = Metrics()
+    m.record_generation(result(), source="http")
+    m.record_generation(result(finish_reason="stop", tokens=[1]), source="control")
+    s = samples(m)
+    assert s[("skippy_generations_total", (("finish_reason", "length"), ("source", "http")))] == 1
+    assert s[("skippy_generations_total", (("finish_reason", "stop"), ("source", "control")))] == 1
+    assert s[("skippy_prompt_tokens_total", (("source", "http"),))] == 10
+    assert s[("skippy_completion_tokens_total", (("source", "http"),))] == 4
+    assert s[("skippy_completion_tokens_total", (("source", "control"),))] == 1
+    assert s[("skippy_time_to_first_token_seconds_sum", (("source", "http"),))] == pytest.approx(0.04)
+    assert s[("skippy_time_per_output_token_seconds_sum", (("source", "http"),))] == pytest.approx(0.02)
+    # one token: no time per output token
+    assert s.get(("skippy_time_per_output_token_seconds_count", (("source", "control"),)), 0) == 0
+    assert s[("skippy_stage_compute_milliseconds_sum", ())] == pytest.approx(2 * 8000 / 4 / 1e3)
+    assert s[("skippy_hop_wait_milliseconds_sum", ())] == pytest.approx(12.0)
+    assert s[("skippy_stage_seconds_total", (("kind", "compute"),))] == pytest.approx(0.016)
+    assert s[("skippy_pipeline_bytes_sent_total", ())] == 8192
+    assert s[("skippy_slowest_stage_total", (("stage", "1"),))] == 2
+
+
+def test_requests_by_endpoint_and_status():
+    m = Metrics()
+    m.observe_request("/v1/chat/completions", 200, 0.5)
+    m.observe_request("/v1/chat/completions", 200, 0.7)
+    m.observe_request("/v1/completions", 400, 0.001)
+    s = samples(m)
+    assert s[("skippy_http_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))] == 2
+    assert s[("skippy_http_requests_total", (("endpoint", "/v1/completions"), ("status", "400")))] == 1
+    assert s[("skippy_http_request_duration_seconds_count", (("endpoint", "/v1/chat/completions"),))] == 2
+
+
+def test_registries_are_per_daemon():
+    a, b = Metrics(), Metrics()
+    a.observe_request("/health", 200, 0.0)
+    assert ("skippy_http_requests_total", (("endpoint", "/health"), ("status", "200"))) not in samples(b)
+
+
+def fake_daemon():
+    live = {1: SimpleNamespace(state="queued"), 2: SimpleNamespace(state="decode"), 3: SimpleNamespace(state="decode")}
+    engine = SimpleNamespace(
+        live=live, totals={"generations": 7, "prompt_tokens": 70, "completion_tokens": 30, "errors": 1},
+        sessions=SimpleNamespace(live=[object(), object()], free_slots=2),
+        scheduler=SimpleNamespace(stats=SimpleNamespace(compute_s=1.5, batches=9, tokens=40)))
+    pool = SimpleNamespace(capacity=4, describe=lambda: [{"state": "busy"}, {"state": "busy"}, {"state": "idle"}])
+    stage = SimpleNamespace(index=1, sessions=SimpleNamespace(live=[object()], free_slots=3),
+                            scheduler=SimpleNamespace(stats=SimpleNamespace(compute_s=2.5, batches=11, tokens=44)))
+    return SimpleNamespace(head=SimpleNamespace(engine=engine, pool=pool), stages=[stage], draining=True)
+
+
+def test_daemon_state_is_read_at_scrape_time():
+    daemon = fake_daemon()
+    m = Metrics(daemon)
+    m.http_waiting = 2
+    s = samples(m)
+    assert s[("skippy_live_generations", (("state", "decode"),))] == 2
+    assert s[("skippy_queue_depth", ())] == 3  # one queued in the engine, two waiting in the HTTP app
+    assert s[("skippy_lanes", (("state", "busy"),))] == 2
+    assert s[("skippy_lanes", (("state", "idle"),))] == 1
+    assert s[("skippy_lanes", (("state", "unopened"),))] == 1
+    assert s[("skippy_stage_sessions", (("stage", "0"),))] == 2
+    assert s[("skippy_stage_sessions", (("stage", "1"),))] == 1
+    assert s[("skippy_stage_free_slots", (("stage", "1"),))] == 3
+    assert s[("skippy_scheduler_compute_seconds_total", (("stage", "1"),))] == 2.5
+    assert s[("skippy_head_generations_total", (("outcome", "error"),))] == 1
+    assert s[("skippy_head_tokens_total", (("kind", "prompt"),))] == 70
+    assert s[("skippy_draining", ())] == 1
+    daemon.head.engine.live.clear()
+    assert samples(m)[("skippy_live_generations", (("state", "decode"),))] == 0
+
+
+def test_a_starting_or_stage_only_daemon_still_scrapes():
+    assert samples(Metrics(SimpleNamespace(head=None, stages=[], draining=False)))[("skippy_draining", ())] == 0
+    loading = SimpleNamespace(head=SimpleNamespace(engine=None, pool=None), stages=[], draining=False)
+    assert ("skippy_draining", ()) in samples(Metrics(loading))
+    broken = SimpleNamespace(head=SimpleNamespace(engine=SimpleNamespace(live=None)), stages=[], draining=False)
+    samples(Metrics(broken))  # a part in a strange state: the scrape still answers
+
+
+# ---------------------------------------------------------------- telemetry
+@pytest.fixture
+def spans():
+    sink = io.StringIO()
+    yield sink
+    telemetry.configure("off")
+    telemetry.reset()
+
+
+def test_span_off_is_a_shared_no_op(spans):
+    telemetry.configure("off", sink=spans)
+    s = telemetry.span("x", request=1)
+    assert s is telemetry.span("y")
+    with s as inner:
+        inner.set(session=3)
+    assert spans.getvalue() == "" and telemetry.summary() == {}
+
+
+def test_span_debug_writes_one_json_line_per_span_with_ids_and_parent(spans):
+    telemetry.configure("debug", sink=spans)
+    with telemetry.span("http.request", request="abc") as outer:
+        with telemetry.span("head.decode", request="abc", session=42) as inner:
+            inner.set(tokens=3)
+        outer.set(status=200)
+    with pytest.raises(KeyError), telemetry.span("failing", request="def"):
+        raise KeyError("boom")
+    lines = [json.loads(line) for line in spans.getvalue().splitlines()]
+    assert [r["span"] for r in lines] == ["head.decode", "http.request", "failing"]
+    decode, request, failing = lines
+    assert decode["session"] == 42 and decode["tokens"] == 3 and decode["request"] == "abc"
+    assert decode["parent_id"] == request["span_id"] and request["parent_id"] is None
+    assert request["status"] == 200 and request["duration_ms"] >= decode["duration_ms"] >= 0
+    assert failing["error"] == "KeyError" and failing["parent_id"] is None
+    assert telemetry.summary()["failing"]["errors"] == 1
+
+
+def test_span_summary_counts_without_lines(spans):
+    telemetry.configure("summary", sink=spans)
+    for _ in range(3):
+        with telemetry.span("stage.compute", stage=1):
+            pass
+    assert spans.getvalue() == ""
+    assert telemetry.summary()["stage.compute"]["count"] == 3
+    s = samples(Metrics(SimpleNamespace(head=None, stages=[], draining=False)))
+    assert s[("skippy_span_total", (("span", "stage.compute"),))] == 3
+
+
+async def test_spans_in_child_tasks_name_their_parent(spans):
+    telemetry.configure("debug", sink=spans)
+
+    async def child():
+        with telemetry.span("child"):
+            await trio.sleep(0)
+
+    with telemetry.span("parent"):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(child)
+            nursery.start_soon(child)
+    lines = [json.loads(line) for line in spans.getvalue().splitlines()]
+    parent = next(r for r in lines if r["span"] == "parent")
+    assert [r["parent_id"] for r in lines if r["span"] == "child"] == [parent["span_id"]] * 2
+
+
+def test_unknown_level_is_refused():
+    with pytest.raises(ValueError):
+        telemetry.configure("verbose")
