@@ -38,5 +38,10 @@ class BinaryDistribution(Distribution):
     def has_ext_modules(self):
         return True
 
+    def has_data(self):
+        # setuptools' editable build asks for has_data(), which Distribution lacks:
+        # without this, an editable install silently skips the man pages
+        return self.has_data_files()
+
 
 setup(cmdclass={"build_py": BuildPyWithNative}, distclass=BinaryDistribution)

@@ -124,8 +124,11 @@ def setup_logging(level: str) -> None:
 
 class Daemon:
     def __init__(self, args: argparse.Namespace, *, settings: Settings | None = None):
+        from skippyd.openai.metrics import Metrics  # prometheus_client only, no HTTP server
+
         self.args = args
         self.settings = settings
+        self.metrics = Metrics(self)
         self.stages: list[StageServer] = []
         self.head = None
         self.control = None

@@ -14,6 +14,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +26,16 @@ from skippyd.runtime.slicing import split_model
 from skippyd.topology import Topology
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def _die_with_parent() -> None:
+    """Linux: a daemon started by a test run that gets killed must not outlive it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def free_ports(n: int) -> list[int]:
@@ -67,7 +78,10 @@ class Daemon:
                      "--control-token-file", str(self.token_file)]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})},
+                                     # PDEATHSIG follows the forking *thread*: only safe from the main thread
+                                     preexec_fn=_die_with_parent if threading.current_thread() is
+                                     threading.main_thread() else None)
 
     @property
     def url(self) -> str:

@@ -119,6 +119,9 @@ class ControlServer:
                 await send(m.Piece(req.id, text))
 
         result = await self.engine.generate(greq, on_piece)
+        metrics = getattr(self.daemon, "metrics", None)
+        if metrics is not None:
+            metrics.record_generation(result, source="control")
         await send(m.Result(req.id, result.to_json()))
 
     async def on_sessions_list(self, req: m.SessionsList, send) -> None:
