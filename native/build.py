@@ -233,7 +233,7 @@ def build_extension(lib_dir: Path) -> Path:
             (HERE / "llama_helpers.c").read_text(),
             include_dirs=[str(lib_dir / "include")],
             library_dirs=[str(lib_dir / "lib")],
-            libraries=["llama"],
+            libraries=["llama", "ggml-cpu", "ggml-base"],
             extra_compile_args=["-O2"],
             extra_link_args=["-Wl,-rpath,$ORIGIN"],
         )

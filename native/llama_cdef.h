@@ -14,6 +14,7 @@ struct llama_context;
 struct llama_vocab;
 struct llama_sampler;
 struct llama_memory_i;
+struct ggml_threadpool;
 typedef struct llama_memory_i * llama_memory_t;
 
 #define LLAMA_DEFAULT_SEED ...
@@ -104,6 +105,9 @@ struct llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_se
 void llama_batch_free(struct llama_batch batch);
 int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
 void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);
+void llama_attach_threadpool(struct llama_context * ctx, struct ggml_threadpool * threadpool,
+                             struct ggml_threadpool * threadpool_batch);
+void llama_detach_threadpool(struct llama_context * ctx);
 float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
 float * llama_get_embeddings(struct llama_context * ctx);
 
@@ -136,6 +140,8 @@ void llama_sampler_reset(struct llama_sampler * smpl);
 void llama_sampler_free(struct llama_sampler * smpl);
 
 /* Our C helpers (native/llama_helpers.c) */
+struct ggml_threadpool * skippy_threadpool_new(int n_threads, int poll);
+void skippy_threadpool_free(struct ggml_threadpool * threadpool);
 void skippy_log_setup(int verbose);
 const char * skippy_last_error(void);
 void skippy_clear_last_error(void);

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 #include "llama.h"
+#include "ggml-cpu.h"
 
 static int skippy_log_verbose = 0;
 /* The last error-level line llama.cpp logged on this thread: folded into our
@@ -83,4 +84,17 @@ int skippy_sample_rows(struct llama_context * ctx, struct llama_sampler ** sampl
         }
     }
     return 0;
+}
+
+/* A persistent ggml thread pool. Without one, ggml creates and joins its worker
+ * threads for every graph; with poll = 0 the workers sleep between graphs
+ * instead of spinning, which matters when other stages share the cores. */
+struct ggml_threadpool * skippy_threadpool_new(int n_threads, int poll) {
+    struct ggml_threadpool_params params = ggml_threadpool_params_default(n_threads);
+    params.poll = (uint32_t) poll;
+    return ggml_threadpool_new(&params);
+}
+
+void skippy_threadpool_free(struct ggml_threadpool * threadpool) {
+    if (threadpool != NULL) ggml_threadpool_free(threadpool);
 }

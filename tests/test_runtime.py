@@ -291,3 +291,13 @@ def test_detokenizer_never_splits_utf8(smol):
     assert all("\ufffd" not in p for p in pieces)
     # at least one emoji / CJK character spans several tokens, so some pushes emit nothing
     assert "" in pieces[:-1]
+
+
+def test_persistent_threadpool_gives_identical_tokens(default_model_path):
+    pooled = ContextParams(n_ctx_per_seq=1024, n_seq_max=1, n_threads=2, threadpool_poll=0)
+    with LocalPipeline([default_model_path], PARAMS) as ref, LocalPipeline([default_model_path], pooled) as pipe:
+        prompt = ref.head.tokenize("The capital of France is")
+        assert pipe.generate(prompt, 16, stop_at_eog=False) == ref.generate(prompt, 16, stop_at_eog=False)
+    with pytest.raises(InvalidArgumentError, match="threadpool_poll"):
+        with Model(default_model_path) as model:
+            Context(model, ContextParams(threadpool_poll=101))

@@ -406,6 +406,9 @@ class ContextParams:
     n_threads: int = 2
     n_threads_batch: int | None = None
     kv_unified: bool = False
+    # A persistent ggml thread pool whose workers poll this long (0-100) before sleeping;
+    # None keeps llama.cpp's default (worker threads created and joined for every graph).
+    threadpool_poll: int | None = None
 
 
 class Context:
@@ -420,6 +423,7 @@ class Context:
     def __init__(self, model: Model, params: ContextParams = ContextParams()):
         self._ptr = ffi.NULL
         self._batch = None
+        self._threadpool = ffi.NULL
         op = "create context"
         if params.n_seq_max < 1 or params.n_seq_max > 256:
             raise InvalidArgumentError(op, "n_seq_max must be in [1, 256]")
@@ -449,6 +453,15 @@ class Context:
         if ptr == ffi.NULL:
             raise ContextError(op, f"llama.cpp could not create a context for {model.path}")
         self._ptr = ptr
+        if params.threadpool_poll is not None:
+            if not 0 <= params.threadpool_poll <= 100:
+                raise InvalidArgumentError(op, "threadpool_poll must be in [0, 100]")
+            n_pool = max(params.n_threads, params.n_threads_batch or params.n_threads)
+            self._threadpool = lib.skippy_threadpool_new(n_pool, params.threadpool_poll)
+            if self._threadpool == ffi.NULL:
+                self.close()
+                raise ContextError(op, "could not create the ggml thread pool")
+            lib.llama_attach_threadpool(ptr, self._threadpool, self._threadpool)
         self._mem = lib.llama_get_memory(ptr)
         self.n_batch = int(lib.llama_n_batch(ptr))
         self.n_seq_max = int(lib.llama_n_seq_max(ptr))
@@ -463,13 +476,18 @@ class Context:
 
     # -- lifetime
     def close(self) -> None:
-        """Free the batch, then the context (reverse order of creation). Idempotent."""
+        """Free the batch, the context, then its thread pool (reverse order of creation). Idempotent."""
         if self._batch is not None:
             lib.llama_batch_free(self._batch)
             self._batch = None
         if self._ptr != ffi.NULL:
+            if self._threadpool != ffi.NULL:
+                lib.llama_detach_threadpool(self._ptr)
             lib.llama_free(self._ptr)
             self._ptr = ffi.NULL
+        if self._threadpool != ffi.NULL:
+            lib.skippy_threadpool_free(self._threadpool)
+            self._threadpool = ffi.NULL
 
     def __enter__(self) -> Context:
         return self
