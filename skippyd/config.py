@@ -103,11 +103,14 @@ class RuntimeSection:
     prefill_chunk: int = attrs.field(default=256, validator=_at_least(1))
     credit: int = attrs.field(default=2, validator=_at_least(1))
     reply_timeout: float = attrs.field(default=30.0, validator=_at_least(0.1))
+    direct_return: bool = True  # 3+ stages: predictions go from the final stage straight to the head
 
 
 @attrs.frozen
 class StageSection:
     listen: Optional[str] = attrs.field(default=None, validator=_hostport)
+    link_delay_ms: float = attrs.field(default=0.0, validator=_at_least(0))  # link conditioning
+    link_mbps: float = attrs.field(default=0.0, validator=_at_least(0))  # 0: no cap
 
 
 @attrs.frozen
@@ -154,7 +157,10 @@ FLAG_KEYS = {
     "prefill_chunk": "runtime.prefill_chunk",
     "credit": "runtime.credit",
     "reply_timeout": "runtime.reply_timeout",
+    "direct_return": "runtime.direct_return",
     "listen": "stage.listen",
+    "link_delay_ms": "stage.link_delay_ms",
+    "link_mbps": "stage.link_mbps",
     "control": "control.listen",
     "control_token_file": "control.token_file",
     "openai": "openai.listen",

@@ -48,6 +48,16 @@ def _hostport(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every flag that has a config key defaults to None: "not given", so the file's value applies."""
     p = argparse.ArgumentParser(
@@ -72,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--credit", type=int, default=None, help="outstanding prefill acks per link (default 2)")
     run.add_argument("--reply-timeout", type=float, default=None,
                      help="seconds a stage may take to answer (default 30)")
+    run.add_argument("--direct-return", action=argparse.BooleanOptionalAction, default=None,
+                     help="with 3+ stages the final stage sends predictions straight to the head "
+                          "(default on; the head listens on its topology address for it)")
     net = p.add_argument_group("network")
     net.add_argument("--listen", type=_hostport, default=None,
                      help="HOST:PORT for this stage's listener (default: from the topology)")
@@ -81,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="file holding the control token (created 0600 if absent; "
                           "default $STATE_DIRECTORY/control.token or ~/.local/state/skippy/control.token)")
     net.add_argument("--no-control", action="store_true", help="do not serve the control channel")
+    net.add_argument("--link-delay-ms", type=_non_negative, default=None, metavar="MS",
+                     help="link conditioning (tests, benchmarks): add MS one-way delay to every frame this "
+                          "daemon sends to another stage (default 0)")
+    net.add_argument("--link-mbps", type=_non_negative, default=None, metavar="MBPS",
+                     help="link conditioning: cap what this daemon sends to another stage at MBPS megabits/s "
+                          "per connection (default 0: no cap)")
     life = p.add_argument_group("daemon")
     life.add_argument("--drain-grace", type=float, default=None,
                       help="seconds running generations may take to finish on SIGTERM (default 30)")
@@ -170,7 +189,10 @@ class Daemon:
         # (two 2-thread stages on 2 cores run at a third of their speed; see BENCHMARKS.md)
         threads = a.threads or max(1, (os.cpu_count() or 2) // max(1, n_local))
         cfg = StageConfig(n_ctx_per_seq=a.ctx, lanes=a.lanes, n_batch=a.batch, n_threads=threads,
-                          credit_limit=a.credit, reply_timeout_s=a.reply_timeout)
+                          credit_limit=a.credit, reply_timeout_s=a.reply_timeout,
+                          direct_return=getattr(a, "direct_return", None) is not False,
+                          link_delay_ms=getattr(a, "link_delay_ms", None) or 0.0,
+                          link_mbps=getattr(a, "link_mbps", None) or 0.0)
         if a.listen:
             cfg.listen_host, cfg.listen_port = a.listen
         return cfg
@@ -360,7 +382,9 @@ class Daemon:
         local = []
         if self.head is not None and self.head.model is not None:
             st = self.head.model.stage
-            local.append({"index": 0, "layers": [st.layer_start, st.layer_end], "listen": None})
+            hub = self.head.hub
+            local.append({"index": 0, "layers": [st.layer_start, st.layer_end],
+                          "listen": hub.address if hub is not None else None})
         for s in sorted(self.stages, key=lambda s: s.index):
             local.append({"index": s.index, "layers": [s.spec.layer_start, s.spec.layer_end],
                           "listen": f"{s.config.listen_host or s.spec.host}:{s.port}"})

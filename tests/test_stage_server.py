@@ -405,9 +405,11 @@ async def test_both_ends_of_a_lane_send_without_delay(final_stage):
 
 
 async def test_direct_return_is_refused_not_ignored(final_stage):
-    """The token-return connection is not implemented: a session asking for it gets an error, not silence."""
+    """Nothing listens at stage 0's address: a session asking for direct return gets a clear error (the head
+    then configures again without it), not silence."""
     link = await connect(final_stage)
     reply, *_ = await link.request(ConfigureGeneration(1, 1, SamplingParams.greedy(), direct_return=True))
     assert isinstance(reply, ErrorReply) and "direct token return" in reply.message
+    assert reply.code == ErrorCode.DIRECT_RETURN_UNAVAILABLE
     assert released(final_stage)
     await link.aclose()

@@ -8,6 +8,15 @@ mode) it samples locally with the same code path.
 Whatever ends a generation (finish, stop string, cancellation, an error) the
 ``finally`` of :meth:`HeadEngine.generate` stops the session down the lane
 (shielded, time-bounded) and releases the head's own KV sequence.
+
+Direct token return (three or more stages, ``hub`` given): a generation
+asks for it in its ConfigureGeneration; if the final stage accepts, each
+prediction-bearing message (the final prefill chunk, every decode step) is
+sent without waiting for its reply, its ack is collected from the lane (it
+comes from stage 1, before the prediction could), and the prediction
+arrives on the session's channel from the :class:`TokenReturnHub`. If the
+final stage answers DIRECT_RETURN_UNAVAILABLE the generation configures
+again without it and uses the relayed path (logged once per change).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import trio
 
 from skippyd.head.lanes import Lane, LanePool
 from skippyd.head.stops import StopMatcher
+from skippyd.head.token_return import ReturnLost, TokenReturnHub
 from skippyd.telemetry import span
 from skippyd.runtime import llama
 from skippyd.runtime.text import Detokenizer
@@ -38,6 +48,7 @@ from skippyd.wire.messages import (
     DEFAULT_SEED,
     ConfigureGeneration,
     DecodeStep,
+    ErrorCode,
     ErrorReply,
     PredictedToken,
     PrefillChunk,
@@ -167,7 +178,8 @@ PieceCallback = Callable[[str], Awaitable[None]]
 class HeadEngine:
     def __init__(self, model: llama.Model, context: llama.Context, scheduler: Scheduler,
                  pool: LanePool | None, *, prefill_chunk: int = 256, receipts_file: Path | None = None,
-                 receipts_kept: int = 256, queue_timeout: float = 30.0):
+                 receipts_kept: int = 256, queue_timeout: float = 30.0, hub: TokenReturnHub | None = None,
+                 reply_timeout: float = 30.0):
         self.model = model
         self.context = context
         self.scheduler = scheduler
@@ -183,6 +195,31 @@ class HeadEngine:
         self._request_ids = itertools.count(1)
         self.totals = {"generations": 0, "prompt_tokens": 0, "completion_tokens": 0, "errors": 0}
         self.last_stage_stats = StageStats()
+        self.hub = hub  # direct token return (3+ stages), None: every prediction is relayed
+        self.reply_timeout = reply_timeout
+        # where the predictions of pipeline generations came from, and configures that fell back
+        self.token_paths = {"direct": 0, "relayed": 0, "fallbacks": 0}
+        self._fallback_reason: str | None = None
+
+    @property
+    def wants_direct_return(self) -> bool:
+        return self.hub is not None and self.hub.address is not None
+
+    def note_direct_return(self, fallback_reason: str | None) -> None:
+        """Log when direct return stops or starts working (not once per generation)."""
+        if fallback_reason is not None:
+            self.token_paths["fallbacks"] += 1
+            if fallback_reason != self._fallback_reason:
+                log.warning("head: %s; using the relayed path", fallback_reason)
+        elif self._fallback_reason is not None:
+            log.info("head: direct token return works again")
+        self._fallback_reason = fallback_reason
+
+    def describe_token_return(self) -> dict | None:
+        if self.pool is None:
+            return None
+        hub = self.hub.describe() if self.hub is not None else {"listen": None}
+        return {**hub, **self.token_paths, "enabled": self.wants_direct_return}
 
     # ------------------------------------------------------------------ prompt
     def prompt_tokens(self, req: GenerationRequest) -> np.ndarray:
@@ -294,6 +331,7 @@ class _Run:
         self.session = None
         self.sampler: llama.Sampler | None = None
         self.error: str | None = None
+        self.returns: trio.MemoryReceiveChannel | None = None  # direct return: this session's predictions
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1e3
@@ -325,8 +363,7 @@ class _Run:
                 self.lane = await self._checkout()
                 self.lane.session_id = self.live.session_id
                 self.live.lane_id = self.lane.lane_id
-                await self._request(ConfigureGeneration(self.live.request_id, self.live.session_id,
-                                                        _wire_sampling(self.sampling)))
+                await self._configure()
             elif not self.sampling.is_plain_greedy:
                 self.sampler = llama.Sampler(engine.model, self.sampling)
             self.live.state = "prefill"
@@ -366,8 +403,31 @@ class _Run:
         self.stats = merge(self.stats, StageStats.single(0, compute_us=job.compute_us, queue_us=job.queue_us))
         return result
 
-    async def _request(self, msg):
-        """One request down the lane; any interruption leaves the lane dirty (discarded later)."""
+    async def _configure(self) -> None:
+        """Open the session down the lane: with direct token return if the pipeline offers it."""
+        engine = self.engine
+        msg = ConfigureGeneration(self.live.request_id, self.live.session_id, _wire_sampling(self.sampling))
+        if engine.wants_direct_return:
+            self.returns = engine.hub.open_session(self.live.session_id)
+            reply = await self._request(attrs.evolve(msg, direct_return=True),
+                                        tolerate=ErrorCode.DIRECT_RETURN_UNAVAILABLE)
+            if not isinstance(reply, ErrorReply):
+                engine.note_direct_return(None)
+                return
+            self._close_returns()
+            engine.note_direct_return(reply.message)
+        await self._request(msg)
+
+    def _close_returns(self) -> None:
+        if self.returns is not None:
+            self.engine.hub.close_session(self.live.session_id)
+            self.returns = None
+
+    async def _request(self, msg, *, tolerate: ErrorCode | None = None):
+        """One request down the lane; any interruption leaves the lane dirty (discarded later).
+
+        An ErrorReply becomes a GenerationError, except one with the code ``tolerate``, which is returned.
+        """
         lane = self.lane
         lane.dirty = True
         try:
@@ -381,10 +441,59 @@ class _Run:
         hop = StageStats(forward_write_us=write_us, downstream_wait_us=wait_us, bytes_sent=sent)
         self.stats = merge(self.stats, merge(hop, reply.stats))
         if isinstance(reply, ErrorReply):
-            raise GenerationError(f"stage error ({reply.code.name.lower()}): {reply.message}",
-                                  retryable=reply.code.name in ("NO_CAPACITY", "SHUTTING_DOWN"),
-                                  status=400 if reply.code.name == "CONTEXT_FULL" else 502)
+            if reply.code == tolerate:
+                return reply
+            raise _stage_error(reply)
         return reply
+
+    async def _predict(self, msg) -> int:
+        """Send a prediction-bearing message (final prefill chunk, decode step); the predicted token."""
+        if self.returns is None:
+            reply = await self._request(msg)
+            if not isinstance(reply, PredictedToken):
+                raise GenerationError(f"stage 1 answered {type(msg).__name__} with {type(reply).__name__}")
+            self.engine.token_paths["relayed"] += 1
+            return int(reply.token)
+        return await self._predict_direct(msg)
+
+    async def _predict_direct(self, msg) -> int:
+        """Direct return: send, collect the lane's ack (stage 1 sends it as soon as it has forwarded the
+        message, so it arrives before the prediction can), then take the prediction from the session's
+        channel, which the token-return connection feeds."""
+        lane = self.lane
+        started = time.perf_counter()
+        lane.dirty = True
+        try:
+            with span("head.hop", request=self.live.request_id, session=self.live.session_id,
+                      kind=type(msg).__name__, lane=lane.lane_id, direct=1):
+                sent, write_us = await lane.link.send_expecting_ack(msg)
+                await lane.link.drain()
+        except DownstreamError as exc:
+            raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502) from exc
+        lane.dirty = False  # nothing outstanding on the lane: a kill from here on may still send Stop
+        folded, error = lane.link.take_folded()
+        self.stats = merge(self.stats, folded)
+        if error is not None:
+            raise _stage_error(error)
+        with span("head.token_return_wait", request=self.live.request_id, session=self.live.session_id):
+            with trio.move_on_after(self.engine.reply_timeout):
+                item = await self.returns.receive()
+                wait_us = int((time.perf_counter() - started) * 1e6) - write_us
+                if isinstance(item, ReturnLost):
+                    lane.dirty = True  # the final stage may be gone or wedged: close the lane, no Stop
+                    raise GenerationError(f"pipeline failed: {item}", retryable=True, status=502)
+                self.stats = merge(self.stats, merge(StageStats(forward_write_us=write_us, downstream_wait_us=wait_us,
+                                                                bytes_sent=sent), item.stats))
+                if isinstance(item, ErrorReply):
+                    raise _stage_error(item)
+                if not isinstance(item, PredictedToken) or item.session_id != self.live.session_id:
+                    raise GenerationError(f"the token-return connection answered {type(msg).__name__} with "
+                                          f"{type(item).__name__}")
+                self.engine.token_paths["direct"] += 1
+                return int(item.token)
+        lane.dirty = True  # a Stop would wait for the same silent stage: close the lane instead
+        raise GenerationError(f"pipeline failed: the final stage sent no prediction on the token-return "
+                              f"connection within {self.engine.reply_timeout:g} s", retryable=True, status=502)
 
     async def _prefill(self) -> int:
         chunk = self.engine.prefill_chunk
@@ -410,8 +519,7 @@ class _Run:
                     raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502) from exc
                 self.lane.dirty = False
             else:
-                reply = await self._request(msg)
-                return int(reply.token)
+                return await self._predict(msg)
         raise AssertionError("unreachable: the prompt is not empty")
 
     async def _decode_loop(self, token: int) -> None:
@@ -444,10 +552,7 @@ class _Run:
         if self.lane is None:
             return int(await self._compute(tokens, pos, want_token=True))
         hidden = await self._compute(tokens, pos, want_token=False)
-        reply = await self._request(DecodeStep(self.live.request_id, self.live.session_id, pos, tokens, hidden))
-        if not isinstance(reply, PredictedToken):
-            raise GenerationError(f"stage 1 answered a decode step with {type(reply).__name__}")
-        return int(reply.token)
+        return await self._predict(DecodeStep(self.live.request_id, self.live.session_id, pos, tokens, hidden))
 
     async def _emit(self, text: str, *, final: bool = False) -> None:
         if final:
@@ -465,6 +570,7 @@ class _Run:
 
     async def _cleanup(self) -> None:
         engine = self.engine
+        self._close_returns()
         if self.lane is not None:
             if not self.lane.dirty and not self.lane.link.broken:
                 try:
@@ -483,6 +589,16 @@ class _Run:
                 await engine.scheduler.run_kv(lambda: engine.context.kv_clear_seq(seq))
             finally:
                 engine.sessions.forget(self.session)
+
+
+# stage errors worth retrying shortly: a full or draining stage, or one further down that died or hung
+_RETRYABLE = (ErrorCode.NO_CAPACITY, ErrorCode.SHUTTING_DOWN, ErrorCode.DOWNSTREAM_FAILED)
+
+
+def _stage_error(reply: ErrorReply) -> GenerationError:
+    return GenerationError(f"stage error ({reply.code.name.lower()}): {reply.message}",
+                           retryable=reply.code in _RETRYABLE,
+                           status=400 if reply.code == ErrorCode.CONTEXT_FULL else 502)
 
 
 def _wire_sampling(p: llama.SamplingParams) -> WireSampling:

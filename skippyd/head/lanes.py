@@ -5,6 +5,9 @@ A lane carries one generation at a time. Checkout hands out an idle lane
 waits. A lane that was interrupted mid-request is discarded on return: its
 stream may hold half a frame. ``drain`` stops checkouts (running generations
 finish, idle lanes close); ``undrain`` restores service.
+
+With link conditioning (``shape``), each lane's transmit task runs in the
+pool's ``nursery`` (the head node's).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 import attrs
 import trio
 
+from skippyd.stage.conditioning import LinkShape
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.wire.messages import Hello
 
@@ -52,8 +56,11 @@ class Lane:
 
 class LanePool:
     def __init__(self, host: str, port: int, hello: Hello, *, capacity: int = 4, credit_limit: int = 2,
-                 connect_timeout: float = 5.0, reply_timeout: float = 30.0, queue_timeout: float = 30.0):
+                 connect_timeout: float = 5.0, reply_timeout: float = 30.0, queue_timeout: float = 30.0,
+                 shape: LinkShape | None = None, nursery: trio.Nursery | None = None):
         self.host, self.port, self.hello = host, port, hello
+        self.shape = shape
+        self.nursery = nursery  # where conditioned lanes' transmit tasks run
         self.capacity = capacity
         self.credit_limit = credit_limit
         self.connect_timeout = connect_timeout
@@ -74,7 +81,8 @@ class LanePool:
         try:
             link = await DownstreamLink.connect(self.host, self.port, self.hello,
                                                 connect_timeout=self.connect_timeout,
-                                                credit_limit=self.credit_limit, reply_timeout=self.reply_timeout)
+                                                credit_limit=self.credit_limit, reply_timeout=self.reply_timeout,
+                                                shape=self.shape, nursery=self.nursery)
         except DownstreamError as exc:
             self.last_error = str(exc)
             raise

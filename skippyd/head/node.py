@@ -1,4 +1,10 @@
-"""The head node: stage 0's model and context, its scheduler, the lane pool and the engine."""
+"""The head node: stage 0's model and context, its scheduler, the lane pool and the engine.
+
+With three or more stages (and direct return on) the head also listens on
+stage 0's address in the topology for the final stage's token-return
+connection (:mod:`skippyd.head.token_return`). If it cannot listen there it
+says so and every prediction takes the relayed path.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import trio
 
 from skippyd.head.engine import HeadEngine
 from skippyd.head.lanes import LanePool
+from skippyd.head.token_return import TokenReturnHub
 from skippyd.runtime.llama import Context, ContextParams, Model
 from skippyd.stage.scheduler import Scheduler
 from skippyd.stage.server import StageConfig
@@ -31,6 +38,7 @@ class HeadNode:
         self.queue_timeout = queue_timeout
         self.engine: HeadEngine | None = None
         self.pool: LanePool | None = None
+        self.hub: TokenReturnHub | None = None
         self.model: Model | None = None
 
     @property
@@ -56,13 +64,22 @@ class HeadNode:
                               layer_end=s0.layer_end, n_layer=topo.n_layer, n_embd=topo.n_embd, node="head")
                 self.pool = LanePool(s1.host, s1.port, hello, capacity=cfg.lanes, credit_limit=cfg.credit_limit,
                                      connect_timeout=cfg.connect_timeout_s, reply_timeout=cfg.reply_timeout_s,
-                                     queue_timeout=self.queue_timeout)
+                                     queue_timeout=self.queue_timeout, shape=cfg.link_shape)
+                if len(topo.stages) >= 3 and cfg.direct_return:
+                    self.hub = TokenReturnHub(hello, handshake_timeout=cfg.handshake_timeout_s)
             self.engine = HeadEngine(self.model, context, scheduler, self.pool, prefill_chunk=self.prefill_chunk,
-                                     receipts_file=self.receipts_file, queue_timeout=self.queue_timeout)
+                                     receipts_file=self.receipts_file, queue_timeout=self.queue_timeout,
+                                     hub=self.hub, reply_timeout=cfg.reply_timeout_s)
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(scheduler.serve)
+                    if self.hub is not None:
+                        await self._listen_for_token_return(nursery)
                     if self.pool is not None:
+                        self.pool.nursery = nursery
+                        if cfg.link_shape.active:
+                            log.info("head: link conditioning on what the head sends: %s",
+                                     cfg.link_shape.describe())
                         await self.pool.warm()
                         nursery.start_soon(self._keep_lanes_warm)
                     log.info("head: %s ready (%s)", self.model.name,
@@ -75,6 +92,17 @@ class HeadNode:
                 context.close()
         finally:
             self.model.close()
+
+    async def _listen_for_token_return(self, nursery: trio.Nursery) -> None:
+        cfg = self.config
+        s0 = self.topology.stage(0)
+        host = cfg.listen_host or s0.host
+        port = s0.port if cfg.listen_port is None else cfg.listen_port
+        try:
+            await nursery.start(self.hub.serve, host, port)
+        except OSError as exc:
+            log.warning("head: cannot listen for the token-return connection on %s:%d (%s): predictions take "
+                        "the relayed path", host, port, exc.strerror or exc)
 
     async def _keep_lanes_warm(self) -> None:
         """Reopen lanes in the background, with backoff, while the next stage is away."""
@@ -91,7 +119,8 @@ class HeadNode:
 
     def snapshot(self) -> dict:
         snap = self.engine.sessions.snapshot() if self.engine else {}
-        snap.update(stage_index=0, scheduler=_stats(self.engine))
+        snap.update(stage_index=0, scheduler=_stats(self.engine),
+                    token_return=self.engine.describe_token_return() if self.engine else None)
         return snap
 
 

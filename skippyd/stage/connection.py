@@ -6,6 +6,16 @@ the connection (the peer closing, a protocol violation, a dead downstream,
 daemon shutdown) runs ``_release_all`` in a shielded, time-bounded scope, so
 every KV sequence and slot the connection held is freed on this stage, and
 closing our downstream connection makes the next stage do the same.
+
+Direct token return (sessions configured with DIRECT_RETURN, three or more
+stages): the final stage sends the session's predictions on its
+token-return connection to the head and answers the lane message with an
+Ack; a middle stage forwards such a decode step (or final prefill chunk) and
+acknowledges it upstream at once, collecting the next stage's ack later, so
+no middle stage waits for a prediction.
+
+The connection's tasks (the conditioned links' transmit tasks, when link
+conditioning is on) run in the nursery of :meth:`UpstreamConnection.serve`.
 """
 
 from __future__ import annotations
@@ -19,10 +29,12 @@ import numpy as np
 import trio
 
 from skippyd.runtime import llama
+from skippyd.stage.conditioning import ShapedSendStream, shaped
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.stage.scheduler import Job
 from skippyd.telemetry import span
 from skippyd.stage.sessions import NoFreeSlot, StageSession
+from skippyd.stage.token_return import TokenReturnLost
 from skippyd.wire.errors import HandshakeRefused, PeerClosed, ProtocolError, ReadTimeout, WireError
 from skippyd.wire.handshake import handshake_server
 from skippyd.wire.messages import (
@@ -86,11 +98,18 @@ class UpstreamConnection:
         self.conn_id = next(_conn_ids)
         self.down: DownstreamLink | None = None
         self.peer_desc = _peer_address(stream)
+        self._out: trio.abc.SendStream = stream  # replies: the stream, or a conditioned link over it
+        self._nursery: trio.Nursery | None = None
         # errors of chunks that were acked before compute, reported on the session's next reply
         self._deferred: dict[int, ErrorReply] = {}
 
     # ------------------------------------------------------------------ lifetime
     async def serve(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await self._serve()
+
+    async def _serve(self) -> None:
         cfg = self.server.config
         receive = ReceiveBuffer(self.stream)
         try:
@@ -103,6 +122,7 @@ class UpstreamConnection:
                 else:
                     log.warning("stage %d: refused upstream %s: %s", self.server.index, self.peer_desc, exc.reason)
                 return
+            self._out = shaped(self.stream, cfg.link_shape, self._nursery)
             self.server.connections[self.conn_id] = self
             limits = Limits(max_tokens=min(self.server.context.n_batch, 8192))
             while True:
@@ -126,6 +146,10 @@ class UpstreamConnection:
                 await self._release_all()
             if self.down is not None:
                 await self.down.aclose()
+            if isinstance(self._out, ShapedSendStream):  # let the last replies (an error, say) arrive
+                with trio.move_on_after(1.0 + cfg.link_delay_ms / 1e3, shield=True):
+                    await self._out.flush()
+                self._out.close()
             await trio.aclose_forcefully(self.stream)
 
     async def _admit(self, peer) -> str | None:
@@ -150,7 +174,8 @@ class UpstreamConnection:
         timeout = min(cfg.connect_timeout_s, 0.8 * cfg.handshake_timeout_s)
         return await DownstreamLink.connect(nxt.host, nxt.port, self.server.hello, connect_timeout=timeout,
                                             credit_limit=cfg.credit_limit, reply_timeout=cfg.reply_timeout_s,
-                                            write_timeout=cfg.write_timeout_s)
+                                            write_timeout=cfg.write_timeout_s, shape=cfg.link_shape,
+                                            nursery=self._nursery)
 
     async def _ensure_downstream(self) -> None:
         """Before a lane's next generation: reopen the downstream connection if the next stage dropped it.
@@ -177,12 +202,14 @@ class UpstreamConnection:
     async def _fail_connection(self, code: ErrorCode, message: str, request_id: int = 0, session_id: int = 0):
         with trio.move_on_after(1.0, shield=True):
             try:
-                await write_frame(self.stream, ErrorReply(request_id, session_id, code, message[:4000]))
-            except WireError:
+                await write_frame(self._out, ErrorReply(request_id, session_id, code, message[:4000]))
+                if isinstance(self._out, ShapedSendStream):
+                    await self._out.flush()  # let it arrive before the connection closes
+            except (WireError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
 
     async def reply(self, reply: Reply) -> None:
-        await write_frame(self.stream, reply, timeout=self.server.config.write_timeout_s)
+        await write_frame(self._out, reply, timeout=self.server.config.write_timeout_s)
 
     # ------------------------------------------------------------------ dispatch
     _HANDLERS = {
@@ -203,8 +230,9 @@ class UpstreamConnection:
                       session=session_id):
                 await handler(msg)
         except RequestFailed as exc:
-            await self.reply(ErrorReply(msg.request_id, session_id, exc.code, exc.message[:4000],
-                                        stats=self._own_stats()))
+            error = ErrorReply(msg.request_id, session_id, exc.code, exc.message[:4000], stats=self._own_stats())
+            await self.reply(error)
+            await self._report_on_return(msg, error)
         except DownstreamError as exc:
             if not (isinstance(msg, PrefillChunk) and not msg.final):  # a non-final chunk was acked already
                 await self.reply(ErrorReply(msg.request_id, session_id, ErrorCode.DOWNSTREAM_FAILED,
@@ -217,13 +245,56 @@ class UpstreamConnection:
                                  queue_us=job.queue_us if job else 0, forward_write_us=write_us,
                                  downstream_wait_us=wait_us, bytes_sent=sent)
 
-    async def _relay(self, msg, job: Job | None) -> None:
-        """Forward `msg` and answer upstream with the downstream reply plus our own stats."""
+    async def _relay(self, msg, job: Job | None) -> Reply:
+        """Forward `msg` and answer upstream with the downstream reply plus our own stats; returns that reply."""
         with span("stage.downstream_wait", stage=self.server.index, request=msg.request_id,
                   session=getattr(msg, "session_id", 0)):
             down_reply, sent, write_us, wait_us = await self.down.request(msg)
         own = self._own_stats(job, write_us=write_us, wait_us=wait_us, sent=sent)
         await self.reply(attrs.evolve(down_reply, stats=merge(own, down_reply.stats)))
+        return down_reply
+
+    async def _forward_direct(self, msg, job: Job) -> None:
+        """A middle stage, direct-return session: forward and acknowledge at once (never wait for the
+        prediction). The next stage's ack is collected later; its stats, or the first error an earlier
+        ack reported, go up with this reply."""
+        with span("stage.forward_direct", stage=self.server.index, request=msg.request_id,
+                  session=msg.session_id):
+            sent, write_us = await self.down.send_deferred(self._forwarded(msg, job))
+        folded, error = self.down.take_folded()
+        own = self._own_stats(job, write_us=write_us, sent=sent)
+        if error is not None:  # reported now, as the answer to this message
+            await self.reply(ErrorReply(msg.request_id, msg.session_id, error.code, error.message,
+                                        stats=merge(own, folded)))
+        else:
+            await self.reply(Ack(msg.request_id, msg.session_id, stats=merge(own, folded)))
+
+    async def _return_direct(self, session: StageSession, msg, job: Job) -> None:
+        """The final stage, direct-return session: the prediction goes to the head on the token-return
+        connection (with this stage's report); the lane gets a plain Ack."""
+        token = PredictedToken(msg.request_id, msg.session_id, int(job.result), stats=self._own_stats(job))
+        try:
+            await self.server.token_return.send(token)
+        except TokenReturnLost as exc:
+            raise RequestFailed(ErrorCode.DOWNSTREAM_FAILED, f"stage {self.server.index}: {exc}") from exc
+        await self.reply(Ack(msg.request_id, msg.session_id))
+
+    async def _report_on_return(self, msg, error: ErrorReply) -> None:
+        """The final stage: a failed prediction of a direct-return session is reported to the head on the
+        token-return connection too (the head waits there; the lane's error reaches it later). So is the
+        failure of a session this stage does not know: the head drops a reply for a session not waiting."""
+        link = self.server.token_return
+        if link is None or not link.connected or not isinstance(msg, (DecodeStep, PrefillChunk)):
+            return
+        if isinstance(msg, PrefillChunk) and not msg.final:
+            return
+        session = self.server.sessions.get(self.conn_id, msg.session_id)
+        if session is not None and not session.direct_return:
+            return
+        try:
+            await link.send(error)
+        except TokenReturnLost:
+            pass  # the head learns from the lost connection
 
     # ------------------------------------------------------------------ sessions
     def _session(self, msg, *, create: bool) -> StageSession:
@@ -288,9 +359,9 @@ class UpstreamConnection:
         session.request_id = msg.request_id
         self._deferred.pop(msg.session_id, None)
         if self.server.is_final:
-            if msg.direct_return:  # fail closed: the token-return connection is not implemented yet
-                await self.server.release(session)
-                raise RequestFailed(ErrorCode.INTERNAL, "direct token return is not supported by this stage")
+            if msg.direct_return:
+                await self._check_direct_return(session)
+            session.direct_return = msg.direct_return
             params = runtime_sampling(msg.sampling)
             if session.sampler is not None:
                 session.sampler.close()
@@ -302,7 +373,23 @@ class UpstreamConnection:
                 raise RequestFailed(ErrorCode.INTERNAL, str(exc)) from exc
             await self.reply(Ack(msg.request_id, msg.session_id, stats=self._own_stats()))
         else:
-            await self._relay(msg, None)
+            reply = await self._relay(msg, None)
+            session.direct_return = msg.direct_return and isinstance(reply, Ack)
+
+    async def _check_direct_return(self, session: StageSession) -> None:
+        """The final stage: direct return needs a live token-return connection (dialed now if need be);
+        without one the configure fails with DIRECT_RETURN_UNAVAILABLE and the head uses the relayed path."""
+        link = self.server.token_return
+        if link is not None and await link.ensure():
+            return
+        await self.server.release(session)
+        if link is not None:
+            why = f"no connection to the head at {link.address}: {link.last_error or 'retrying later'}"
+        elif len(self.server.topology.stages) < 3:
+            why = "the pipeline has fewer than three stages"
+        else:
+            why = "turned off on this stage (--no-direct-return)"
+        raise RequestFailed(ErrorCode.DIRECT_RETURN_UNAVAILABLE, f"direct token return unavailable: {why}")
 
     async def on_prefill(self, msg: PrefillChunk) -> None:
         if msg.final:
@@ -341,8 +428,13 @@ class UpstreamConnection:
     async def _answer_with_token(self, session: StageSession, msg, job: Job) -> None:
         if self.server.is_final:
             session.generated += 1
-            await self.reply(PredictedToken(msg.request_id, msg.session_id, int(job.result),
-                                            stats=self._own_stats(job)))
+            if session.direct_return:
+                await self._return_direct(session, msg, job)
+            else:
+                await self.reply(PredictedToken(msg.request_id, msg.session_id, int(job.result),
+                                                stats=self._own_stats(job)))
+        elif session.direct_return:
+            await self._forward_direct(msg, job)
         else:
             await self._relay(self._forwarded(msg, job), job)
 

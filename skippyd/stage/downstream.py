@@ -6,6 +6,15 @@ computes them. We do not wait for those acks one by one: up to
 chunk i is on the wire or being computed downstream. Any message that
 expects a prediction first drains the outstanding acks, folding their
 stats into the reply.
+
+Sessions with direct token return (three or more stages) are sent their
+decode steps with :meth:`DownstreamLink.send_expecting_ack` too: the next
+stage acknowledges each step on the lane while the prediction travels on the
+token-return connection, so no stage waits for the prediction.
+
+With link conditioning (``shape``), what the link sends goes through a
+:class:`~skippyd.stage.conditioning.ShapedSendStream` whose transmit task
+runs in the nursery given to :meth:`DownstreamLink.connect`.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import time
 
 import trio
 
+from skippyd.stage.conditioning import LinkShape, ShapedSendStream, shaped
 from skippyd.wire.errors import PeerClosed, ProtocolError, WireError
 from skippyd.wire.handshake import handshake_client
 from skippyd.wire.messages import Ack, ErrorReply, Hello, Message, Reply, StageStats, merge
@@ -32,8 +42,10 @@ class DownstreamError(Exception):
 
 class DownstreamLink:
     def __init__(self, stream: trio.SocketStream, peer: Hello, address: str, receive: ReceiveBuffer, *,
-                 credit_limit: int, reply_timeout: float, write_timeout: float):
+                 credit_limit: int, reply_timeout: float, write_timeout: float,
+                 out: trio.abc.SendStream | None = None):
         self.stream = stream
+        self._out = out if out is not None else stream  # the send side: the stream, or a conditioned link over it
         self.peer = peer
         self.address = address
         self._receive = receive
@@ -47,8 +59,10 @@ class DownstreamLink:
 
     @classmethod
     async def connect(cls, host: str, port: int, hello: Hello, *, connect_timeout: float = 5.0,
-                      credit_limit: int = 2, reply_timeout: float = 30.0, write_timeout: float = 10.0
-                      ) -> DownstreamLink:
+                      credit_limit: int = 2, reply_timeout: float = 30.0, write_timeout: float = 10.0,
+                      shape: LinkShape | None = None, nursery: trio.Nursery | None = None) -> DownstreamLink:
+        """Dial and handshake. With an active ``shape``, frames after the handshake are conditioned
+        (their transmit task runs in ``nursery``)."""
         address = f"{host}:{port}"
         try:
             with trio.fail_after(connect_timeout):
@@ -62,7 +76,7 @@ class DownstreamLink:
             await trio.aclose_forcefully(stream)
             raise DownstreamError(address, f"handshake failed: {exc}") from exc
         return cls(stream, peer, address, receive, credit_limit=credit_limit, reply_timeout=reply_timeout,
-                   write_timeout=write_timeout)
+                   write_timeout=write_timeout, out=shaped(stream, shape, nursery))
 
     def looks_alive(self) -> bool:
         """Non-blocking check between requests: False once the next stage closed or reset the connection.
@@ -71,7 +85,7 @@ class DownstreamLink:
         readable socket means EOF, a reset, or a frame nobody asked for.
         While acks are outstanding the answer is True (unknown).
         """
-        if self.broken:
+        if self.broken or (isinstance(self._out, ShapedSendStream) and self._out.broken):
             return False
         if self.pending_acks:
             return True
@@ -89,13 +103,15 @@ class DownstreamLink:
 
     async def aclose(self) -> None:
         self.broken = True
+        if isinstance(self._out, ShapedSendStream):
+            self._out.close()
         await trio.aclose_forcefully(self.stream)
 
     async def send(self, msg: Message) -> tuple[int, int]:
         """Write one message; returns (bytes, microseconds)."""
         started = time.perf_counter()
         try:
-            n = await write_frame(self.stream, msg, timeout=self.write_timeout)
+            n = await write_frame(self._out, msg, timeout=self.write_timeout)
         except WireError as exc:
             self.broken = True
             raise DownstreamError(self.address, f"send failed: {exc}") from exc
@@ -108,6 +124,20 @@ class DownstreamLink:
         while self.pending_acks > self.credit_limit:
             await self._collect_one_ack()
         return sent
+
+    async def send_expecting_ack(self, msg: Message) -> tuple[int, int]:
+        """Send a message whose ack is collected later (by :meth:`drain` or a later request),
+        without waiting for older acks: a direct-return decode step. Returns (bytes, microseconds)."""
+        sent = await self.send(msg)
+        self.pending_acks += 1
+        return sent
+
+    def take_folded(self) -> tuple[StageStats, ErrorReply | None]:
+        """The stats of the acks collected since the last reply, and the first error one of them
+        reported (both cleared): to fold into this stage's next reply upstream."""
+        folded, self._folded = self._folded, StageStats()
+        error, self._deferred_error = self._deferred_error, None
+        return folded, error
 
     async def _read(self) -> Reply:
         try:

@@ -4,6 +4,10 @@
 ``task_status.started()`` only once the model is loaded and the listener
 accepts connections; cancelling it closes every connection, whose cleanup
 releases every session, then frees the context and the model.
+
+The final stage of a pipeline of three or more stages also owns the
+token-return connection to the head (:mod:`skippyd.stage.token_return`),
+dialed when the first session asks for direct return.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import attrs
 import trio
 
 from skippyd.runtime.llama import Context, ContextParams, Model
+from skippyd.stage.conditioning import LinkShape
 from skippyd.stage.connection import UpstreamConnection
 from skippyd.stage.scheduler import Scheduler
 from skippyd.stage.sessions import SessionTable, StageSession
+from skippyd.stage.token_return import TokenReturnLink
 from skippyd.topology import StageSpec, Topology
 from skippyd.wire.messages import Hello
 
@@ -40,6 +46,13 @@ class StageConfig:
     write_timeout_s: float = 10.0
     listen_host: str | None = None  # default: the topology's host for this stage
     listen_port: int | None = None
+    direct_return: bool = True  # 3+ stages: predictions go from the final stage straight to the head
+    link_delay_ms: float = 0.0  # link conditioning (tests, benchmarks): one-way delay on what we send
+    link_mbps: float = 0.0  # ... and a bandwidth cap (0: none)
+
+    @property
+    def link_shape(self) -> LinkShape:
+        return LinkShape(self.link_delay_ms, self.link_mbps)
 
 
 class StageServer:
@@ -68,6 +81,12 @@ class StageServer:
             n_embd=topology.n_embd,
             node=f"stage-{index}",
         )
+        self.token_return: TokenReturnLink | None = None
+        if self.is_final and len(topology.stages) >= 3 and config.direct_return:
+            head = topology.stage(0)
+            self.token_return = TokenReturnLink(self.hello, head.host, head.port,
+                                                connect_timeout=config.connect_timeout_s,
+                                                write_timeout=config.write_timeout_s, shape=config.link_shape)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
@@ -83,6 +102,8 @@ class StageServer:
             self.scheduler = Scheduler(self.context)
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.scheduler.serve)
+                if self.token_return is not None:
+                    await nursery.start(self.token_return.run)
                 host = cfg.listen_host or self.spec.host
                 port = self.spec.port if cfg.listen_port is None else cfg.listen_port
                 # trio's SocketStream turns on TCP_NODELAY for every accepted connection
@@ -91,6 +112,9 @@ class StageServer:
                 nursery.start_soon(trio.serve_listeners, self._handle, listeners)
                 log.info("stage %d: layers [%d,%d) of %s listening on %s:%d", self.index, self.spec.layer_start,
                          self.spec.layer_end, self.topology.model_name, host, self.port)
+                if cfg.link_shape.active:
+                    log.info("stage %d: link conditioning on what this stage sends: %s", self.index,
+                             cfg.link_shape.describe())
                 task_status.started(self)
         finally:
             if self.context is not None:
@@ -128,5 +152,6 @@ class StageServer:
             draining=self.draining,
             scheduler=attrs.asdict(self.scheduler.stats) if self.scheduler else {},
             queued=self.scheduler.queued if self.scheduler else 0,
+            token_return=self.token_return.describe() if self.token_return else None,
         )
         return snap

@@ -33,6 +33,7 @@ class StageSession:
     prompt_tokens: int = 0
     generated: int = 0
     state: str = "prefill"
+    direct_return: bool = False  # predictions go to the head on the token-return connection
 
     def describe(self) -> dict:
         return {
@@ -43,6 +44,7 @@ class StageSession:
             "position": self.position,
             "state": self.state,
             "generated": self.generated,
+            "direct_return": self.direct_return,
             "age_s": round(time.monotonic() - self.created, 3),
         }
 

@@ -164,6 +164,7 @@ class ErrorCode(enum.IntEnum):
     DOWNSTREAM_FAILED = 39
     SHUTTING_DOWN = 40
     INTERNAL = 41
+    DIRECT_RETURN_UNAVAILABLE = 42
 
     @property
     def closes_connection(self) -> bool:
@@ -175,7 +176,8 @@ class Role(enum.IntEnum):
 
     ``LANE``: dialed by stage k to stage k+1; carries messages down and replies
     up. ``TOKEN_RETURN``: dialed by the final stage to stage 0; carries only
-    ``PredictedToken``/``PredictedTokens`` replies from dialer to acceptor.
+    replies, from dialer to acceptor: the predictions (or errors) of
+    DIRECT_RETURN sessions, and ``Ack(0, 0)`` keepalives.
     """
 
     LANE = 1
@@ -459,7 +461,9 @@ class ConfigureGeneration:
 
     ``direct_return``: predictions of this session travel on the final
     stage's token-return connection (the lane still gets one Ack per
-    message). Reply: ``Ack``. Middle stages forward it unchanged.
+    message). Reply: ``Ack``, or ``ErrorReply`` DIRECT_RETURN_UNAVAILABLE
+    when the final stage has no token-return connection (configure again
+    without it). Middle stages forward it unchanged.
     """
 
     kind: ClassVar[MessageKind] = MessageKind.CONFIGURE_GENERATION

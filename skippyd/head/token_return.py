@@ -1,0 +1,166 @@
+"""The head's end of direct token return: a listener for the final stage's token-return connection.
+
+With three or more stages the final stage sends the predictions of sessions
+configured with DIRECT_RETURN straight to the head, on a connection it dials
+to stage 0's address in the topology (role TOKEN_RETURN; lanes are refused
+there with "role mismatch"). The hub reads those replies and hands each to
+the generation waiting for it, through that session's own memory channel: a
+generation waits on its channel, never polls.
+
+When a return connection closes (or stays silent past the deadline: the
+final stage sends a keepalive Ack every few seconds), every session waiting
+on the hub is told so and fails; the final stage dials again for the next
+generation, and if it cannot, generations fall back to the relayed path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import attrs
+import trio
+
+from skippyd.wire.errors import HandshakeRefused, PeerClosed, ProtocolError, ReadTimeout, WireError
+from skippyd.wire.handshake import handshake_server
+from skippyd.wire.messages import Ack, ErrorReply, Hello, PredictedToken, PredictedTokens, Reply, Role
+from skippyd.wire.stream import ReceiveBuffer, read_reply
+
+log = logging.getLogger("skippyd.head")
+
+KEEPALIVE_S = 5.0  # the final stage's keepalive interval on an idle return connection
+READ_DEADLINE_S = 4 * KEEPALIVE_S  # a return connection silent for this long is closed
+SESSION_BUFFER = 8  # replies a session's channel holds (one is in flight at a time)
+
+
+class ReturnLost(Exception):
+    """The token-return connection closed while the session depended on it."""
+
+
+@attrs.define
+class HubStats:
+    accepted: int = 0  # return connections accepted (handshake passed)
+    refused: int = 0  # connections refused at the handshake (a lane dialing here, say)
+    tokens: int = 0  # PredictedToken/PredictedTokens delivered to a waiting session
+    errors: int = 0  # ErrorReply delivered to a waiting session
+    unknown: int = 0  # replies for a session nobody waits for (ended already)
+
+
+class TokenReturnHub:
+    def __init__(self, hello: Hello, *, handshake_timeout: float = 5.0, read_deadline: float = READ_DEADLINE_S):
+        self.hello = attrs.evolve(hello, role=Role.TOKEN_RETURN)
+        self.handshake_timeout = handshake_timeout
+        self.read_deadline = read_deadline
+        self.address: str | None = None
+        self.connections = 0  # live return connections
+        self.stats = HubStats()
+        self._sessions: dict[int, trio.MemorySendChannel] = {}
+        self._streams: set[trio.SocketStream] = set()
+        self._ids = itertools.count(1)
+
+    # ---------------------------------------------------------------- generations
+    def open_session(self, session_id: int) -> trio.MemoryReceiveChannel:
+        """Register a session; its predictions (or a ReturnLost) arrive on the returned channel."""
+        send, receive = trio.open_memory_channel(SESSION_BUFFER)
+        old = self._sessions.pop(session_id, None)
+        if old is not None:
+            old.close()
+        self._sessions[session_id] = send
+        return receive
+
+    def close_session(self, session_id: int) -> None:
+        send = self._sessions.pop(session_id, None)
+        if send is not None:
+            send.close()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._sessions)
+
+    def _deliver(self, reply: Reply) -> None:
+        send = self._sessions.get(reply.session_id)
+        if send is None:
+            self.stats.unknown += 1
+            log.debug("head: token-return: reply for session %d, which is not waiting", reply.session_id)
+            return
+        try:
+            send.send_nowait(reply)
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            log.warning("head: token-return: session %d did not take its replies; dropping one", reply.session_id)
+            return
+        if isinstance(reply, ErrorReply):
+            self.stats.errors += 1
+        else:
+            self.stats.tokens += 1
+
+    def _fail_all(self, why: str) -> None:
+        for session_id, send in list(self._sessions.items()):
+            try:
+                send.send_nowait(ReturnLost(why))
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                pass
+
+    # ---------------------------------------------------------------- the listener
+    async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Listen for token-return connections until cancelled. Raises OSError if it cannot listen."""
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        self.address = f"{host}:{listeners[0].socket.getsockname()[1]}"
+        log.info("head: listening for the final stage's token-return connection on %s", self.address)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.serve_listeners, self._handle, listeners)
+                task_status.started(self.address)
+        finally:
+            self.address = None
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        conn = next(self._ids)
+        receive = ReceiveBuffer(stream)
+        self._streams.add(stream)
+        try:
+            try:
+                peer = await handshake_server(stream, self.hello, timeout=self.handshake_timeout, receive=receive)
+            except HandshakeRefused as exc:
+                self.stats.refused += 1
+                log.warning("head: refused a connection on the token-return listener: %s", exc.reason)
+                return
+            except (WireError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                log.info("head: token-return handshake failed: %s", exc)
+                return
+            self.stats.accepted += 1
+            self.connections += 1
+            log.info("head: token-return connection %d from stage %d (%s)", conn, peer.stage_index, peer.node)
+            why = "closed by the final stage"
+            try:
+                while True:
+                    reply = await read_reply(receive, timeout=self.read_deadline)
+                    if isinstance(reply, Ack):
+                        continue  # keepalive
+                    if isinstance(reply, (PredictedToken, PredictedTokens, ErrorReply)):
+                        self._deliver(reply)
+            except ReadTimeout:
+                why = f"silent for {self.read_deadline:g} s"
+            except ProtocolError as exc:
+                why = f"protocol error: {exc}"
+            except PeerClosed:
+                pass
+            except trio.ClosedResourceError:
+                why = "closed by the head"
+            except (WireError, trio.BrokenResourceError) as exc:
+                why = str(exc)
+            finally:
+                self.connections -= 1
+            log.warning("head: token-return connection %d lost (%s); waiting generations fail", conn, why)
+            self._fail_all(f"the token-return connection was lost ({why})")
+        finally:
+            self._streams.discard(stream)
+            await trio.aclose_forcefully(stream)
+
+    async def disconnect(self) -> None:
+        """Close every return connection (the final stage dials again at its next direct-return session)."""
+        for stream in list(self._streams):
+            await trio.aclose_forcefully(stream)
+
+    def describe(self) -> dict:
+        return {"listen": self.address, "connections": self.connections, "waiting": self.waiting,
+                **attrs.asdict(self.stats)}

@@ -1,0 +1,165 @@
+"""Link conditioning: a fixed one-way delay and a bandwidth cap on what a daemon sends.
+
+For tests and benchmarks: WAN behaviour measured on one machine
+(``skippyd --link-delay-ms``, ``--link-mbps``). A conditioned connection
+sends through a :class:`ShapedSendStream`: ``send_all`` returns at once (the
+bytes are "on the wire"), and the connection's transmit task hands each
+chunk to the socket when it would arrive at the peer:
+
+    leaves  = max(now, when the previous chunk finished leaving) + len(chunk) × 8 / (mbps × 10⁶)
+    arrives = leaves + delay
+
+Chunks keep their order and the sender never waits for the delay, like a
+real link (the sender's next frame can go out while the previous one is
+still travelling). A daemon conditions every frame it sends to another stage
+after the handshake: messages down its lanes, replies up its upstream
+connections, and predictions on the token-return connection; so a link
+between two conditioned daemons is delayed in both directions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import trio
+
+__all__ = ["LinkShape", "ShapedSendStream", "shaped"]
+
+
+def _non_negative(_inst, attribute: attrs.Attribute, value: float) -> None:
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
+
+
+@attrs.frozen
+class LinkShape:
+    """What to add to each frame sent: ``delay_ms`` one way, and serialization at ``mbps`` (0: no cap)."""
+
+    delay_ms: float = attrs.field(default=0.0, converter=float, validator=_non_negative)
+    mbps: float = attrs.field(default=0.0, converter=float, validator=_non_negative)
+
+    @property
+    def active(self) -> bool:
+        return self.delay_ms > 0 or self.mbps > 0
+
+    def describe(self) -> str:
+        parts = []
+        if self.delay_ms > 0:
+            parts.append(f"{self.delay_ms:g} ms one-way delay")
+        if self.mbps > 0:
+            parts.append(f"{self.mbps:g} Mbit/s")
+        return ", ".join(parts) or "none"
+
+
+NO_SHAPE = LinkShape()
+
+
+class ShapedSendStream(trio.abc.SendStream):
+    """The send side of a conditioned link over ``stream``.
+
+    :meth:`run` is the transmit task (start it in the nursery that owns the
+    connection); :meth:`close` stops it and drops what has not left yet;
+    :meth:`aclose` first lets the queued bytes leave, then closes ``stream``.
+    A transport error in the transmit task is reported by the next
+    ``send_all`` (``trio.BrokenResourceError``); the receiving side of the
+    connection sees the close itself.
+    """
+
+    def __init__(self, stream: trio.abc.SendStream, shape: LinkShape):
+        self.stream = stream
+        self.shape = shape
+        self._send, self._receive = trio.open_memory_channel(math.inf)
+        self._scope = trio.CancelScope()
+        self._free_at = -math.inf  # when the link finishes serializing what was queued
+        self._queued = 0  # chunks accepted and not yet handed to the socket
+        self._empty = trio.Event()
+        self._empty.set()
+        self._done = trio.Event()
+        self._error: BaseException | None = None
+        self._closed = False
+        self.bytes_sent = 0
+
+    # ---------------------------------------------------------------- sender side
+    def _release_time(self, n: int) -> float:
+        now = trio.current_time()
+        start = max(now, self._free_at)
+        end = start + (n * 8 / (self.shape.mbps * 1e6) if self.shape.mbps > 0 else 0.0)
+        self._free_at = end
+        return end + self.shape.delay_ms / 1e3
+
+    async def send_all(self, data) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._closed:
+            raise trio.ClosedResourceError("the link is closed")
+        if self._error is not None:
+            raise trio.BrokenResourceError(f"the link is broken: {self._error}")
+        chunk = bytes(data)
+        self._send.send_nowait((self._release_time(len(chunk)), chunk))
+        self._queued += 1
+        self._empty = trio.Event() if self._empty.is_set() else self._empty
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    @property
+    def broken(self) -> bool:
+        return self._error is not None or self._done.is_set()
+
+    async def flush(self) -> None:
+        """Wait until every chunk sent so far has been handed to the socket (or the link broke)."""
+        if self._queued and not self._done.is_set():
+            await self._empty.wait()
+        else:
+            await trio.lowlevel.checkpoint()
+
+    def close(self) -> None:
+        """Stop the transmit task; chunks still travelling are dropped. Does not close ``stream``."""
+        self._closed = True
+        self._send.close()
+        self._scope.cancel()
+
+    async def aclose(self) -> None:
+        """Let the queued chunks leave, then close ``stream`` (forcefully if cancelled)."""
+        self._closed = True
+        self._send.close()
+        try:
+            await self._done.wait()
+        finally:
+            self._scope.cancel()
+            await trio.aclose_forcefully(self.stream)
+
+    # ---------------------------------------------------------------- the transmit task
+    async def run(self) -> None:
+        """Hand each chunk to the socket at its arrival time, in order. Never raises (but Cancelled)."""
+        try:
+            with self._scope:
+                async with self._receive:
+                    async for release_at, chunk in self._receive:
+                        await trio.sleep_until(release_at)
+                        try:
+                            await self.stream.send_all(chunk)
+                        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError,
+                                OSError) as exc:
+                            self._error = exc
+                            return
+                        self.bytes_sent += len(chunk)
+                        self._queued -= 1
+                        if self._queued == 0:
+                            self._empty.set()
+        finally:
+            self._done.set()
+            self._empty.set()
+
+
+def shaped(stream: trio.abc.SendStream, shape: LinkShape | None,
+           nursery: trio.Nursery | None) -> trio.abc.SendStream:
+    """``stream`` itself, or a ShapedSendStream over it whose transmit task runs in ``nursery``."""
+    if shape is None or not shape.active:
+        return stream
+    if nursery is None:
+        raise ValueError("a conditioned link needs a nursery for its transmit task")
+    out = ShapedSendStream(stream, shape)
+    nursery.start_soon(out.run)
+    return out

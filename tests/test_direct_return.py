@@ -1,0 +1,248 @@
+"""Direct token return: with three or more stages the final stage sends predictions straight to the head.
+
+In-process: the head's TokenReturnHub and the final stage's TokenReturnLink
+on loopback: predictions reach the waiting session's channel, a lane that
+dials the return listener is refused, a lost connection fails the waiting
+sessions (never a hang) and the next configure dials again.
+
+Real processes: 3-stage pipelines (tiny and default model) with direct
+return on give exactly the unsplit model's greedy tokens, and the head's
+and the final stage's counters show that every prediction took the return
+connection; with direct return turned off on the final stage the head falls
+back to the relayed path (and says so) with the same tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+
+import pytest
+import trio
+
+from skippyd.head.token_return import ReturnLost, TokenReturnHub
+from skippyd.runtime.llama import ContextParams
+from skippyd.runtime.local_pipeline import LocalPipeline
+from skippyd.stage.downstream import DownstreamError, DownstreamLink
+from skippyd.stage.token_return import TokenReturnLink, TokenReturnLost
+from skippyctl.client import ControlError
+from skippyd.wire.messages import ErrorCode, ErrorReply, Hello, PredictedToken
+from tests.procs import Pipeline, free_ports, split_for_test
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
+LONG_PROMPT = ("In the beginning the universe was created. This has made a lot of people very angry and been "
+               "widely regarded as a bad move. Many were increasingly of the opinion that they'd all made a big "
+               "mistake in coming down from the trees in the first place.")
+CHUNK = 16
+FINGERPRINT = bytes(range(32))
+
+
+# ---------------------------------------------------------------------------- in-process
+
+
+def hello(index: int, start: int, end: int) -> Hello:
+    return Hello(fingerprint=FINGERPRINT, stage_index=index, layer_start=start, layer_end=end, n_layer=30,
+                 n_embd=64, node=f"test-{index}")
+
+
+@pytest.fixture
+async def hub(nursery):
+    hub = TokenReturnHub(hello(0, 0, 10), read_deadline=5.0)
+    await nursery.start(hub.serve, "127.0.0.1", 0)
+    return hub
+
+
+@pytest.fixture
+async def final_link(hub, nursery):
+    host, port = hub.address.rsplit(":", 1)
+    link = TokenReturnLink(hello(2, 20, 30), host, int(port), connect_timeout=2.0)
+    await nursery.start(link.run)
+    return link
+
+
+async def wait_until(predicate, timeout: float = 2.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+async def test_predictions_reach_the_waiting_session(hub, final_link):
+    assert await final_link.ensure()
+    returns = hub.open_session(7)
+    await final_link.send(PredictedToken(1, 7, 42))
+    await final_link.send(PredictedToken(1, 99, 1))  # nobody waits for session 99: dropped, counted
+    await final_link.send(ErrorReply(2, 7, ErrorCode.COMPUTE_FAILED, "boom"))
+    with trio.fail_after(2):
+        first, second = await returns.receive(), await returns.receive()
+    assert first == PredictedToken(1, 7, 42)
+    assert isinstance(second, ErrorReply) and second.message == "boom"
+    assert hub.stats.tokens == 1 and hub.stats.errors == 1
+    await wait_until(lambda: hub.stats.unknown == 1)
+    assert hub.connections == 1 and final_link.stats.dials == 1
+    assert await final_link.ensure() and final_link.stats.dials == 1  # reused, not dialed again
+    # a prediction must not wait for Nagle on either end
+    for stream in [final_link._conn.stream, *hub._streams]:
+        assert stream.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+async def test_a_lane_cannot_dial_the_return_listener(hub):
+    host, port = hub.address.rsplit(":", 1)
+    with pytest.raises(DownstreamError, match="role mismatch"):
+        await DownstreamLink.connect(host, int(port), hello(0, 0, 10))
+    await wait_until(lambda: hub.stats.refused == 1)
+    assert hub.stats.accepted == 0
+
+
+async def test_lost_connection_fails_waiting_sessions_and_is_dialed_again(hub, final_link, nursery):
+    assert await final_link.ensure()
+    await wait_until(lambda: hub.connections == 1)
+    returns = hub.open_session(5)
+    await hub.disconnect()  # the head side goes away: the waiting session hears it at once
+    with trio.fail_after(2):
+        item = await returns.receive()
+    assert isinstance(item, ReturnLost)
+    await wait_until(lambda: not final_link.connected)  # the final stage sees the EOF
+    with pytest.raises(TokenReturnLost):
+        await final_link.send(PredictedToken(1, 5, 3))
+    assert await final_link.ensure()  # dialed again
+    assert final_link.stats.dials == 2 and final_link.stats.lost == 1
+
+
+async def test_unreachable_head_falls_back_quickly(nursery):
+    (port,) = free_ports(1)  # nothing listens there
+    link = TokenReturnLink(hello(2, 20, 30), "127.0.0.1", port, connect_timeout=1.0)
+    await nursery.start(link.run)
+    assert not await link.ensure()
+    assert link.last_error and link.stats.dial_failures == 1
+    assert not await link.ensure()  # within the retry interval: no second dial
+    assert link.stats.dial_failures == 1
+    with pytest.raises(TokenReturnLost):
+        await link.send(PredictedToken(1, 1, 1))
+
+
+# ---------------------------------------------------------------------------- real processes
+
+
+@functools.lru_cache(maxsize=None)
+def reference(model_path, prompt: str, n: int) -> list[int]:
+    with LocalPipeline([model_path], ContextParams(n_ctx_per_seq=1024, n_seq_max=1, n_threads=1)) as ref:
+        out = ref.generate(ref.head.tokenize(prompt, parse_special=False), n, chunk=CHUNK)
+        if out and ref.head.is_eog(out[-1]):
+            out.pop()
+        return out
+
+
+def _start(model_path, work, *, final_extra: tuple[str, ...] = ()) -> Pipeline:
+    split_for_test(model_path, 3, work)
+    pipe = Pipeline(work / "topology.toml", work, extra=["--prefill-chunk", str(CHUNK), "--lanes", "2"])
+    try:
+        base = pipe.extra
+        pipe.extra = [*base, *final_extra]
+        pipe.start_stage(2, wait=False)
+        pipe.extra = base
+        for k in (1, 0):
+            pipe.start_stage(k, wait=False)
+        for k in (2, 1, 0):
+            pipe.stages[k].wait_ready()
+    except BaseException:
+        pipe.stop()
+        raise
+    return pipe
+
+
+def _stop(pipe: Pipeline) -> None:
+    codes = pipe.stop()
+    assert all(c == 0 for c in codes.values()), codes
+
+
+@pytest.fixture(scope="module")
+def tiny3(tiny_model_path, tmp_path_factory):
+    pipe = _start(tiny_model_path, tmp_path_factory.mktemp("direct3"))
+    yield pipe
+    _stop(pipe)
+
+
+async def token_paths(pipe: Pipeline) -> tuple[dict, dict]:
+    head = (await pipe.head.astatus())["head"]["token_return"]
+    (final,) = (await pipe.stages[2].astatus())["stages"]
+    return head, final["token_return"]
+
+
+async def assert_parity(pipe: Pipeline, model_path, prompts, n: int) -> int:
+    """Greedy parity; returns how many predictions the generations received."""
+    received = 0
+    for prompt in prompts:
+        got = await pipe.generate(prompt=prompt, raw=True, max_tokens=n)
+        want = reference(model_path, prompt, n)
+        assert got["tokens"] == want, prompt
+        received += n if len(want) == n else len(want) + 1  # an end-of-generation token is received too
+    await pipe.wait_all_released(2.0)
+    return received
+
+
+async def test_tiny_three_stages_direct_return_matches_unsplit(tiny3, tiny_model_path):
+    before, _ = await token_paths(tiny3)
+    received = await assert_parity(tiny3, tiny_model_path, [*PROMPTS, LONG_PROMPT], 40)
+    head, final = await token_paths(tiny3)
+    assert head["enabled"] and head["connections"] == 1
+    assert head["direct"] - before["direct"] == received  # every prediction took the return connection
+    assert head["relayed"] == before["relayed"] == 0 and head["fallbacks"] == 0
+    assert final["connected"] and final["dials"] == 1 and final["sent"] == head["tokens"]
+
+
+async def test_concurrent_direct_generations_each_get_their_own_tokens(tiny3, tiny_model_path):
+    results = {}
+
+    async def run(prompt):
+        results[prompt] = (await tiny3.generate(prompt=prompt, raw=True, max_tokens=24))["tokens"]
+
+    async with trio.open_nursery() as nursery:
+        for prompt in PROMPTS:
+            nursery.start_soon(run, prompt)
+    for prompt in PROMPTS:
+        assert results[prompt] == reference(tiny_model_path, prompt, 24)
+    await tiny3.wait_all_released(2.0)
+
+
+async def test_default_model_three_stages_direct_return_matches_unsplit(default_model_path, tmp_path):
+    pipe = await trio.to_thread.run_sync(_start, default_model_path, tmp_path)
+    try:
+        received = await assert_parity(pipe, default_model_path, PROMPTS[:1], 24)
+        head, final = await token_paths(pipe)
+    finally:
+        await trio.to_thread.run_sync(_stop, pipe)
+    assert head["direct"] == received and head["relayed"] == 0
+    assert final["sent"] == received
+
+
+async def test_final_stage_without_direct_return_falls_back_to_relaying(tiny_model_path, tmp_path):
+    pipe = await trio.to_thread.run_sync(functools.partial(_start, tiny_model_path, tmp_path,
+                                                           final_extra=("--no-direct-return",)))
+    try:
+        received = await assert_parity(pipe, tiny_model_path, PROMPTS, 16)
+        head, final = await token_paths(pipe)
+        log = pipe.head.log()
+    finally:
+        await trio.to_thread.run_sync(_stop, pipe)
+    assert final is None  # the final stage has no return connection at all
+    assert head["enabled"] and head["direct"] == 0 and head["relayed"] == received
+    assert head["fallbacks"] == len(PROMPTS)
+    assert log.count("using the relayed path") == 1  # said once, not once per generation
+
+
+async def test_failed_prediction_on_the_final_stage_is_a_clean_error(tiny_model_path, tmp_path):
+    """The final stage runs out of context (it was given less than the head): the error reaches the head on
+    the token-return connection, the generation fails at once, and every stage releases the session."""
+    pipe = await trio.to_thread.run_sync(functools.partial(_start, tiny_model_path, tmp_path,
+                                                           final_extra=("--ctx", "16")))
+    try:
+        with trio.fail_after(20):
+            with pytest.raises(ControlError, match="context_full"):
+                await pipe.generate(prompt=LONG_PROMPT, raw=True, max_tokens=600)
+            await pipe.wait_all_released(2.0)
+            head, final = await token_paths(pipe)
+            assert head["errors"] == 1 and head["direct"] > 0
+            got = await pipe.generate(prompt=PROMPTS[0], raw=True, max_tokens=8)
+            assert got["tokens"] == reference(tiny_model_path, PROMPTS[0], 8)
+    finally:
+        await trio.to_thread.run_sync(_stop, pipe)

@@ -1,0 +1,183 @@
+"""Link conditioning (`--link-delay-ms`, `--link-mbps`): a fixed one-way delay and a bandwidth cap.
+
+In-process: the conditioned send stream on trio's memory streams and
+autojump clock (exact times, no waiting): each chunk arrives `delay` after it
+was sent, in order, the sender never waits for it, and a bandwidth cap adds
+each chunk's serialization time.
+
+Real processes (the tiny model, so compute is a few milliseconds): with
+20 ms on every link, a 2-stage pipeline's time per output token is at least
+two one-way delays (head → stage 1 → head), a 3-stage pipeline's is at least
+four with relayed predictions and three with direct token return, which is
+measurably faster. Bounds are loose: the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import trio
+import trio.testing
+
+from skippyd.stage.conditioning import LinkShape, ShapedSendStream
+from tests.procs import Pipeline, retarget, split_for_test
+
+DELAY_MS = 20.0
+PROMPT = "Once upon a time, in a small village by the sea,"
+
+
+# ---------------------------------------------------------------------------- in-process
+
+
+async def _arrivals(receive: trio.abc.ReceiveStream, n_bytes: int, out: list) -> None:
+    got = 0
+    while got < n_bytes:
+        data = await receive.receive_some()
+        out.append((trio.current_time(), bytes(data)))
+        got += len(data)
+
+
+async def test_delay_applied_in_order_without_blocking_the_sender(autojump_clock):
+    sender, receiver = trio.testing.memory_stream_pair()
+    link = ShapedSendStream(sender, LinkShape(delay_ms=DELAY_MS))
+    arrivals: list = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link.run)
+        nursery.start_soon(_arrivals, receiver, 6, arrivals)
+        t0 = trio.current_time()
+        await link.send_all(b"ab")
+        assert trio.current_time() == t0  # the sender goes on at once, like on a real link
+        await trio.sleep(0.005)
+        await link.send_all(b"cd")
+        await link.send_all(b"ef")
+        await link.flush()
+        link.close()
+    times = [round((t - t0) * 1e3, 6) for t, _ in arrivals]
+    assert b"".join(data for _, data in arrivals) == b"abcdef"
+    assert times[0] == DELAY_MS
+    assert times[-1] == DELAY_MS + 5
+
+
+async def test_bandwidth_cap_serializes_chunks(autojump_clock):
+    sender, receiver = trio.testing.memory_stream_pair()
+    link = ShapedSendStream(sender, LinkShape(delay_ms=10, mbps=1.0))  # 12 500 bytes take 100 ms
+    arrivals: list = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link.run)
+        nursery.start_soon(_arrivals, receiver, 25_000, arrivals)
+        t0 = trio.current_time()
+        await link.send_all(b"x" * 12_500)
+        await link.send_all(b"y" * 12_500)  # queued behind the first: leaves 100 ms later
+        assert trio.current_time() == t0
+        await link.flush()
+        link.close()
+    first_y = next(t for t, data in arrivals if data.startswith(b"y"))
+    assert round((arrivals[0][0] - t0) * 1e3, 6) == 110
+    assert round((first_y - t0) * 1e3, 6) == 210
+
+
+async def test_broken_link_is_reported_to_the_sender(autojump_clock):
+    sender, receiver = trio.testing.memory_stream_pair()
+    link = ShapedSendStream(sender, LinkShape(delay_ms=1))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link.run)
+        await receiver.aclose()
+        await link.send_all(b"lost")
+        await trio.sleep(0.01)
+        assert link.broken
+        with pytest.raises(trio.BrokenResourceError):
+            await link.send_all(b"more")
+        link.close()
+
+
+async def test_aclose_lets_queued_bytes_arrive(autojump_clock):
+    sender, receiver = trio.testing.memory_stream_pair()
+    link = ShapedSendStream(sender, LinkShape(delay_ms=50))
+    arrivals: list = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link.run)
+        nursery.start_soon(_arrivals, receiver, 3, arrivals)
+        await link.send_all(b"bye")
+        await link.aclose()
+    assert arrivals and arrivals[0][1] == b"bye"
+    with pytest.raises(trio.ClosedResourceError):
+        await link.send_all(b"x")
+
+
+def test_shape_validation():
+    assert not LinkShape().active
+    assert LinkShape(delay_ms=1).active and LinkShape(mbps=10).active
+    with pytest.raises(ValueError):
+        LinkShape(delay_ms=-1)
+    with pytest.raises(ValueError):
+        LinkShape(mbps=float("inf"))
+
+
+# ---------------------------------------------------------------------------- real processes
+
+
+def _pipeline(topology, work, *extra: str) -> Pipeline:
+    pipe = Pipeline(topology, work, extra=["--prefill-chunk", "16", "--link-delay-ms", str(DELAY_MS), *extra])
+    try:
+        pipe.start()
+    except BaseException:
+        pipe.stop()
+        raise
+    return pipe
+
+
+async def _tpot_ms(pipe: Pipeline, rounds: int = 3, tokens: int = 16) -> float:
+    """Median time per output token (ms) over a few greedy generations."""
+    values = []
+    for _ in range(rounds):
+        got = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=tokens)
+        assert len(got["tokens"]) == tokens
+        values.append(1e3 / got["timings"]["decode_tokens_per_s"])
+    return statistics.median(values)
+
+
+@pytest.fixture(scope="module")
+def tiny_split3(tiny_model_path, tmp_path_factory):
+    work = tmp_path_factory.mktemp("cond3")
+    split_for_test(tiny_model_path, 3, work)
+    return work / "topology.toml"
+
+
+async def test_two_stages_with_delay_pay_two_one_way_delays_per_token(tiny_model_path, tmp_path):
+    split_for_test(tiny_model_path, 2, tmp_path)
+    pipe = await trio.to_thread.run_sync(_pipeline, tmp_path / "topology.toml", tmp_path)
+    try:
+        tpot = await _tpot_ms(pipe)
+        head = (await pipe.head.astatus())["head"]
+    finally:
+        await trio.to_thread.run_sync(pipe.stop)
+    assert 2 * DELAY_MS <= tpot < 2 * DELAY_MS + 40, tpot
+    assert head["token_return"]["listen"] is None  # two stages: nothing to gain from direct return
+    assert head["token_return"]["relayed"] > 0
+
+
+async def test_three_stages_direct_return_saves_one_delay_per_token(tiny_split3, tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "r").mkdir()
+    direct = await trio.to_thread.run_sync(_pipeline, retarget(tiny_split3, tmp_path / "d"), tmp_path / "d")
+    try:
+        relayed = await trio.to_thread.run_sync(_pipeline, retarget(tiny_split3, tmp_path / "r"), tmp_path / "r",
+                                                "--no-direct-return")
+        try:
+            direct_ms, relayed_ms = [], []
+            for _ in range(2):  # interleaved: the machine's speed drifts
+                direct_ms.append(await _tpot_ms(direct, rounds=2))
+                relayed_ms.append(await _tpot_ms(relayed, rounds=2))
+            paths = [(await p.head.astatus())["head"]["token_return"] for p in (direct, relayed)]
+        finally:
+            await trio.to_thread.run_sync(relayed.stop)
+    finally:
+        await trio.to_thread.run_sync(direct.stop)
+    d, r = statistics.median(direct_ms), statistics.median(relayed_ms)
+    print(f"3 stages, {DELAY_MS:g} ms per link: direct {d:.1f} ms/token, relayed {r:.1f} ms/token")
+    assert 3 * DELAY_MS <= d < 3 * DELAY_MS + 40, direct_ms
+    assert 4 * DELAY_MS <= r < 4 * DELAY_MS + 40, relayed_ms
+    assert d < r - DELAY_MS / 2, (direct_ms, relayed_ms)
+    assert paths[0]["direct"] > 0 and paths[0]["relayed"] == 0
+    assert paths[1]["direct"] == 0 and paths[1]["relayed"] > 0
