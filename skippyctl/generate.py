@@ -30,13 +30,16 @@ def generate(
     """Generate a reply; text streams to the terminal. Ctrl-C cancels it on the daemon."""
     g = ctx.obj
     printed = False  # whether streamed text is on the terminal (then errors start on a new line)
+    try:  # the message's own checks (e.g. float32 ranges), before anything is sent
+        request = m.Generate(id="1", prompt=prompt, system=system, raw=raw, max_tokens=max_tokens,
+                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=list(stop or []),
+                             stream=not json_mode)
+    except m.Invalid as exc:
+        fail(f"--{(exc.field or 'value').replace('_', '-')}: {exc}", EXIT_USAGE)
 
     async def go() -> dict:
         nonlocal printed
         async with open_control(g.url, g.token_file) as client:
-            request = m.Generate(id=client.new_id(), prompt=prompt, system=system, raw=raw, max_tokens=max_tokens,
-                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                 stop=list(stop or []), stream=not json_mode)
             async for reply in client.replies(request):
                 if isinstance(reply, m.Piece):
                     sys.stdout.write(reply.text)

@@ -133,6 +133,15 @@ def test_bad_token_is_refused(smol2, tmp_path):
     assert_clean_error(ctl(smol2.head, "sessions", "list", token_file=tmp_path / "missing"), "no control token")
 
 
+def test_generate_option_out_of_range_is_a_usage_error(tmp_path):
+    """Caught by the message's own checks, before any connection (sampling travels as float32 / int32)."""
+    token = tmp_path / "t.token"
+    token.write_text("x\n")
+    base = ["--url", f"ws://127.0.0.1:{free_ports(1)[0]}", "--token-file", str(token), "generate", "-p", "hi"]
+    for option, value, needle in (("--temperature", "1e300", "(a float32)"), ("--top-k", "4294967296", "2147483647")):
+        assert_clean_error(CliRunner().invoke(app, [*base, option, value]), f"{option}: ", needle, code=2)
+
+
 def test_daemon_not_running(smol2, tmp_path):
     token = tmp_path / "t.token"
     token.write_text("x\n")
@@ -161,6 +170,8 @@ async def test_bad_requests_get_error_replies_on_a_usable_connection(smol2):
         assert isinstance(reply, m.Error) and "$.type" in reply.message
         reply = await send_raw("this is not json")
         assert isinstance(reply, m.Error) and "malformed JSON" in reply.message
+        reply = await send_raw("[" * 100_000 + "]" * 100_000)  # deeper than Python's recursion limit
+        assert isinstance(reply, m.Error) and "nested too deeply" in reply.message
         # the same connection still works
         data = await client.call(m.Status(id=client.new_id()))
         assert data["role"] == "head"

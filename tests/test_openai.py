@@ -540,3 +540,22 @@ async def test_fake_defaults_follow_openai():
     assert comp_req.max_tokens == 16 and comp_req.raw
     assert chat_req.prompt_tokens == (1, 2, 3, 4, 5)  # tokenized once, by the app
     assert json.loads(chat.data)["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+
+
+async def test_fake_bodies_nothing_could_serve():
+    async def behave(on_piece):
+        raise AssertionError("no generation for a bad body")
+
+    app, _ = fake_app(behave)
+    # sampling parameters travel between stages as int32 / float32
+    for param, value in (("top_k", 2**32), ("repeat_penalty", 1e-300), ("repeat_penalty", 1e300)):
+        call = Asgi(app, "POST", "/v1/completions", {"model": "fake-model", "prompt": "x", param: value})
+        await call.run()
+        assert call.status == 400 and json.loads(call.data)["error"]["param"] == param, call.data
+    deep = Asgi(app, "POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000)
+    await deep.run()
+    assert deep.status == 400 and json.loads(deep.data)["error"]["code"] == "invalid_json"
+    big = Asgi(app, "POST", "/v1/completions", b" " * (5 << 20))
+    await big.run()
+    # the rest of the body is never read: the client must not reuse the connection
+    assert big.status == 413 and big.headers["connection"] == "close"

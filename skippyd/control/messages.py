@@ -8,7 +8,9 @@ are errors; a validation error names the path of the bad field.
 from __future__ import annotations
 
 import json
+import math
 import re
+import struct
 from typing import Any, Optional, Union
 
 import attrs
@@ -22,6 +24,28 @@ def _snake(cls: type) -> str:
 
 
 # ---------------------------------------------------------------- requests
+FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1
+
+
+def _float32(_inst, attribute, value: float) -> None:
+    """Sampling parameters travel between stages as float32: a value must survive the trip."""
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise Invalid(f"must be a finite number of at most {FLOAT32_MAX:.7g} in magnitude (a float32), "
+                      f"got {_show(value)}", attribute.name)
+
+
+def _positive_float32(inst, attribute, value: float) -> None:
+    _float32(inst, attribute, value)
+    if not struct.unpack("<f", struct.pack("<f", value))[0] > 0:
+        raise Invalid(f"must be > 0 (as a float32), got {_show(value)}", attribute.name)
+
+
+def _int32(_inst, attribute, value: int) -> None:
+    if value > INT32_MAX:
+        raise Invalid(f"must be at most {INT32_MAX}, got {_show(value)}", attribute.name)
+
+
 @attrs.frozen
 class Generate:
     id: str
@@ -30,13 +54,13 @@ class Generate:
     messages: list[dict[str, str]] = attrs.field(factory=list)
     raw: bool = False
     max_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    temperature: float = attrs.field(default=0.0, validator=_float32)
+    top_k: int = attrs.field(default=0, validator=_int32)
+    top_p: float = attrs.field(default=1.0, validator=_float32)
+    min_p: float = attrs.field(default=0.0, validator=_float32)
+    repeat_penalty: float = attrs.field(default=1.0, validator=_positive_float32)
+    presence_penalty: float = attrs.field(default=0.0, validator=_float32)
+    frequency_penalty: float = attrs.field(default=0.0, validator=_float32)
     seed: Optional[int] = None
     stop: list[str] = attrs.field(factory=list)
     stream: bool = True
@@ -179,6 +203,8 @@ def parse_request(text: str) -> Request:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BadRequest(f"malformed JSON: {exc}") from exc
+    except RecursionError:  # "[[[[…" deeper than the interpreter's recursion limit
+        raise BadRequest("malformed JSON: nested too deeply") from None
     if not isinstance(raw, dict):
         raise BadRequest("a request must be a JSON object")
     request_id = str(raw.get("id", ""))

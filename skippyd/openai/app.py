@@ -48,7 +48,7 @@ class ApiError(Exception):
     """An answer in OpenAI's error shape."""
 
     def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: str | None = None, retry_after: int | None = None):
+                 code: str | None = None, retry_after: int | None = None, close: bool = False):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -56,6 +56,7 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        self.close = close  # the connection cannot be reused (e.g. a request body left unread)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -104,8 +105,9 @@ class Exchange:
                 raise _ClientGone()
             chunk = msg.get("body", b"")
             size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+            if size > limit:  # the rest stays unread: the server closes the connection after the answer
+                raise ApiError(413, f"the request body is larger than {limit} bytes", code="body_too_large",
+                               close=True)
             chunks.append(chunk)
             if not msg.get("more_body", False):
                 return b"".join(chunks)
@@ -141,6 +143,8 @@ class Exchange:
 
     async def error(self, exc: ApiError) -> None:
         headers = [(b"retry-after", str(exc.retry_after).encode())] if exc.retry_after else []
+        if exc.close:  # so that a keep-alive client does not send its next request down a closing connection
+            headers.append((b"connection", b"close"))
         await self.json(exc.status, exc.body(), headers)
 
     async def event(self, obj: Any) -> None:

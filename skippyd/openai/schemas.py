@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
+import struct
 from typing import Any, Optional
 
 import attrs
@@ -109,8 +110,11 @@ class _Sampling:
         _in_range(self.min_p, 0.0, 1.0, "min_p")
         if self.top_k is not None and self.top_k < 0:
             raise BadParameter(f"{self.top_k} is less than the minimum of 0", "top_k")
-        if self.repeat_penalty is not None and not self.repeat_penalty > 0:
-            raise BadParameter("repeat_penalty must be > 0", "repeat_penalty")
+        if self.top_k is not None and self.top_k > INT32_MAX:
+            raise BadParameter(f"{self.top_k} is greater than the maximum of {INT32_MAX}", "top_k")
+        # sampling parameters travel between stages as float32: the value must still be > 0 there
+        if self.repeat_penalty is not None and not 0 < _as_float32(self.repeat_penalty) <= FLOAT32_MAX:
+            raise BadParameter("repeat_penalty must be > 0 and at most 3.4e38 (a float32)", "repeat_penalty")
         temperature = 1.0 if self.temperature is None else self.temperature
         top_p = 1.0 if self.top_p is None else self.top_p
         if top_p == 0.0:  # keep only the most likely token: greedy
@@ -206,6 +210,17 @@ class CompletionRequest(_Sampling):
 
 
 # ---------------------------------------------------------------- value checks
+FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1
+
+
+def _as_float32(value: float) -> float:
+    """`value` rounded to a float32 (inf past its range)."""
+    if abs(value) > FLOAT32_MAX:
+        return math.copysign(math.inf, value)
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
 def _in_range(value: float | None, lo: float, hi: float, param: str) -> None:
     if value is None:
         return
@@ -337,6 +352,8 @@ def parse(body: bytes, cls: type):
         raw = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadParameter(f"the request body is not valid JSON: {exc}", None, "invalid_json") from exc
+    except RecursionError:  # "[[[[…" deeper than the interpreter's recursion limit
+        raise BadParameter("the request body is not valid JSON: nested too deeply", None, "invalid_json") from None
     if not isinstance(raw, dict):
         raise BadParameter("the request body must be a JSON object", None, "invalid_json")
     try:
