@@ -124,8 +124,37 @@ class StageInfo:
         return self.output == "logits"
 
 
-class Model:
+class _NativeObject:
+    """Lifetime plumbing shared by the wrappers: context manager, close on GC, closed-use guard."""
+
+    _ptr = ffi.NULL
+    _kind = "object"
+
+    def close(self) -> None:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _live(self, op: str):
+        if self._ptr == ffi.NULL:
+            raise ClosedError(op, f"{self._kind} is closed")
+        return self._ptr
+
+
+class Model(_NativeObject):
     """A loaded GGUF: a whole model or one stage slice of it."""
+
+    _kind = "model"
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, vocab_only: bool = False):
         self._ptr = ffi.NULL
@@ -163,22 +192,6 @@ class Model:
             self._ptr = ffi.NULL
             self._vocab = ffi.NULL
 
-    def __enter__(self) -> Model:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def _live(self, op: str):
-        if self._ptr == ffi.NULL:
-            raise ClosedError(op, "model is closed")
-        return self._ptr
 
     # -- metadata
     def meta(self, key: str) -> str | None:
@@ -411,7 +424,7 @@ class ContextParams:
     threadpool_poll: int | None = None
 
 
-class Context:
+class Context(_NativeObject):
     """A llama context for one stage, holding ``n_seq_max`` KV sequences.
 
     Input is token ids on a first stage and hidden states (float32
@@ -419,6 +432,8 @@ class Context:
     token on a non-final stage, and logits of each sequence's last token on the
     final stage. One thread at a time may use a context.
     """
+
+    _kind = "context"
 
     def __init__(self, model: Model, params: ContextParams = ContextParams()):
         self._ptr = ffi.NULL
@@ -489,22 +504,6 @@ class Context:
             lib.skippy_threadpool_free(self._threadpool)
             self._threadpool = ffi.NULL
 
-    def __enter__(self) -> Context:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def _live(self, op: str):
-        if self._ptr == ffi.NULL:
-            raise ClosedError(op, "context is closed")
-        return self._ptr
 
     def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
         if n_threads < 1:
