@@ -384,12 +384,7 @@ def start_pipeline(model: Path, n_stages: int, workdir: Path, extra: list[str] =
     split_for_test(model, n_stages, workdir)
     pipe = SoakPipeline(workdir / "topology.toml", workdir, extra=list(extra), env=env,
                         stage_extra=["--lanes", str(stage_lanes)] if stage_lanes else [])
-    try:
-        pipe.start()
-    except BaseException:
-        pipe.stop()
-        raise
-    return pipe
+    return pipe.start()
 
 
 def main(argv: list[str] | None = None) -> int:

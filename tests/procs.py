@@ -160,10 +160,15 @@ class Pipeline:
         return d
 
     def start(self) -> Pipeline:
-        for k in reversed(range(len(self.topology.stages))):
-            self.start_stage(k, wait=False)
-        for k in reversed(range(len(self.topology.stages))):
-            self.stages[k].wait_ready()
+        """Start every stage; if one fails, stop those already started before raising."""
+        try:
+            for k in reversed(range(len(self.topology.stages))):
+                self.start_stage(k, wait=False)
+            for k in reversed(range(len(self.topology.stages))):
+                self.stages[k].wait_ready()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def start_all_in_one(self) -> Pipeline:
@@ -171,7 +176,11 @@ class Pipeline:
         d = Daemon(["--topology", str(self.topology_path), "--stage", "all", *self.extra], self.workdir, "all",
                    env=self.env)
         self.stages = {k: d for k in range(len(self.topology.stages))}
-        d.wait_ready()
+        try:
+            d.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     @property

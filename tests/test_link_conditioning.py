@@ -119,12 +119,7 @@ def test_shape_validation():
 
 def _pipeline(topology, work, *extra: str) -> Pipeline:
     pipe = Pipeline(topology, work, extra=["--prefill-chunk", "16", "--link-delay-ms", str(DELAY_MS), *extra])
-    try:
-        pipe.start()
-    except BaseException:
-        pipe.stop()
-        raise
-    return pipe
+    return pipe.start()
 
 
 async def _tpot_ms(pipe: Pipeline, rounds: int = 3, tokens: int = 16) -> float:

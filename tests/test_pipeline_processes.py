@@ -44,12 +44,7 @@ def _start(model_path, n_stages: int, tmp_path_factory, name: str, *, extra: tup
     work = tmp_path_factory.mktemp(name)
     split_for_test(model_path, n_stages, work)
     pipe = Pipeline(work / "topology.toml", work, extra=list(extra))
-    try:
-        pipe.start()
-    except BaseException:
-        pipe.stop()
-        raise
-    return pipe
+    return pipe.start()
 
 
 def _stop(pipe: Pipeline) -> None:
@@ -135,11 +130,7 @@ async def test_tiny_three_process_matches_unsplit(tiny3, tiny_model_path):
 def tiny3_all_in_one(tiny3, tmp_path_factory):
     work = tmp_path_factory.mktemp("tiny3all")
     pipe = Pipeline(retarget(tiny3.topology_path, work), work, extra=["--prefill-chunk", str(CHUNK)])
-    try:
-        pipe.start_all_in_one()
-    except BaseException:
-        pipe.stop()
-        raise
+    pipe.start_all_in_one()
     yield pipe
     _stop(pipe)
 
