@@ -45,7 +45,7 @@ from skippyd.wire.messages import (
     TrimSession,
     VerifyWindow,
 )
-from skippyd.wire.stream import ReceiveBuffer, read_frame, read_message, read_reply, write_frame
+from skippyd.wire.stream import ReceiveBuffer, frame_deadline_s, read_frame, read_message, read_reply, write_frame
 
 N_EMBD = 8
 FP = bytes(range(32))
@@ -422,3 +422,106 @@ async def test_handshake_deadline_and_eof(autojump_clock):
 
 def test_kind_sets_are_disjoint():
     assert not MESSAGE_KINDS & REPLY_KINDS
+
+
+# --------------------------------------------------------------------------
+# idle deadline vs a started frame's deadline (slow-drip peers)
+
+
+async def test_idle_deadline_covers_only_the_wait_for_the_first_byte(autojump_clock):
+    """A frame that starts late (within the idle deadline) is read; the idle wait is not the frame's."""
+    send, receive = trio.testing.memory_stream_one_way_pair()
+
+    async def late_sender():
+        await trio.sleep(50)
+        await write_frame(send, Ping(3), timeout=1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(late_sender)
+        got = await read_message(ReceiveBuffer(receive), timeout=60, frame_timeout=2, n_embd=N_EMBD)
+    assert got == Ping(3)
+    receive = await feed(b"", eof=False)
+    with pytest.raises(ReadTimeout) as info:
+        await read_frame(ReceiveBuffer(receive), timeout=60, frame_timeout=2, n_embd=N_EMBD)
+    assert not info.value.mid_frame and trio.current_time() == pytest.approx(50 + 60)
+
+
+@pytest.mark.parametrize("read_size", [0, 64 * 1024])
+async def test_started_frame_that_stalls_times_out_on_its_own_deadline(autojump_clock, read_size):
+    wire = frame_bytes(sample_frames()[2])
+    for cut in (1, 8, 20, len(wire) - 1):
+        receive = await feed(wire[:cut], eof=False)
+        start = trio.current_time()
+        with pytest.raises(ReadTimeout) as info:
+            await read_frame(ReceiveBuffer(receive, read_size=read_size), timeout=600, frame_timeout=3,
+                             n_embd=N_EMBD)
+        assert info.value.mid_frame
+        took = trio.current_time() - start
+        # before the prefix is complete the body length is unknown: frame_timeout alone
+        want = frame_deadline_s(struct.unpack_from("<I", wire, 4)[0] if cut >= 8 else 0, 3)
+        assert took == pytest.approx(want), (cut, took)
+
+
+async def test_slow_drip_frame_is_dropped(autojump_clock):
+    """A byte every 100 ms: the frame is dropped after frame_timeout, not after the idle deadline."""
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    wire = frame_bytes(sample_frames()[2])
+
+    async def drip():
+        for i in range(len(wire)):
+            await send.send_all(wire[i:i + 1])
+            await trio.sleep(0.1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(drip)
+        with pytest.raises(ReadTimeout) as info:
+            await read_message(ReceiveBuffer(receive), timeout=600, frame_timeout=5, n_embd=N_EMBD)
+        nursery.cancel_scope.cancel()
+    assert info.value.mid_frame
+    assert trio.current_time() == pytest.approx(frame_deadline_s(len(wire) - 8, 5))
+
+
+async def test_big_frame_gets_time_at_the_minimum_rate(autojump_clock):
+    """The started frame's deadline grows with its body length (min_rate bytes/s)."""
+    act = np.zeros((64, N_EMBD), dtype=np.float32)
+    wire = frame_bytes(PrefillChunk(1, 2, 0, list(range(64)), act))  # 32 + 256 + 2048 bytes of body
+    body = len(wire) - 8
+    send, receive = trio.testing.memory_stream_one_way_pair()
+
+    async def sender():  # the prefix now, the body 1.5 s later: late for frame_timeout alone
+        await send.send_all(wire[:8])
+        await trio.sleep(1.5)
+        await send.send_all(wire[8:])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sender)
+        got = await read_message(ReceiveBuffer(receive), timeout=600, frame_timeout=1, min_rate=body / 1.0,
+                                 n_embd=N_EMBD)  # deadline 1 + body / (body / 1 s) = 2 s
+    assert got.tokens.tolist() == list(range(64))
+    receive = await feed(wire[:-1], eof=False)
+    with pytest.raises(ReadTimeout):
+        await read_message(ReceiveBuffer(receive), timeout=600, frame_timeout=1, min_rate=body / 1.0,
+                           n_embd=N_EMBD)
+    assert frame_deadline_s(body, 1, body / 1.0) == pytest.approx(2)
+
+
+async def test_clean_close_between_frames_with_a_frame_deadline():
+    receive = await feed(frame_bytes(Ping(1)))
+    buf = ReceiveBuffer(receive, read_size=0)
+    assert await read_frame(buf, timeout=5, frame_timeout=1, n_embd=N_EMBD) == Ping(1)
+    with pytest.raises(PeerClosed) as info:
+        await read_frame(buf, timeout=5, frame_timeout=1, n_embd=N_EMBD)
+    assert not info.value.mid_frame
+
+
+@pytest.mark.parametrize("read_size", [0, 5, 64 * 1024, "trickle"])
+async def test_frame_deadline_reads_lose_nothing(read_size):
+    frames = sample_frames()
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    source = Trickle(receive) if read_size == "trickle" else receive
+    buf = ReceiveBuffer(source, read_size=16 if read_size == "trickle" else read_size)
+    for frame in frames:
+        await write_frame(send, frame, timeout=1)
+    await send.aclose()
+    for frame in frames:
+        assert await read_frame(buf, timeout=1, frame_timeout=1, n_embd=N_EMBD) == frame

@@ -126,7 +126,11 @@ class UpstreamConnection:
             self.server.connections[self.conn_id] = self
             limits = Limits(max_tokens=min(self.server.context.n_batch, 8192))
             while True:
+                # idle_timeout_s bounds the wait for a frame's first byte only; a frame once started must be
+                # complete within frame_timeout_s (plus its size at frame_min_rate): a peer that starts a
+                # frame and trickles it is dropped in seconds, with its sessions, not after the idle deadline
                 msg = await read_message(receive, limits, timeout=cfg.idle_timeout_s,
+                                         frame_timeout=cfg.frame_timeout_s, min_rate=cfg.frame_min_rate,
                                          n_embd=self.server.model.n_embd_inp)
                 await self.dispatch(msg)
         except ProtocolError as exc:
@@ -134,8 +138,11 @@ class UpstreamConnection:
             await self._fail_connection(exc.code, exc.message, exc.request_id, exc.session_id)
         except DownstreamError as exc:
             log.warning("stage %d: downstream failed: %s", self.server.index, exc)
-        except ReadTimeout:
-            log.info("stage %d: upstream %s idle past the deadline; closing", self.server.index, self.peer_desc)
+        except ReadTimeout as exc:
+            if exc.mid_frame:
+                log.warning("stage %d: upstream %s: %s; closing", self.server.index, self.peer_desc, exc)
+            else:
+                log.info("stage %d: upstream %s idle past the deadline; closing", self.server.index, self.peer_desc)
         except (PeerClosed, WireError, trio.BrokenResourceError, trio.ClosedResourceError):
             log.info("stage %d: upstream %s closed", self.server.index, self.peer_desc)
         except Exception:  # a bug must cost one connection, never the daemon

@@ -28,7 +28,7 @@ from skippyd.stage.conditioning import LinkShape, ShapedSendStream, shaped
 from skippyd.wire.errors import PeerClosed, ProtocolError, WireError
 from skippyd.wire.handshake import handshake_client
 from skippyd.wire.messages import Ack, ErrorReply, Hello, Message, Reply, StageStats, merge
-from skippyd.wire.stream import ReceiveBuffer, read_reply, write_frame
+from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT, ReceiveBuffer, read_reply, write_frame
 
 
 class DownstreamError(Exception):
@@ -52,6 +52,7 @@ class DownstreamLink:
         self.credit_limit = max(0, credit_limit)
         self.reply_timeout = reply_timeout
         self.write_timeout = write_timeout
+        self.frame_timeout = DEFAULT_FRAME_TIMEOUT
         self.pending_acks = 0
         self._folded = StageStats()
         self._deferred_error: ErrorReply | None = None
@@ -141,7 +142,9 @@ class DownstreamLink:
 
     async def _read(self) -> Reply:
         try:
-            return await read_reply(self._receive, timeout=self.reply_timeout)
+            # reply_timeout covers the next stage's compute; a reply once started must be whole within
+            # frame_timeout (a stalled or trickling next stage is detected in seconds, not reply_timeout)
+            return await read_reply(self._receive, timeout=self.reply_timeout, frame_timeout=self.frame_timeout)
         except (ProtocolError, PeerClosed) as exc:
             self.broken = True
             raise DownstreamError(self.address, str(exc)) from exc

@@ -26,6 +26,7 @@ from skippyd.stage.sessions import SessionTable, StageSession
 from skippyd.stage.token_return import TokenReturnLink
 from skippyd.topology import StageSpec, Topology
 from skippyd.wire.messages import Hello
+from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT, DEFAULT_MIN_RATE
 
 log = logging.getLogger("skippyd.stage")
 
@@ -42,6 +43,10 @@ class StageConfig:
     handshake_timeout_s: float = 5.0
     connect_timeout_s: float = 5.0
     idle_timeout_s: float = 600.0  # an idle lane with no message at all for this long is closed
+    frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT  # a frame, once its first byte is here, must be complete
+    frame_min_rate: float = DEFAULT_MIN_RATE  # ... within frame_timeout_s + its bytes / this (bytes/s)
+    upstream_allow: tuple[str, ...] | None = None  # who may connect (see stage/access.py); None: the topology's
+    link_auth: bytes = b""  # the Hello auth of the shared link secret (stage/access.py link_auth); b"": none
     reply_timeout_s: float = 30.0  # the next stage must answer within this
     write_timeout_s: float = 10.0
     listen_host: str | None = None  # default: the topology's host for this stage

@@ -81,7 +81,16 @@ class WireTimeout(WireError):
 
 
 class ReadTimeout(WireTimeout):
-    """No complete frame arrived before the read deadline."""
+    """No complete frame arrived before the read deadline.
+
+    ``mid_frame`` is True when the frame had started (its first byte had
+    arrived) and the rest did not follow in time: a stalled or slow-drip
+    peer rather than an idle one.
+    """
+
+    def __init__(self, message: str, *, timeout: float, mid_frame: bool = False) -> None:
+        super().__init__(message, timeout=timeout)
+        self.mid_frame = mid_frame
 
 
 class WriteTimeout(WireTimeout):

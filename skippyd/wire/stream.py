@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import errno
 import math
-from collections.abc import Container
+from collections.abc import Callable, Container
 
 import trio
 
@@ -40,8 +40,11 @@ from skippyd.wire.errors import PeerClosed, ReadTimeout, WriteTimeout
 from skippyd.wire.messages import DEFAULT_LIMITS, Frame, Limits, Message, Reply
 
 __all__ = [
+    "DEFAULT_FRAME_TIMEOUT",
+    "DEFAULT_MIN_RATE",
     "DEFAULT_READ_SIZE",
     "ReceiveBuffer",
+    "frame_deadline_s",
     "read_frame",
     "read_message",
     "read_reply",
@@ -49,6 +52,10 @@ __all__ = [
 ]
 
 DEFAULT_READ_SIZE = 64 * 1024
+# A started frame's deadline (read_frame's frame_timeout) grows by body_len / DEFAULT_MIN_RATE: 1 MiB/s
+# (8 Mbit/s) gives the largest prefill frame a big model sends (512 tokens x 8192 x 4 = 16 MiB) 16 s more.
+DEFAULT_FRAME_TIMEOUT = 5.0
+DEFAULT_MIN_RATE = float(1 << 20)
 
 
 class ReceiveBuffer:
@@ -79,6 +86,20 @@ class ReceiveBuffer:
     def buffered(self) -> int:
         """Bytes already received and not yet handed out."""
         return len(self._pending) - self._pos
+
+    async def wait_first_byte(self) -> None:
+        """Return once at least one byte of the next frame is here (already buffered, or received now).
+
+        EOF first is a clean close (``PeerClosed(mid_frame=False)``). The byte
+        stays buffered for the frame's read, so this loses nothing even with
+        ``read_size=0``.
+        """
+        if self.buffered:
+            return
+        data = await self._receive_some(max(1, self._read_size))
+        if not data:
+            _raise_eof(0, 1, False)
+        self._pending, self._pos = data, 0
 
     async def receive_exactly(self, n: int, *, frame_started: bool = True) -> bytearray:
         out = bytearray(n)
@@ -154,10 +175,13 @@ def _as_buffer(source: ReceiveBuffer | trio.abc.ReceiveStream) -> ReceiveBuffer:
     return ReceiveBuffer(source, read_size=0)
 
 
-async def _read_frame(buf: ReceiveBuffer, limits: Limits, n_embd: int | None, accept: Container[int] | None) -> Frame:
+async def _read_frame(buf: ReceiveBuffer, limits: Limits, n_embd: int | None, accept: Container[int] | None,
+                      on_length: Callable[[int], None] | None = None) -> Frame:
     prefix = parse_prefix(
         await buf.receive_exactly(PREFIX_SIZE, frame_started=False), limits, n_embd=n_embd, accept=accept
     )
+    if on_length is not None:
+        on_length(prefix.body_len)
     if prefix.kind not in MESSAGE_KINDS:
         return decode_body(prefix, await buf.receive_exactly(prefix.body_len), limits)
     assert n_embd is not None  # parse_prefix refuses messages without it
@@ -167,23 +191,55 @@ async def _read_frame(buf: ReceiveBuffer, limits: Limits, n_embd: int | None, ac
     return decode_message(header, tail, activation, n_embd)
 
 
+def frame_deadline_s(body_len: int, frame_timeout: float, min_rate: float = DEFAULT_MIN_RATE) -> float:
+    """Seconds a frame of ``body_len`` bytes may take from its first byte to its last."""
+    return frame_timeout + body_len / min_rate
+
+
 async def read_frame(
     source: ReceiveBuffer | trio.abc.ReceiveStream,
     limits: Limits = DEFAULT_LIMITS,
     *,
     timeout: float,
+    frame_timeout: float | None = None,
+    min_rate: float = DEFAULT_MIN_RATE,
     n_embd: int | None = None,
     accept: Container[int] | None = None,
 ) -> Frame:
-    """Read and decode one frame; the whole frame must arrive within ``timeout`` s.
+    """Read and decode one frame.
+
+    Without ``frame_timeout`` the whole frame must arrive within ``timeout``
+    s. With it, ``timeout`` only bounds the wait for the frame's first byte
+    (an idle connection); from that byte on the frame must be complete within
+    ``frame_timeout + body_len / min_rate`` s (:func:`frame_deadline_s`), so
+    a peer that starts a frame and then stalls or trickles it is dropped in
+    seconds whatever the idle deadline, while a large activation still gets
+    time to arrive at ``min_rate`` bytes/s.
 
     ``n_embd`` (from the handshake) is needed to accept message frames;
     ``accept`` restricts the frame kinds (checked on the prefix, before the
-    body is read). Raises ProtocolError, PeerClosed or ReadTimeout.
+    body is read). Raises ProtocolError, PeerClosed or ReadTimeout
+    (``mid_frame`` set when the frame had started).
     """
     buf = _as_buffer(source)
-    with trio.CancelScope(deadline=_deadline(timeout)):  # trio.fail_after, minus contextlib
-        return await _read_frame(buf, limits, n_embd, accept)
+    started: float | None = None
+    with trio.CancelScope(deadline=_deadline(timeout)) as scope:  # trio.fail_after, minus contextlib
+        if frame_timeout is None:
+            return await _read_frame(buf, limits, n_embd, accept)
+        if math.isnan(frame_timeout) or frame_timeout < 0 or not min_rate > 0:
+            raise ValueError(f"frame_timeout must be >= 0 and min_rate > 0, got {frame_timeout!r}, {min_rate!r}")
+        await buf.wait_first_byte()
+        started = trio.current_time()
+        scope.deadline = started + frame_timeout  # replaces the idle deadline, earlier or later
+
+        def on_length(body_len: int) -> None:
+            scope.deadline = started + frame_deadline_s(body_len, frame_timeout, min_rate)
+
+        return await _read_frame(buf, limits, n_embd, accept, on_length)
+    if started is not None:
+        took = trio.current_time() - started
+        raise ReadTimeout(f"frame started but not complete {took:.1f} s later (a stalled or too slow peer)",
+                          timeout=took, mid_frame=True)
     raise ReadTimeout(f"no complete frame within {timeout:g} s", timeout=timeout)
 
 
@@ -193,9 +249,12 @@ async def read_message(
     *,
     timeout: float,
     n_embd: int,
+    frame_timeout: float | None = None,
+    min_rate: float = DEFAULT_MIN_RATE,
 ) -> Message:
-    """Read one upstream → downstream message (anything else is UNEXPECTED_KIND)."""
-    frame = await read_frame(source, limits, timeout=timeout, n_embd=n_embd, accept=MESSAGE_KINDS)
+    """Read one upstream → downstream message (anything else is UNEXPECTED_KIND); deadlines as read_frame."""
+    frame = await read_frame(source, limits, timeout=timeout, frame_timeout=frame_timeout, min_rate=min_rate,
+                             n_embd=n_embd, accept=MESSAGE_KINDS)
     return frame  # type: ignore[return-value]
 
 
@@ -204,9 +263,11 @@ async def read_reply(
     limits: Limits = DEFAULT_LIMITS,
     *,
     timeout: float,
+    frame_timeout: float | None = None,
 ) -> Reply:
-    """Read one downstream → upstream reply (anything else is UNEXPECTED_KIND)."""
-    return await read_frame(source, limits, timeout=timeout, accept=REPLY_KINDS)  # type: ignore[return-value]
+    """Read one downstream → upstream reply (anything else is UNEXPECTED_KIND); deadlines as read_frame."""
+    return await read_frame(source, limits, timeout=timeout, frame_timeout=frame_timeout,  # type: ignore[return-value]
+                            accept=REPLY_KINDS)
 
 
 async def write_frame(stream: trio.abc.SendStream, obj: Frame, *, timeout: float = math.inf) -> int:
