@@ -431,10 +431,8 @@ class Daemon:
         """Reachability and protocol version of a remote stage: a live lane's handshake, or a probe (cached)."""
         pool = self.head.pool if self.head is not None else None
         if pool is not None and spec.index == 1:  # a working lane already went through the handshake
-            from skippyd.head.lanes import _looks_alive
-
             for lane in list(pool.lanes.values()):
-                if lane.state == "busy" or (lane.state == "idle" and _looks_alive(lane.link)):
+                if lane.state == "busy" or (lane.state == "idle" and lane.link.looks_alive()):
                     return {"reachable": True, "version": lane.link.peer.version, "node": lane.link.peer.node}
         now = trio.current_time()
         cached = self._probes.get(spec.index)

@@ -6,8 +6,14 @@ lane, and gets the predicted token back. With no downstream (single-stage
 mode) it samples locally with the same code path.
 
 Whatever ends a generation (finish, stop string, cancellation, an error) the
-``finally`` of :meth:`HeadEngine.generate` stops the session down the lane
-(shielded, time-bounded) and releases the head's own KV sequence.
+``finally`` of :meth:`_Run.execute` stops the session down the lane
+(shielded, time-bounded) and releases the head's own KV sequence. A
+generation cancelled mid-request first finishes that request (reads the
+reply or acks stage 1 still owes), then sends Stop and waits for its ack, so
+every stage has freed the session's slot before the head frees its own; only
+a lane that cannot be finished in time (a half-written frame, a silent
+stage) is closed instead, which makes stage 1 release the session when it
+notices.
 
 Direct token return (three or more stages, ``hub`` given): a generation
 asks for it in its ConfigureGeneration; if the final stage accepts, each
@@ -43,9 +49,10 @@ from skippyd.runtime import llama
 from skippyd.runtime.text import Detokenizer
 from skippyd.stage.downstream import DownstreamError
 from skippyd.stage.scheduler import Job, Scheduler
-from skippyd.stage.sessions import NoFreeSlot, SessionTable
+from skippyd.stage.sessions import SessionTable
 from skippyd.wire.messages import (
     DEFAULT_SEED,
+    Ack,
     ConfigureGeneration,
     DecodeStep,
     ErrorCode,
@@ -185,8 +192,9 @@ class HeadEngine:
         self.scheduler = scheduler
         self.pool = pool
         self.prefill_chunk = max(1, min(prefill_chunk, context.n_batch))
+        # admission: a generation waits (up to queue_timeout) for one of the head's sequence slots; the
+        # table then assigns which one (it never runs out: the semaphore holds the others back)
         self.sessions = SessionTable(context.n_seq_max)
-        # admission: a generation waits (up to queue_timeout) for one of the head's sequence slots
         self.slots = trio.Semaphore(context.n_seq_max)
         self.queue_timeout = queue_timeout
         self.live: dict[int, LiveGeneration] = {}
@@ -354,10 +362,7 @@ class _Run:
             raise GenerationError(f"no free session slot within {engine.queue_timeout:g} s (all "
                                   f"{engine.context.n_seq_max} busy)", retryable=True, status=503)
         try:
-            try:
-                self.session = engine.sessions.open(0, self.live.session_id, self.live.request_id)
-            except NoFreeSlot as exc:  # cannot happen while the semaphore guards the slots
-                raise GenerationError(f"head: {exc}", retryable=True, status=503) from exc
+            self.session = engine.sessions.open(0, self.live.session_id, self.live.request_id)
             self.live.seq = self.session.seq
             if engine.pool is not None:
                 self.lane = await self._checkout()
@@ -371,11 +376,12 @@ class _Run:
             self.live.state = "decode"
             await self._decode_loop(token)
         finally:
-            try:
-                with trio.move_on_after(STOP_TIMEOUT_S, shield=True):
+            # shielded: a kill must not cut the cleanup short; each step that waits has its own bound
+            with trio.CancelScope(shield=True):
+                try:
                     await self._cleanup()
-            finally:
-                engine.slots.release()
+                finally:
+                    engine.slots.release()
 
     async def _checkout(self) -> Lane:
         from skippyd.head.lanes import Draining, NoLaneAvailable
@@ -424,19 +430,18 @@ class _Run:
             self.returns = None
 
     async def _request(self, msg, *, tolerate: ErrorCode | None = None):
-        """One request down the lane; any interruption leaves the lane dirty (discarded later).
+        """One request down the lane. An interruption leaves the reply owed (the link knows): the cleanup
+        collects it before it sends Stop.
 
         An ErrorReply becomes a GenerationError, except one with the code ``tolerate``, which is returned.
         """
         lane = self.lane
-        lane.dirty = True
         try:
             with span("head.hop", request=self.live.request_id, session=self.live.session_id,
                       kind=type(msg).__name__, lane=lane.lane_id):
                 reply, sent, write_us, wait_us = await lane.link.request(msg)
         except DownstreamError as exc:
             raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502) from exc
-        lane.dirty = False
         # the head's own hop (stage_count 0: it is not another stage's report)
         hop = StageStats(forward_write_us=write_us, downstream_wait_us=wait_us, bytes_sent=sent)
         self.stats = merge(self.stats, merge(hop, reply.stats))
@@ -462,7 +467,6 @@ class _Run:
         channel, which the token-return connection feeds."""
         lane = self.lane
         started = time.perf_counter()
-        lane.dirty = True
         try:
             with span("head.hop", request=self.live.request_id, session=self.live.session_id,
                       kind=type(msg).__name__, lane=lane.lane_id, direct=1):
@@ -470,7 +474,6 @@ class _Run:
                 await lane.link.drain()
         except DownstreamError as exc:
             raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502) from exc
-        lane.dirty = False  # nothing outstanding on the lane: a kill from here on may still send Stop
         folded, error = lane.link.take_folded()
         self.stats = merge(self.stats, folded)
         if error is not None:
@@ -510,14 +513,12 @@ class _Run:
             hidden = await self._compute(part, lo, want_token=False)
             msg = PrefillChunk(self.live.request_id, self.live.session_id, lo, part, hidden, final=final)
             if not final:
-                self.lane.dirty = True
                 try:
                     with span("head.forward_write", request=self.live.request_id, session=self.live.session_id,
                               pos=lo, tokens=len(part)):
                         await self.lane.link.send_deferred(msg)
                 except DownstreamError as exc:
                     raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502) from exc
-                self.lane.dirty = False
             else:
                 return await self._predict(msg)
         raise AssertionError("unreachable: the prompt is not empty")
@@ -569,26 +570,49 @@ class _Run:
                     await self.on_piece(text)
 
     async def _cleanup(self) -> None:
+        """Runs shielded. Stop the session down the lane (bounded), then free the head's own sequence."""
         engine = self.engine
         self._close_returns()
         if self.lane is not None:
-            if not self.lane.dirty and not self.lane.link.broken:
-                try:
-                    await self._request(Stop(self.live.request_id, self.live.session_id))
-                except GenerationError as exc:
-                    log.warning("head: stop for session %d failed: %s", self.live.session_id, exc)
-                    self.lane.dirty = True
-            # a lane whose stop was not acknowledged is closed, which makes stage 1 release the session
-            await engine.pool.checkin(self.lane)
-            self.lane = None
+            lane, self.lane = self.lane, None
+            stopped = False
+            try:
+                with trio.move_on_after(STOP_TIMEOUT_S) as bounded:
+                    stopped = await self._stop_lane(lane)
+                if bounded.cancelled_caught:
+                    log.warning("head: stop for session %d not acknowledged within %g s: closing lane %d",
+                                self.live.session_id, STOP_TIMEOUT_S, lane.lane_id)
+                if not stopped:
+                    # closing the lane makes stage 1 (and every stage after it) release the session
+                    lane.dirty = True
+            finally:
+                await engine.pool.checkin(lane)
         if self.sampler is not None:
             self.sampler.close()
         if self.session is not None:
             seq = self.session.seq
             try:
-                await engine.scheduler.run_kv(lambda: engine.context.kv_clear_seq(seq))
+                with trio.move_on_after(STOP_TIMEOUT_S):
+                    await engine.scheduler.run_kv(lambda: engine.context.kv_clear_seq(seq))
             finally:
                 engine.sessions.forget(self.session)
+
+    async def _stop_lane(self, lane: Lane) -> bool:
+        """Finish the request a cancellation interrupted, then Stop the session; True once stage 1
+        acknowledged the Stop (its relay means every later stage did too)."""
+        if lane.dirty or lane.link is None or lane.link.broken:
+            return False  # known to be wedged or gone: a Stop would only wait for it
+        try:
+            if not lane.link.settled:
+                await lane.link.settle()
+            reply, *_ = await lane.link.request(Stop(self.live.request_id, self.live.session_id))
+        except DownstreamError as exc:
+            log.warning("head: stop for session %d failed: %s", self.live.session_id, exc)
+            return False
+        if not isinstance(reply, Ack):
+            log.warning("head: stop for session %d answered with %s", self.live.session_id, reply)
+            return False
+        return True
 
 
 # stage errors worth retrying shortly: a full or draining stage, or one further down that died or hung

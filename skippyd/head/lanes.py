@@ -2,9 +2,10 @@
 
 A lane carries one generation at a time. Checkout hands out an idle lane
 (replacing one whose peer went away), or opens a new one up to capacity, or
-waits. A lane that was interrupted mid-request is discarded on return: its
-stream may hold half a frame. ``drain`` stops checkouts (running generations
-finish, idle lanes close); ``undrain`` restores service.
+waits. A lane returned with anything left half done on its link (a request
+the generation's cleanup could not finish) or marked ``dirty`` is closed on
+return: its stream may hold half a frame. ``drain`` stops checkouts (running
+generations finish, idle lanes close); ``undrain`` restores service.
 
 With link conditioning (``shape``), each lane's transmit task runs in the
 pool's ``nursery`` (the head node's).
@@ -42,7 +43,7 @@ class Lane:
     state: str = "idle"  # idle | busy | closed
     opened: float = attrs.field(factory=time.monotonic)
     generations: int = 0
-    dirty: bool = False  # a request was interrupted: the stream cannot be trusted
+    dirty: bool = False  # the stream cannot be trusted (or the peer is wedged): close it on return
 
     def describe(self) -> dict:
         return {
@@ -91,13 +92,14 @@ class LanePool:
 
     async def prune(self) -> None:
         """Close idle lanes whose peer went away."""
-        for lane in [lane for lane in self._idle if not _looks_alive(lane.link)]:
+        for lane in [lane for lane in self._idle if not lane.link.looks_alive()]:
             self._idle.remove(lane)
             await self._discard(lane)
 
     async def warm(self, n: int | None = None) -> None:
         """Open lanes ahead of time (best effort; a failure is logged once until it changes)."""
-        for _ in range(min(n or self.capacity, self.capacity) - len(self.lanes)):
+        target = min(n or self.capacity, self.capacity)
+        while len(self.lanes) < target:
             previous = self.last_error
             try:
                 link = await self._open()
@@ -107,6 +109,9 @@ class LanePool:
                 return
             if previous is not None:
                 log.info("head: %s is reachable again", self.address)
+            if len(self.lanes) >= target:  # checkouts opened lanes of their own meanwhile
+                await link.aclose()
+                return
             lane = Lane(next(self._ids), link)
             self.lanes[lane.lane_id] = lane
             self._idle.append(lane)
@@ -123,7 +128,7 @@ class LanePool:
                 raise Draining("the head is draining: no new generations")
             while self._idle:
                 lane = self._idle.pop()
-                if _looks_alive(lane.link):
+                if lane.link.looks_alive():
                     lane.state = "busy"
                     return lane
                 await self._discard(lane)
@@ -140,7 +145,7 @@ class LanePool:
         lane.session_id = None
         lane.generations += 1
         try:
-            if lane.dirty or lane.link is None or lane.link.broken or self.draining:
+            if lane.dirty or lane.link is None or not lane.link.settled or self.draining:
                 await self._discard(lane)
             else:
                 lane.state = "idle"
@@ -174,6 +179,3 @@ class LanePool:
     def describe(self) -> list[dict]:
         return [lane.describe() for lane in self.lanes.values()]
 
-
-def _looks_alive(link: DownstreamLink | None) -> bool:
-    return link is not None and link.looks_alive()

@@ -57,6 +57,9 @@ class DownstreamLink:
         self._folded = StageStats()
         self._deferred_error: ErrorReply | None = None
         self.broken = False
+        # what an interrupted caller left behind (see settle): a frame half written, a reply not yet read
+        self.writing = False
+        self.awaiting_reply = False
 
     @classmethod
     async def connect(cls, host: str, port: int, hello: Hello, *, connect_timeout: float = 5.0,
@@ -111,11 +114,13 @@ class DownstreamLink:
     async def send(self, msg: Message) -> tuple[int, int]:
         """Write one message; returns (bytes, microseconds)."""
         started = time.perf_counter()
+        self.writing = True
         try:
             n = await write_frame(self._out, msg, timeout=self.write_timeout)
         except WireError as exc:
             self.broken = True
             raise DownstreamError(self.address, f"send failed: {exc}") from exc
+        self.writing = False
         return n, int((time.perf_counter() - started) * 1e6)
 
     async def send_deferred(self, msg: Message) -> tuple[int, int]:
@@ -166,6 +171,24 @@ class DownstreamLink:
         while self.pending_acks:
             await self._collect_one_ack()
 
+    @property
+    def settled(self) -> bool:
+        """Nothing left half done: no frame half written, no ack or reply owed by the next stage."""
+        return not (self.broken or self.writing or self.pending_acks or self.awaiting_reply)
+
+    async def settle(self) -> None:
+        """Finish what an interrupted caller left: collect the owed acks and the owed reply (dropped), so
+        the link can carry the next request (a Stop, say). A frame half written cannot be finished: raises
+        DownstreamError (close the link). Waits for the next stage: bound it with a cancel scope."""
+        if self.writing:
+            self.broken = True
+            raise DownstreamError(self.address, "a frame was left half written")
+        await self.drain()
+        if self.awaiting_reply:
+            await self._read()
+            self.awaiting_reply = False
+        self._folded, self._deferred_error = StageStats(), None
+
     async def request(self, msg: Message) -> tuple[Reply, int, int, int]:
         """Send `msg`, drain outstanding acks, and return (reply, bytes, write_us, wait_us).
 
@@ -173,9 +196,11 @@ class DownstreamLink:
         drained ack reported replaces the reply (it happened first).
         """
         n, write_us = await self.send(msg)
+        self.awaiting_reply = True
         started = time.perf_counter()
         await self.drain()
         reply = await self._read()
+        self.awaiting_reply = False
         wait_us = int((time.perf_counter() - started) * 1e6)
         folded, self._folded = self._folded, StageStats()
         if self._deferred_error is not None:
