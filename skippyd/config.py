@@ -104,6 +104,7 @@ class RuntimeSection:
     credit: int = attrs.field(default=2, validator=_at_least(1))
     reply_timeout: float = attrs.field(default=30.0, validator=_at_least(0.1))
     direct_return: bool = True  # 3+ stages: predictions go from the final stage straight to the head
+    queue_timeout: float = attrs.field(default=30.0, validator=_at_least(0))  # the head: wait for a slot
 
 
 @attrs.frozen
@@ -158,6 +159,7 @@ FLAG_KEYS = {
     "credit": "runtime.credit",
     "reply_timeout": "runtime.reply_timeout",
     "direct_return": "runtime.direct_return",
+    "queue_timeout": "runtime.queue_timeout",
     "listen": "stage.listen",
     "link_delay_ms": "stage.link_delay_ms",
     "link_mbps": "stage.link_mbps",

@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--direct-return", action=argparse.BooleanOptionalAction, default=None,
                      help="with 3+ stages the final stage sends predictions straight to the head "
                           "(default on; the head listens on its topology address for it)")
+    run.add_argument("--queue-timeout", type=_non_negative, default=None, metavar="SECONDS",
+                     help="the head: how long a generation may wait for a free session slot (default 30)")
     net = p.add_argument_group("network")
     net.add_argument("--listen", type=_hostport, default=None,
                      help="HOST:PORT for this stage's listener (default: from the topology)")
@@ -219,7 +221,7 @@ class Daemon:
                 _notify(f"STATUS=loading {a.model}")
                 cfg = self._config(1)
                 self.head = await nursery.start(HeadNode(cfg, model_path=a.model, prefill_chunk=a.prefill_chunk,
-                                                         receipts_file=a.receipts).run)
+                                                         receipts_file=a.receipts, **self._head_options()).run)
             else:
                 cfg = self._config(self._stages_on_this_host())
                 # downstream stages first, so the head's lanes find them listening
@@ -229,7 +231,8 @@ class Daemon:
                     if k == 0:
                         self.head = await nursery.start(HeadNode(cfg, topology=self.topology,
                                                                  prefill_chunk=a.prefill_chunk,
-                                                                 receipts_file=a.receipts).run)
+                                                                 receipts_file=a.receipts,
+                                                                 **self._head_options()).run)
                     else:
                         self.stages.append(await nursery.start(StageServer(self.topology, k, cfg).run))
             if not a.no_control:
@@ -253,6 +256,10 @@ class Daemon:
             _notify(f"READY=1\nSTATUS={self.describe_load()}")
             log.info("ready: %s", self.describe_role())
             nursery.start_soon(self._report_status)
+
+    def _head_options(self) -> dict:
+        a = self.args
+        return {"queue_timeout": 30.0 if a.queue_timeout is None else a.queue_timeout}
 
     def describe_role(self) -> str:
         parts = []
