@@ -23,7 +23,8 @@ def _table(data: dict) -> Table:
                   title=f"{data['role']} · {model.get('name', '?')} · up {data['uptime_s']:.0f}s"
                         + (" · draining" if data.get("draining") else ""),
                   caption=f"{load.get('live_generations', 0)} generations running, "
-                          f"{load.get('totals', {}).get('generations', 0)} done; skippy {data.get('version')}")
+                          f"{load.get('totals', {}).get('generations', 0)} done; skippy {data.get('version')}"
+                          + _listening(data.get("listeners")))
     for s in (data.get("topology") or {}).get("stages", []):
         table.add_row(str(s["index"]), s["address"], f"[{s['layers'][0]},{s['layers'][1]})",
                       "yes" if s["local"] else "no", _yes(s["reachable"]), _dash(s.get("version")))
@@ -32,6 +33,13 @@ def _table(data: dict) -> Table:
             table.add_row(str(s["index"]), s["listen"] or "-", f"[{s['layers'][0]},{s['layers'][1]})", "yes",
                           "yes", str(data.get("protocol_version")))
     return table
+
+
+def _listening(listeners: list[dict] | None) -> str:
+    if not listeners:
+        return ""
+    return "\nlistening: " + ", ".join(f"{x['what']} {x['address']}" + ("" if x["loopback"] else " (not loopback)")
+                                       for x in listeners)
 
 
 def _dash(value) -> str:

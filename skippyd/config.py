@@ -107,9 +107,28 @@ class RuntimeSection:
     queue_timeout: float = attrs.field(default=30.0, validator=_at_least(0))  # the head: wait for a slot
 
 
+def _allow_list(_inst, attribute, value) -> None:
+    if value is None:
+        return
+    from skippyd.topology import TopologyError, parse_allow_entry
+
+    if not value:
+        raise Invalid('must name at least one address (or "any")', attribute.name)
+    for entry in value:
+        try:
+            parse_allow_entry(entry)
+        except TopologyError as exc:
+            raise Invalid(str(exc), attribute.name) from None
+
+
 @attrs.frozen
 class StageSection:
     listen: Optional[str] = attrs.field(default=None, validator=_hostport)
+    # who may open a lane to this stage: addresses, networks, host names, or "any"; None: the host the
+    # topology names for the previous stage
+    upstream_allow: Optional[list[str]] = attrs.field(default=None, validator=_allow_list)
+    link_secret_file: Optional[Path] = None  # a shared secret every stage link must present (see skippyd(8))
+    frame_timeout: float = attrs.field(default=5.0, validator=_at_least(0.1))  # a started frame's deadline, s
     link_delay_ms: float = attrs.field(default=0.0, validator=_at_least(0))  # link conditioning
     link_mbps: float = attrs.field(default=0.0, validator=_at_least(0))  # 0: no cap
 
@@ -161,6 +180,9 @@ FLAG_KEYS = {
     "direct_return": "runtime.direct_return",
     "queue_timeout": "runtime.queue_timeout",
     "listen": "stage.listen",
+    "upstream_allow": "stage.upstream_allow",
+    "link_secret_file": "stage.link_secret_file",
+    "frame_timeout": "stage.frame_timeout",
     "link_delay_ms": "stage.link_delay_ms",
     "link_mbps": "stage.link_mbps",
     "control": "control.listen",
@@ -359,6 +381,8 @@ def toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, tuple) and len(value) == 2:  # a parsed HOST:PORT
         host = f"[{value[0]}]" if ":" in str(value[0]) else value[0]
         return f'"{host}:{value[1]}"'

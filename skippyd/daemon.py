@@ -58,6 +58,20 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _allow_list(text: str) -> list[str]:
+    from skippyd.topology import TopologyError, parse_allow_entry
+
+    entries = [e.strip() for e in text.split(",") if e.strip()]
+    if not entries:
+        raise argparse.ArgumentTypeError("give at least one address, or 'any'")
+    for entry in entries:
+        try:
+            parse_allow_entry(entry)
+        except TopologyError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return entries
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every flag that has a config key defaults to None: "not given", so the file's value applies."""
     p = argparse.ArgumentParser(
@@ -90,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     net = p.add_argument_group("network")
     net.add_argument("--listen", type=_hostport, default=None,
                      help="HOST:PORT for this stage's listener (default: from the topology)")
+    net.add_argument("--upstream-allow", type=_allow_list, default=None, metavar="LIST",
+                     help="comma-separated addresses, networks (10.0.0.0/24) or host names that may open a "
+                          "lane to this stage, or 'any' (default: the previous stage's host in the topology)")
+    net.add_argument("--link-secret-file", type=Path, default=None, metavar="FILE",
+                     help="a secret shared by every daemon of the pipeline: stage links without it are refused")
+    net.add_argument("--frame-timeout", type=_non_negative, default=None, metavar="SECONDS",
+                     help="a frame, once started, must arrive whole within this plus its size at 1 MiB/s "
+                          "(default 5)")
     net.add_argument("--control", type=_hostport, default=None,
                      help=f"control websocket HOST:PORT (default {DEFAULT_CONTROL})")
     net.add_argument("--control-token-file", type=Path, default=None,
@@ -151,6 +173,7 @@ class Daemon:
         self.settings = settings
         self.metrics = Metrics(self)
         self.stages: list[StageServer] = []
+        self._link_auth = b""  # the link secret's Hello auth (status probes present it too)
         self.head = None
         self.control = None
         self.started = time.time()
@@ -197,6 +220,19 @@ class Daemon:
                           link_mbps=getattr(a, "link_mbps", None) or 0.0)
         if a.listen:
             cfg.listen_host, cfg.listen_port = a.listen
+        if getattr(a, "upstream_allow", None) is not None:
+            cfg.upstream_allow = tuple(a.upstream_allow)
+        if getattr(a, "frame_timeout", None) is not None:
+            if a.frame_timeout < 0.1:
+                raise SystemExit(f"skippyd: --frame-timeout must be at least 0.1 s, got {a.frame_timeout:g}")
+            cfg.frame_timeout_s = a.frame_timeout
+        if getattr(a, "link_secret_file", None) is not None:
+            from skippyd.stage.access import LinkSecretError, load_link_secret
+
+            try:
+                cfg.link_auth = load_link_secret(a.link_secret_file)
+            except LinkSecretError as exc:
+                raise SystemExit(f"skippyd: {exc}") from None
         return cfg
 
     # ---------------------------------------------------------------- lifetime
@@ -224,6 +260,7 @@ class Daemon:
                                                          receipts_file=a.receipts, **self._head_options()).run)
             else:
                 cfg = self._config(self._stages_on_this_host())
+                self._link_auth = cfg.link_auth
                 # downstream stages first, so the head's lanes find them listening
                 for k in sorted(indices, reverse=True):
                     spec = self.topology.stage(k)
@@ -396,9 +433,31 @@ class Daemon:
             local.append({"index": s.index, "layers": [s.spec.layer_start, s.spec.layer_end],
                           "listen": f"{s.config.listen_host or s.spec.host}:{s.port}"})
         snap["local_stages"] = local
+        snap["listeners"] = self._listeners()
         snap["load"] = self._load()
         snap["topology"] = await self._topology_status() if self.topology is not None else None
         return snap
+
+    def _listeners(self) -> list[dict]:
+        """Every address this daemon listens on, and whether only this host can reach it (loopback)."""
+        out = []
+
+        def add(what: str, host: str | None, port: int | None) -> None:
+            if host is None or port is None:
+                return
+            out.append({"what": what, "address": f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+                        "loopback": _is_loopback(host)})
+
+        if self.control is not None:
+            add("control", self.control.host, self.control.port)
+        if getattr(self.args, "openai", None) and self.head is not None:
+            add("openai", *self.args.openai)
+        hub = self.head.hub if self.head is not None else None
+        if hub is not None and hub.address:
+            add("token-return", *hub.address.rsplit(":", 1))
+        for s in sorted(self.stages, key=lambda s: s.index):
+            add(f"stage {s.index}", s.config.listen_host or s.spec.host, s.port)
+        return out
 
     def _load(self) -> dict:
         engine = self.head.engine if self.head is not None else None
@@ -445,7 +504,7 @@ class Daemon:
         cached = self._probes.get(spec.index)
         if cached is not None and now - cached[0] < PROBE_TTL_S:
             return cached[1]
-        result = await probe_stage(self.topology, spec)
+        result = await probe_stage(self.topology, spec, auth=self._link_auth)
         self._probes[spec.index] = (trio.current_time(), result)
         return result
 
@@ -470,7 +529,7 @@ class Daemon:
         }
 
 
-async def probe_stage(topology, spec, *, timeout: float = 1.0) -> dict:
+async def probe_stage(topology, spec, *, timeout: float = 1.0, auth: bytes = b"") -> dict:
     """Connect to a stage and read its handshake Hello (protocol version, node name), then decline politely.
 
     The probe presents itself as the stage's upstream neighbour, so the stage
@@ -485,7 +544,7 @@ async def probe_stage(topology, spec, *, timeout: float = 1.0) -> dict:
     prev = topology.stage(spec.index - 1)
     hello = Hello(fingerprint=topology.source_sha256, stage_index=prev.index, layer_start=prev.layer_start,
                   layer_end=prev.layer_end, n_layer=topology.n_layer, n_embd=topology.n_embd,
-                  node="skippyd status probe")
+                  node="skippyd status probe", auth=auth)
     try:
         with trio.fail_after(timeout):
             stream = await trio.open_tcp_stream(spec.host, spec.port)
@@ -503,6 +562,17 @@ async def probe_stage(topology, spec, *, timeout: float = 1.0) -> dict:
         return {"reachable": True, "version": None, "node": None, "error": f"handshake failed: {exc}"}
     finally:
         await trio.aclose_forcefully(stream)
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _notify(state: str) -> None:

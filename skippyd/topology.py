@@ -28,6 +28,7 @@ a typo in a topology must not silently fall back to a default.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -191,6 +192,28 @@ def parse_address(text: str) -> tuple[str, int]:
 
 def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+ALLOW_ANY = ("any", "*")
+_HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,62}[A-Za-z0-9])?"
+                          r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,62}[A-Za-z0-9])?)*\.?$")
+
+
+def parse_allow_entry(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | str | None:
+    """One entry of an upstream allow-list: an address or network (``10.0.0.5``, ``10.0.0.0/24``,
+    ``::1``), a host name (``str``, resolved when a peer connects), or ``any`` / ``*`` (None: every
+    address). Raises TopologyError for anything else."""
+    text = str(text).strip()
+    if text.lower() in ALLOW_ANY:
+        return None
+    try:
+        return ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        pass
+    if _HOSTNAME_RE.match(text) and not text.replace(".", "").isdigit():
+        return text.lower().rstrip(".")
+    raise TopologyError(f"bad allow-list entry {text!r}: expected an address, a network (10.0.0.0/24), "
+                        f"a host name, or \"any\"")
 
 
 def stage_addresses(

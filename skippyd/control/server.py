@@ -13,6 +13,7 @@ normal cleanup path.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 from pathlib import Path
@@ -47,7 +48,9 @@ class ControlServer:
     def _authorized(self, request: WebSocketRequest) -> bool:
         header = dict(request.headers).get(b"authorization", b"").decode("latin-1")
         presented = header[7:] if header.lower().startswith("bearer ") else ""
-        return hmac.compare_digest(presented.encode(), self.token.encode())
+        # digests of equal length: the comparison's time reveals neither the token nor its length
+        return hmac.compare_digest(hashlib.sha256(presented.encode()).digest(),
+                                   hashlib.sha256(self.token.encode()).digest())
 
     async def _handle(self, request: WebSocketRequest) -> None:
         if not self._authorized(request):

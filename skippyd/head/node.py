@@ -61,7 +61,8 @@ class HeadNode:
                 topo = self.topology
                 s0, s1 = topo.stage(0), topo.stage(1)
                 hello = Hello(fingerprint=topo.source_sha256, stage_index=0, layer_start=s0.layer_start,
-                              layer_end=s0.layer_end, n_layer=topo.n_layer, n_embd=topo.n_embd, node="head")
+                              layer_end=s0.layer_end, n_layer=topo.n_layer, n_embd=topo.n_embd, node="head",
+                              auth=cfg.link_auth)  # the shared link secret, if any (stage/access.py)
                 self.pool = LanePool(s1.host, s1.port, hello, capacity=cfg.lanes, credit_limit=cfg.credit_limit,
                                      connect_timeout=cfg.connect_timeout_s, reply_timeout=cfg.reply_timeout_s,
                                      queue_timeout=self.queue_timeout, shape=cfg.link_shape)

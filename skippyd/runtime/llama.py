@@ -304,6 +304,9 @@ def _check_gguf_file(path: Path) -> None:
 # --------------------------------------------------------------------------- sampling
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 @attrs.frozen
 class SamplingParams:
     """Per-generation sampling. `temperature <= 0` means greedy (argmax)."""
@@ -326,16 +329,26 @@ class SamplingParams:
 
     def validate(self, n_vocab: int) -> None:
         op = "sampling parameters"
+        # The C structs hold float32 and int32/uint32: a larger value would overflow (cffi raises, or a
+        # float becomes inf) on the way in, so the range is checked here, with a message.
+        def f32(x) -> bool:
+            return isinstance(x, (int, float, np.floating)) and bool(np.isfinite(x)) and abs(x) <= _F32_MAX
+
+        def i32(x, low: int = -(2**31)) -> bool:
+            return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and low <= x < 2**31
+
         checks = [
-            (np.isfinite(self.temperature), "temperature must be finite"),
-            (self.top_k >= 0, "top_k must be >= 0"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            (self.repeat_penalty > 0 and np.isfinite(self.repeat_penalty), "repeat_penalty must be > 0"),
-            (np.isfinite(self.presence_penalty), "presence_penalty must be finite"),
-            (np.isfinite(self.frequency_penalty), "frequency_penalty must be finite"),
-            (self.penalty_last_n >= -1, "penalty_last_n must be >= -1"),
-            (self.seed is None or 0 <= self.seed < 2**32, "seed must fit in 32 bits"),
+            (f32(self.temperature), "temperature must be a finite float32"),
+            (i32(self.top_k, 0), "top_k must be an int32 >= 0"),
+            (f32(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (f32(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (f32(self.repeat_penalty) and self.repeat_penalty > 0, "repeat_penalty must be a finite float32 > 0"),
+            (f32(self.presence_penalty), "presence_penalty must be a finite float32"),
+            (f32(self.frequency_penalty), "frequency_penalty must be a finite float32"),
+            (i32(self.penalty_last_n, -1), "penalty_last_n must be an int32 >= -1"),
+            (self.seed is None or (isinstance(self.seed, (int, np.integer)) and not isinstance(self.seed, bool)
+                                   and 0 <= self.seed < 2**32), "seed must fit in 32 bits"),
+            (len(self.logit_bias) <= n_vocab, "more logit_bias entries than the vocabulary has tokens"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -345,6 +358,8 @@ class SamplingParams:
                 raise InvalidArgumentError(op, f"logit_bias token {token} outside the vocabulary")
             if np.isnan(bias):
                 raise InvalidArgumentError(op, f"logit_bias for token {token} is NaN")
+            if bias != -np.inf and not f32(bias):  # -inf bans a token; anything else must fit a float32
+                raise InvalidArgumentError(op, f"logit_bias for token {token} must be a finite float32 or -inf")
 
 
 class Sampler:

@@ -36,7 +36,7 @@ from skippyd.telemetry import span
 from skippyd.stage.sessions import NoFreeSlot, StageSession
 from skippyd.stage.token_return import TokenReturnLost
 from skippyd.wire.errors import HandshakeRefused, PeerClosed, ProtocolError, ReadTimeout, WireError
-from skippyd.wire.handshake import handshake_server
+from skippyd.wire.handshake import handshake_server, refuse_handshake
 from skippyd.wire.messages import (
     DEFAULT_SEED,
     Ack,
@@ -97,7 +97,7 @@ class UpstreamConnection:
         self.stream = stream
         self.conn_id = next(_conn_ids)
         self.down: DownstreamLink | None = None
-        self.peer_desc = _peer_address(stream)
+        self.peer_ip, self.peer_desc = _peer_address(stream)
         self._out: trio.abc.SendStream = stream  # replies: the stream, or a conditioned link over it
         self._nursery: trio.Nursery | None = None
         # errors of chunks that were acked before compute, reported on the session's next reply
@@ -114,6 +114,12 @@ class UpstreamConnection:
         receive = ReceiveBuffer(self.stream)
         try:
             try:
+                allow = self.server.upstream_allow
+                if allow is not None and not await allow.allows(self.peer_ip):
+                    self.server.refused_upstreams += 1
+                    await refuse_handshake(self.stream, f"upstream address not allowed: {self.peer_ip} may not "
+                                           f"connect to stage {self.server.index}", receive=receive,
+                                           timeout=cfg.handshake_timeout_s)
                 await handshake_server(self.stream, self.server.hello, timeout=cfg.handshake_timeout_s,
                                        receive=receive, admit=self._admit)
             except HandshakeRefused as exc:
@@ -472,9 +478,10 @@ class UpstreamConnection:
         await self.reply(Ack(msg.request_id, 0, stats=self._own_stats()))
 
 
-def _peer_address(stream: trio.SocketStream) -> str:
+def _peer_address(stream: trio.SocketStream) -> tuple[str, str]:
+    """(IP address, "HOST:PORT" for the log); "?" when unknown (never allowed by an allow-list)."""
     try:
         host, port = stream.socket.getpeername()[:2]
-        return f"{host}:{port}"
-    except (OSError, AttributeError):
-        return "?"
+        return host, f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    except (OSError, AttributeError, ValueError):
+        return "?", "?"

@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from skippyd.runtime.llama import Context, ContextParams, Model
+from skippyd.stage.access import UpstreamAllow
 from skippyd.stage.conditioning import LinkShape
 from skippyd.stage.connection import UpstreamConnection
 from skippyd.stage.scheduler import Scheduler
@@ -85,7 +86,10 @@ class StageServer:
             n_layer=topology.n_layer,
             n_embd=topology.n_embd,
             node=f"stage-{index}",
+            auth=config.link_auth,
         )
+        self.upstream_allow = UpstreamAllow.for_stage(topology, index, config.upstream_allow) if index else None
+        self.refused_upstreams = 0  # connections refused by the allow-list
         self.token_return: TokenReturnLink | None = None
         if self.is_final and len(topology.stages) >= 3 and config.direct_return:
             head = topology.stage(0)
@@ -117,6 +121,10 @@ class StageServer:
                 nursery.start_soon(trio.serve_listeners, self._handle, listeners)
                 log.info("stage %d: layers [%d,%d) of %s listening on %s:%d", self.index, self.spec.layer_start,
                          self.spec.layer_end, self.topology.model_name, host, self.port)
+                if self.upstream_allow is not None:
+                    log.info("stage %d: upstream connections allowed from %s (%s)%s", self.index,
+                             self.upstream_allow.describe(), self.upstream_allow.source,
+                             "; link secret required" if cfg.link_auth else "")
                 if cfg.link_shape.active:
                     log.info("stage %d: link conditioning on what this stage sends: %s", self.index,
                              cfg.link_shape.describe())
@@ -158,5 +166,8 @@ class StageServer:
             scheduler=attrs.asdict(self.scheduler.stats) if self.scheduler else {},
             queued=self.scheduler.queued if self.scheduler else 0,
             token_return=self.token_return.describe() if self.token_return else None,
+            upstream_allow=self.upstream_allow.describe() if self.upstream_allow else None,
+            refused_upstreams=self.refused_upstreams,
+            link_secret=bool(self.config.link_auth),
         )
         return snap

@@ -22,6 +22,10 @@ reason starts with the name of the check that failed:
 * ``invalid layer range: …``
 * ``non-adjacent stage: …``
 
+A stage refuses a dialer whose address its allow-list does not name with
+``upstream address not allowed: …`` (:func:`refuse_handshake`, before
+looking at the Hello).
+
 A middle stage may also refuse an otherwise valid upstream with
 ``downstream unavailable: stage K+1 at HOST:PORT: …`` when it cannot open its
 own connection to the next stage (see the ``admit`` hook of
@@ -40,7 +44,7 @@ from skippyd.wire.errors import HandshakeRefused, ProtocolError, WireError
 from skippyd.wire.messages import DEFAULT_LIMITS, HandshakeKind, Hello, HelloReply, Limits, Role
 from skippyd.wire.stream import ReceiveBuffer, read_frame, write_frame
 
-__all__ = ["check_hello", "handshake_client", "handshake_server"]
+__all__ = ["check_hello", "handshake_client", "handshake_server", "refuse_handshake"]
 
 _ROLE_NAMES = {Role.LANE: "lane", Role.TOKEN_RETURN: "token-return"}
 
@@ -109,6 +113,32 @@ async def _read_peer_hello(
     except ProtocolError as exc:
         await _refuse(stream, exc.message, timeout)
         raise HandshakeRefused(exc.message, by_peer=False) from exc
+
+
+async def refuse_handshake(
+    stream: trio.abc.Stream,
+    reason: str,
+    *,
+    timeout: float,
+    receive: ReceiveBuffer | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+) -> None:
+    """Acceptor side: refuse a dialer whatever its Hello says (a peer address not allowed, say).
+
+    Reads the dialer's first frame (bounded by ``timeout``; a malformed one
+    is refused too) so that our refusal is not lost to a connection reset,
+    then answers ``HelloReply(accepted=0, reason)``. Always raises
+    HandshakeRefused(by_peer=False); the caller closes the stream.
+    """
+    receive = receive if receive is not None else ReceiveBuffer(stream, read_size=0)
+    try:
+        await read_frame(receive, limits, timeout=timeout, accept={HandshakeKind.HELLO})
+    except ProtocolError:
+        pass  # not a Hello: refused all the same
+    except WireError:  # gone or silent: nobody to tell
+        raise HandshakeRefused(reason, by_peer=False) from None
+    await _refuse(stream, reason, timeout)
+    raise HandshakeRefused(reason, by_peer=False)
 
 
 async def handshake_client(
