@@ -131,12 +131,15 @@ class UpstreamConnection:
             self._out = shaped(self.stream, cfg.link_shape, self._nursery)
             self.server.connections[self.conn_id] = self
             limits = Limits(max_tokens=min(self.server.context.n_batch, 8192))
+            min_rate = cfg.frame_min_rate
+            if cfg.link_mbps > 0:  # conditioned links (given to every daemon) may be slower than the default rate
+                min_rate = min(min_rate, cfg.link_mbps * 1e6 / 8 / 2)
             while True:
                 # idle_timeout_s bounds the wait for a frame's first byte only; a frame once started must be
                 # complete within frame_timeout_s (plus its size at frame_min_rate): a peer that starts a
                 # frame and trickles it is dropped in seconds, with its sessions, not after the idle deadline
                 msg = await read_message(receive, limits, timeout=cfg.idle_timeout_s,
-                                         frame_timeout=cfg.frame_timeout_s, min_rate=cfg.frame_min_rate,
+                                         frame_timeout=cfg.frame_timeout_s, min_rate=min_rate,
                                          n_embd=self.server.model.n_embd_inp)
                 await self.dispatch(msg)
         except ProtocolError as exc:
