@@ -369,10 +369,6 @@ def pipe2_default_timeout(splits, tmp_path_factory):
     pipe.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="with the default --reply-timeout (30 s) a hung stage (SIGSTOP) is noticed "
-                                       "only when the reply deadline passes, 30 s after the request, not within "
-                                       "2 s: no liveness signal (an application-level heartbeat) is shorter than "
-                                       "the reply deadline")
 async def test_sigstop_default_reply_timeout_detected_within_2s(pipe2_default_timeout):
     pipe = pipe2_default_timeout
     d = pipe.stages[1]

@@ -23,6 +23,11 @@ comes from stage 1, before the prediction could), and the prediction
 arrives on the session's channel from the :class:`TokenReturnHub`. If the
 final stage answers DIRECT_RETURN_UNAVAILABLE the generation configures
 again without it and uses the relayed path (logged once per change).
+
+Liveness (``watch``, a :class:`~skippyd.head.liveness.StageWatch`): every
+wait on the pipeline is watched, so a stage 1 that stops answering pings
+fails the generation within about 1.5 s, whatever the reply deadline; while
+the watch says stage 1 is down, new generations are refused (retryable).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import logging
 import secrets
 import time
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -42,6 +48,7 @@ import numpy as np
 import trio
 
 from skippyd.head.lanes import Lane, LanePool
+from skippyd.head.liveness import StageDown, StageWatch
 from skippyd.head.stops import StopMatcher
 from skippyd.head.token_return import ReturnLost, TokenReturnHub
 from skippyd.telemetry import span
@@ -74,10 +81,11 @@ PIECE_SEND_TIMEOUT_S = 10.0
 class GenerationError(Exception):
     """A generation failed; `retryable` says whether trying again later may work."""
 
-    def __init__(self, message: str, *, retryable: bool = False, status: int = 500):
+    def __init__(self, message: str, *, retryable: bool = False, status: int = 500, stage_failure: bool = False):
         super().__init__(message)
         self.retryable = retryable
         self.status = status
+        self.stage_failure = stage_failure  # a stage died, hung or was cut off (not the request's fault)
 
 
 class PromptTooLong(GenerationError):
@@ -186,7 +194,7 @@ class HeadEngine:
     def __init__(self, model: llama.Model, context: llama.Context, scheduler: Scheduler,
                  pool: LanePool | None, *, prefill_chunk: int = 256, receipts_file: Path | None = None,
                  receipts_kept: int = 256, queue_timeout: float = 30.0, hub: TokenReturnHub | None = None,
-                 reply_timeout: float = 30.0):
+                 watch: StageWatch | None = None, reply_timeout: float = 30.0):
         self.model = model
         self.context = context
         self.scheduler = scheduler
@@ -205,6 +213,7 @@ class HeadEngine:
         self.last_stage_stats = StageStats()
         self.hub = hub  # direct token return (3+ stages), None: every prediction is relayed
         self.reply_timeout = reply_timeout
+        self.watch = watch  # stage 1's liveness (None: single stage)
         # where the predictions of pipeline generations came from, and configures that fell back
         self.token_paths = {"direct": 0, "relayed": 0, "fallbacks": 0}
         self._fallback_reason: str | None = None
@@ -356,6 +365,10 @@ class _Run:
     # ------------------------------------------------------------------ steps
     async def execute(self) -> None:
         engine = self.engine
+        watch = engine.watch
+        if watch is not None and watch.down and not await watch.check():
+            raise GenerationError(f"{watch.name} is down ({watch.last_error}); try again once it is back",
+                                  retryable=True, status=503)
         with trio.move_on_after(engine.queue_timeout) as waited:
             await engine.slots.acquire()
         if waited.cancelled_caught:
@@ -394,7 +407,31 @@ class _Run:
         except NoLaneAvailable as exc:
             raise GenerationError(str(exc), retryable=True, status=503) from exc
         except DownstreamError as exc:
-            raise GenerationError(f"stage 1 is unreachable: {exc}", retryable=True, status=503) from exc
+            if self.engine.watch is not None:
+                self.engine.watch.suspect()
+            raise GenerationError(f"stage 1 is unreachable: {exc}", retryable=True, status=503,
+                                  stage_failure=True) from exc
+
+    @contextmanager
+    def _watched(self):
+        """Around a wait on the pipeline: a lane failure, or stage 1 not answering liveness pings, becomes a
+        retryable GenerationError (a stage failure)."""
+        watch = self.engine.watch
+        try:
+            if watch is None:
+                yield
+            else:
+                with watch.watching():
+                    yield
+        except StageDown as exc:
+            self.lane.dirty = True  # a Stop would wait for the same silent stage: close the lane instead
+            raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502,
+                                  stage_failure=True) from exc
+        except DownstreamError as exc:
+            if watch is not None:
+                watch.suspect()  # dead or cut off? status learns it now, not at the next generation
+            raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502,
+                                  stage_failure=True) from exc
 
     async def _compute(self, tokens: np.ndarray, pos: int, *, want_token: bool):
         job = Job(self.session.seq, pos, tokens=tokens, embd=None, sampler=self.sampler, want_token=want_token)
@@ -436,12 +473,9 @@ class _Run:
         An ErrorReply becomes a GenerationError, except one with the code ``tolerate``, which is returned.
         """
         lane = self.lane
-        try:
-            with span("head.hop", request=self.live.request_id, session=self.live.session_id,
-                      kind=type(msg).__name__, lane=lane.lane_id):
-                reply, sent, write_us, wait_us = await lane.link.request(msg)
-        except DownstreamError as exc:
-            raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502) from exc
+        with self._watched(), span("head.hop", request=self.live.request_id, session=self.live.session_id,
+                                   kind=type(msg).__name__, lane=lane.lane_id):
+            reply, sent, write_us, wait_us = await lane.link.request(msg)
         # the head's own hop (stage_count 0: it is not another stage's report)
         hop = StageStats(forward_write_us=write_us, downstream_wait_us=wait_us, bytes_sent=sent)
         self.stats = merge(self.stats, merge(hop, reply.stats))
@@ -467,24 +501,23 @@ class _Run:
         channel, which the token-return connection feeds."""
         lane = self.lane
         started = time.perf_counter()
-        try:
-            with span("head.hop", request=self.live.request_id, session=self.live.session_id,
-                      kind=type(msg).__name__, lane=lane.lane_id, direct=1):
-                sent, write_us = await lane.link.send_expecting_ack(msg)
-                await lane.link.drain()
-        except DownstreamError as exc:
-            raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502) from exc
+        with self._watched(), span("head.hop", request=self.live.request_id, session=self.live.session_id,
+                                   kind=type(msg).__name__, lane=lane.lane_id, direct=1):
+            sent, write_us = await lane.link.send_expecting_ack(msg)
+            await lane.link.drain()
         folded, error = lane.link.take_folded()
         self.stats = merge(self.stats, folded)
         if error is not None:
             raise _stage_error(error)
         with span("head.token_return_wait", request=self.live.request_id, session=self.live.session_id):
             with trio.move_on_after(self.engine.reply_timeout):
-                item = await self.returns.receive()
+                with self._watched():
+                    item = await self.returns.receive()
                 wait_us = int((time.perf_counter() - started) * 1e6) - write_us
                 if isinstance(item, ReturnLost):
                     lane.dirty = True  # the final stage may be gone or wedged: close the lane, no Stop
-                    raise GenerationError(f"pipeline failed: {item}", retryable=True, status=502)
+                    raise GenerationError(f"pipeline failed: {item}", retryable=True, status=502,
+                                          stage_failure=True)
                 self.stats = merge(self.stats, merge(StageStats(forward_write_us=write_us, downstream_wait_us=wait_us,
                                                                 bytes_sent=sent), item.stats))
                 if isinstance(item, ErrorReply):
@@ -496,7 +529,8 @@ class _Run:
                 return int(item.token)
         lane.dirty = True  # a Stop would wait for the same silent stage: close the lane instead
         raise GenerationError(f"pipeline failed: the final stage sent no prediction on the token-return "
-                              f"connection within {self.engine.reply_timeout:g} s", retryable=True, status=502)
+                              f"connection within {self.engine.reply_timeout:g} s", retryable=True, status=502,
+                              stage_failure=True)
 
     async def _prefill(self) -> int:
         chunk = self.engine.prefill_chunk
@@ -513,12 +547,9 @@ class _Run:
             hidden = await self._compute(part, lo, want_token=False)
             msg = PrefillChunk(self.live.request_id, self.live.session_id, lo, part, hidden, final=final)
             if not final:
-                try:
-                    with span("head.forward_write", request=self.live.request_id, session=self.live.session_id,
-                              pos=lo, tokens=len(part)):
-                        await self.lane.link.send_deferred(msg)
-                except DownstreamError as exc:
-                    raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502) from exc
+                with self._watched(), span("head.forward_write", request=self.live.request_id,
+                                           session=self.live.session_id, pos=lo, tokens=len(part)):
+                    await self.lane.link.send_deferred(msg)
             else:
                 return await self._predict(msg)
         raise AssertionError("unreachable: the prompt is not empty")
@@ -617,12 +648,15 @@ class _Run:
 
 # stage errors worth retrying shortly: a full or draining stage, or one further down that died or hung
 _RETRYABLE = (ErrorCode.NO_CAPACITY, ErrorCode.SHUTTING_DOWN, ErrorCode.DOWNSTREAM_FAILED)
+# ... of which a stage further down failed (died, hung, cut off)
+_STAGE_FAILED = (ErrorCode.DOWNSTREAM_FAILED,)
 
 
 def _stage_error(reply: ErrorReply) -> GenerationError:
     return GenerationError(f"stage error ({reply.code.name.lower()}): {reply.message}",
                            retryable=reply.code in _RETRYABLE,
-                           status=400 if reply.code == ErrorCode.CONTEXT_FULL else 502)
+                           status=400 if reply.code == ErrorCode.CONTEXT_FULL else 502,
+                           stage_failure=reply.code in _STAGE_FAILED)
 
 
 def _wire_sampling(p: llama.SamplingParams) -> WireSampling:

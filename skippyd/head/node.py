@@ -15,6 +15,7 @@ import trio
 
 from skippyd.head.engine import HeadEngine
 from skippyd.head.lanes import LanePool
+from skippyd.head.liveness import StageWatch
 from skippyd.head.token_return import TokenReturnHub
 from skippyd.runtime.llama import Context, ContextParams, Model
 from skippyd.stage.scheduler import Scheduler
@@ -39,6 +40,7 @@ class HeadNode:
         self.engine: HeadEngine | None = None
         self.pool: LanePool | None = None
         self.hub: TokenReturnHub | None = None
+        self.watch: StageWatch | None = None
         self.model: Model | None = None
 
     @property
@@ -66,16 +68,19 @@ class HeadNode:
                 self.pool = LanePool(s1.host, s1.port, hello, capacity=cfg.lanes, credit_limit=cfg.credit_limit,
                                      connect_timeout=cfg.connect_timeout_s, reply_timeout=cfg.reply_timeout_s,
                                      queue_timeout=self.queue_timeout, shape=cfg.link_shape)
+                self.watch = StageWatch(s1.host, s1.port, hello)
                 if len(topo.stages) >= 3 and cfg.direct_return:
                     self.hub = TokenReturnHub(hello, handshake_timeout=cfg.handshake_timeout_s)
             self.engine = HeadEngine(self.model, context, scheduler, self.pool, prefill_chunk=self.prefill_chunk,
                                      receipts_file=self.receipts_file, queue_timeout=self.queue_timeout,
-                                     hub=self.hub, reply_timeout=cfg.reply_timeout_s)
+                                     hub=self.hub, watch=self.watch, reply_timeout=cfg.reply_timeout_s)
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(scheduler.serve)
                     if self.hub is not None:
                         await self._listen_for_token_return(nursery)
+                    if self.watch is not None:
+                        await nursery.start(self.watch.serve)
                     if self.pool is not None:
                         self.pool.nursery = nursery
                         if cfg.link_shape.active:
@@ -121,6 +126,7 @@ class HeadNode:
     def snapshot(self) -> dict:
         snap = self.engine.sessions.snapshot() if self.engine else {}
         snap.update(stage_index=0, scheduler=_stats(self.engine),
+                    downstream=self.watch.describe() if self.watch is not None else None,
                     token_return=self.engine.describe_token_return() if self.engine else None)
         return snap
 

@@ -1,0 +1,228 @@
+"""Is stage 1 alive? Pings while a generation waits on it, and the up/down state ``status`` shows.
+
+The reply deadline (``--reply-timeout``, 30 s by default) must leave room
+for a slow compute, so it cannot tell a busy stage from a hung one within
+seconds. A stage computes in a worker thread while its event loop keeps
+serving the network, so an alive stage answers a Ping at once, however long
+its compute; a hung (stopped, wedged) one does not answer, a dead one
+refuses the connection.
+
+:class:`StageWatch` holds its own connection to stage 1 (a lane that never
+carries a session, outside the pool's capacity) and pings on it only while
+some request has been waiting on the pipeline for longer than ``interval``:
+a generation's requests register with :meth:`StageWatch.watching`, and one
+task, woken by the first registration and sleeping until the oldest
+request is due, pings for all of them. Decode steps that answer within the
+interval cost no ping at all, and nothing polls. No answer within
+``ping_timeout`` marks the stage down and fails every registered request
+(:class:`StageDown`, naming the stage); while it is down the same task
+pings with backoff until it answers again, and a new generation checks it
+at once (:meth:`check`) instead of waiting for the next try.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import attrs
+import trio
+
+from skippyd.stage.downstream import DownstreamError, DownstreamLink
+from skippyd.wire.errors import HandshakeRefused
+from skippyd.wire.messages import Ack, Hello, Ping
+
+log = logging.getLogger("skippyd.head")
+
+INTERVAL_S = 0.5  # a request waiting longer than this gets stage 1 pinged
+PING_TIMEOUT_S = 1.0  # no answer within this: stage 1 is down (detection within INTERVAL_S + PING_TIMEOUT_S)
+BACKOFF_MIN_S = 0.25  # while down: first re-check after this, doubling ...
+BACKOFF_MAX_S = 2.0  # ... up to this
+
+
+class StageDown(Exception):
+    """Stage 1 did not answer a liveness ping (or refused the connection) while a request waited on it."""
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    since: float  # trio time the request started (or the last ping that covered it)
+    scope: trio.CancelScope
+    failure: str | None = None
+
+
+class StageWatch:
+    def __init__(self, host: str, port: int, hello: Hello, *, stage_index: int = 1, interval: float = INTERVAL_S,
+                 ping_timeout: float = PING_TIMEOUT_S):
+        self.host, self.port, self.hello = host, port, hello
+        self.stage_index = stage_index
+        self.interval = interval
+        self.ping_timeout = ping_timeout
+        self.up: bool | None = None  # None: not checked yet
+        self.changed_at = time.time()
+        self.last_error: str | None = None
+        self.pings = 0
+        self.failures = 0
+        self.last_rtt_ms: float | None = None
+        self._link: DownstreamLink | None = None
+        self._waiters: set[_Waiter] = set()
+        self._wake = trio.Event()
+        self._checked = trio.Event()  # set (and replaced) after every check
+        self._lock = trio.Lock()  # one ping at a time on the watch connection
+        self._suspected = False
+        self._ids = itertools.count(1)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.stage_index} at {self.address}"
+
+    @property
+    def down(self) -> bool:
+        return self.up is False
+
+    # ---------------------------------------------------------------- requests
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """Around a wait on the pipeline: raises StageDown if stage 1 stops answering meanwhile."""
+        waiter = _Waiter(trio.current_time(), trio.CancelScope())
+        if not self._waiters:  # a newer request never makes a ping due sooner: only an idle task needs waking
+            self._wake.set()
+        self._waiters.add(waiter)
+        try:
+            with waiter.scope:
+                yield
+        finally:
+            self._waiters.discard(waiter)
+        if waiter.failure is not None:
+            raise StageDown(waiter.failure)
+
+    def suspect(self) -> None:
+        """A request failed in a way that may mean stage 1 is gone: check now rather than at the next due."""
+        self._suspected = True
+        self._wake.set()
+
+    async def check(self) -> bool:
+        """Up or down now (waits for the check in progress, or runs one); True if stage 1 answers."""
+        if self._lock.locked():
+            await self._checked.wait()
+        else:
+            await self._check()
+        return self.up is True
+
+    # ---------------------------------------------------------------- the task
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Ping when due, until cancelled."""
+        task_status.started()
+        backoff = BACKOFF_MIN_S
+        try:
+            await self._check()  # so that status knows before the first long wait
+            while True:
+                if self.down:
+                    # down: re-check with backoff (a new generation may check sooner, see check())
+                    with trio.move_on_after(backoff):
+                        await self._wait_woken()
+                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+                    await self._check()
+                    continue
+                backoff = BACKOFF_MIN_S
+                if not self._waiters:
+                    await self._wait_woken()
+                    continue
+                due = min(w.since for w in self._waiters) + self.interval
+                if trio.current_time() < due and not self._suspected:
+                    with trio.move_on_at(due):
+                        await self._wait_woken()  # a suspect() brings the check forward
+                    continue  # the oldest request may have ended meanwhile: recompute
+                self._suspected = False
+                await self._check()
+        finally:
+            if self._link is not None:
+                with trio.CancelScope(shield=True):
+                    await self._link.aclose()
+
+    async def _wait_woken(self) -> None:
+        self._wake = trio.Event()
+        await self._wake.wait()
+
+    async def _check(self) -> None:
+        async with self._lock:
+            started = trio.current_time()
+            try:
+                error = await self._ping()
+            finally:
+                self._checked.set()
+                self._checked = trio.Event()
+        if error is None:
+            for w in self._waiters:  # the answer covers them all until one interval from now
+                w.since = max(w.since, started)
+            self._set(True, None)
+            return
+        self._set(False, error)
+        why = f"{self.name} is not responding: {error}"
+        for w in list(self._waiters):
+            w.failure = why
+            w.scope.cancel()
+
+    async def _ping(self) -> str | None:
+        """One liveness check; None if stage 1 answered, else why not. A connection that turns out to be
+        stale (the stage restarted, or closed an idle connection) is replaced once."""
+        for attempt in (1, 2):
+            fresh = self._link is None
+            try:
+                if self._link is not None and not self._link.looks_alive():
+                    await self._drop()
+                    fresh = True
+                if self._link is None:
+                    with trio.fail_after(self.ping_timeout):
+                        self._link = await DownstreamLink.connect(
+                            self.host, self.port, self.hello, connect_timeout=self.ping_timeout, credit_limit=0,
+                            reply_timeout=self.ping_timeout + 1, write_timeout=self.ping_timeout + 1)
+                sent = time.perf_counter()
+                with trio.fail_after(self.ping_timeout):
+                    reply, *_ = await self._link.request(Ping(next(self._ids)))
+                self.pings += 1
+                self.last_rtt_ms = round((time.perf_counter() - sent) * 1e3, 3)
+                if not isinstance(reply, Ack):
+                    await self._drop()
+                    return f"it answered a ping with {type(reply).__name__}"
+                return None
+            except trio.TooSlowError:
+                await self._drop()
+                return f"no answer to a liveness ping within {self.ping_timeout:g} s"
+            except DownstreamError as exc:
+                await self._drop()
+                if isinstance(exc.__cause__, HandshakeRefused):
+                    # it refused the watch connection (its own next stage is away, say): alive, and it says why
+                    return None
+                if fresh or attempt == 2:
+                    return exc.detail
+        return "unreachable"
+
+    async def _drop(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            await link.aclose()
+
+    def _set(self, up: bool, error: str | None) -> None:
+        if up != self.up:
+            if up and self.up is False:
+                log.info("head: %s answers again", self.name)
+            elif not up:
+                log.warning("head: %s is down: %s", self.name, error)
+            self.changed_at = time.time()
+        if not up:
+            self.failures += 1
+        self.up, self.last_error = up, error
+
+    def describe(self) -> dict:
+        return {"stage": self.stage_index, "address": self.address,
+                "state": {None: "unknown", True: "up", False: "down"}[self.up],
+                "since": round(self.changed_at, 3), "error": self.last_error, "pings": self.pings,
+                "failed_checks": self.failures, "last_rtt_ms": self.last_rtt_ms}

@@ -1,0 +1,95 @@
+"""Stage 1's liveness as the head sees it, against real skippyd processes (default --reply-timeout, 30 s).
+
+A hung stage 1 (SIGSTOP) fails the running generation within 2 s, is shown
+down in `status`, and new generations are refused with a retryable error
+until it answers again (SIGCONT). A stage that is merely busy (a long
+prefill chunk) answers the head's pings from its event loop while it
+computes, and is not mistaken for a hung one.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import trio
+
+from skippyctl.client import ControlError
+from tests.procs import Pipeline, retarget, split_for_test
+from tests.test_faults import COUNT, PROBE, start_stream
+
+
+@pytest.fixture(scope="module")
+def split2(default_model_path, tmp_path_factory):
+    work = tmp_path_factory.mktemp("split2")
+    split_for_test(default_model_path, 2, work)
+    return work / "topology.toml"
+
+
+@pytest.fixture
+async def pipe(split2, tmp_path):
+    # --batch/--prefill-chunk 4096: one prefill chunk of thousands of tokens keeps stage 1 busy for seconds
+    pipe = Pipeline(retarget(split2, tmp_path), tmp_path,
+                    extra=["--lanes", "2", "--ctx", "4096", "--batch", "4096", "--prefill-chunk", "4096"])
+    await trio.to_thread.run_sync(pipe.start)
+    try:
+        yield pipe
+    finally:
+        await trio.to_thread.run_sync(pipe.stop)
+
+
+async def downstream(pipe: Pipeline) -> dict:
+    return (await pipe.head.astatus())["head"]["downstream"]
+
+
+async def test_hung_stage_is_down_in_status_and_new_work_is_refused_until_it_answers(pipe):
+    reference = (await pipe.generate(**PROBE))["tokens"]
+    assert (await downstream(pipe))["state"] == "up"
+    stage1 = pipe.stages[1]
+    with trio.fail_after(60):
+        try:
+            async with trio.open_nursery() as nursery:
+                s = await start_stream(pipe, nursery, prompt=COUNT, raw=True, max_tokens=256)
+                await s.wait_pieces(3)
+                injected = time.monotonic()
+                stage1.signal(signal.SIGSTOP)
+                assert await s.wait_done(3), "the hung stage was not detected within 3 s"
+            detection = s.ended_at - injected
+            assert detection < 2.0, detection
+            assert s.error is not None and s.error.code == "unavailable" and s.retryable
+            assert "stage 1 at 127.0.0.1:" in str(s.error) and "not responding" in str(s.error), str(s.error)
+
+            status = await pipe.head.astatus()
+            watch = status["head"]["downstream"]
+            assert watch["state"] == "down" and watch["stage"] == 1, watch
+            assert "no answer to a liveness ping" in watch["error"]
+            stage_1 = next(st for st in status["topology"]["stages"] if st["index"] == 1)
+            assert stage_1["reachable"] is False and stage_1.get("state") == "down", stage_1
+
+            started = time.monotonic()
+            with pytest.raises(ControlError) as err:
+                await pipe.generate(**PROBE)
+            assert time.monotonic() - started < 2.0
+            assert err.value.code == "unavailable", err.value
+            assert "stage 1 at 127.0.0.1:" in str(err.value) and "is down" in str(err.value), str(err.value)
+        finally:
+            stage1.signal(signal.SIGCONT)
+        # back: the next generation checks at once (no waiting for the watch's backoff)
+        got = await pipe.generate(**PROBE)
+        assert got["tokens"] == reference
+        assert (await downstream(pipe))["state"] == "up"
+        await pipe.wait_all_released()
+
+
+async def test_a_busy_stage_answers_pings_and_is_not_taken_for_a_hung_one(pipe):
+    """A ~3000-token prefill chunk: stage 1 computes for seconds while the head waits (and pings)."""
+    before = await downstream(pipe)  # (the head may have checked before stage 1 listened: a failed check)
+    with trio.fail_after(120):
+        got = await pipe.generate(prompt="word" + " word" * 2999, raw=True, max_tokens=4)
+    assert got["usage"]["prompt_tokens"] == 3000 and got["finish_reason"] == "length"
+    watch = await downstream(pipe)
+    assert watch["state"] == "up" and watch["failed_checks"] == before["failed_checks"], watch
+    assert watch["pings"] > before["pings"], "the head never waited long enough to ping: the test proves nothing"
+    assert watch["last_rtt_ms"] < 500, watch
+    await pipe.wait_all_released()
