@@ -1,18 +1,31 @@
-"""skippyd as separate processes on loopback vs. single-stage skippyd, measured in the same run.
+"""skippy's benchmark suite: plain llama.cpp, single-stage skippyd and 2-/3-stage pipelines, same run.
 
-    .venv/bin/python bench/bench_pipeline.py [--rounds 3] [--json out.json]
+    .venv/bin/python bench/bench_pipeline.py [--rounds 3] [--json out.json] [--delay-ms 10] [--no-reference]
 
-For each configuration (single-stage `skippyd --model`, a 2-process and a
-3-process pipeline, each with its default thread budget, plus a 2-process
-pipeline forced to 2 threads per stage) and each round, in interleaved order:
+Configurations, each measured in every round, in interleaved order (these
+VMs drift by ±10% over a minute, so only same-run figures are compared):
 
-* decode tokens/s of one session (64 tokens),
-* time to first token of a ~500-token prompt,
-* aggregate decode tokens/s of 1, 2, 4 and 8 concurrent sessions
-  (completion tokens of all sessions / wall time from first request to last result),
-* compute and non-compute time per decode step from the stages' own stats.
+* ``llama-cpp-python``: plain llama.cpp through its Python binding, built
+  from the same pinned source (bench/reference.py installs it; a fresh
+  process per round, bench/llama_cpp_reference.py);
+* ``single``: ``skippyd --model`` (the whole model, one stage);
+* ``2-stage`` and ``3-stage``: one skippyd process per stage on loopback.
 
-Medians, spread (min-max) and ratios to single-stage are printed and written as JSON.
+Every skippyd runs with its defaults except ``--lanes 8 --ctx 2048``; the
+threads are ``--threads`` (default 2) everywhere. Per configuration and
+round: decode tokens/s of one session (64 tokens after the first), time to
+first token and prefill tokens/s of a ~500-token prompt, aggregate decode
+tokens/s of 1, 2, 4 and 8 concurrent sessions (completion tokens of all /
+wall time), and each stage's Python time per decode step (its own
+``hot_path`` counters: wall time handling a step, less waits on other
+stages and for the host compute lock, less native compute).
+
+With ``--delay-ms D`` (default 10; 0 skips it) the 2- and 3-stage pipelines
+run again with D ms one-way delay on every link and the time per output
+token is set against compute + the one-way delays around the loop + 1.5 ms
+(2 stages: 2 links; 3 stages with direct return: 3, not 4).
+
+Prints tables of medians (min-max) with ratios, and writes everything as JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,11 +53,17 @@ from tests.procs import Daemon, Pipeline, split_for_test  # noqa: E402
 LONG = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of oil and a "
         "cloth for the great lens. Ships passing the rocky headland depended on the beam to find the channel "
         "between the reefs, and in winter storms the light was the only thing a sailor could trust. ")
+LONG_PROMPT = LONG * 9  # ~500 tokens
 DECODE_PROMPT = "Write a long story about a dragon who learns to sail."
+DECODE_TOKENS = 65  # the first token, then 64 decode steps
 CONCURRENCY = (1, 2, 4, 8)
+PY_BUDGET_MS = 0.3  # the target: Python time per decode step per stage
+LOOP_SLACK_MS = 1.5  # the target with link delay: compute + delays around the loop + this
 
 
 class Single(Pipeline):
+    """`skippyd --model`: a one-stage 'pipeline' for the measuring code."""
+
     def __init__(self, model: Path, workdir: Path, extra: list[str]):
         self.workdir = workdir
         self.stages = {0: Daemon(["--model", str(model), *extra], workdir, "single")}
@@ -51,26 +71,47 @@ class Single(Pipeline):
 
 
 async def generate(client, **kw) -> dict:
-    return await client.call(m.Generate(id=client.new_id(), stream=False, **kw))
+    return await client.call(m.Generate(id=client.new_id(), stream=False, raw=True, **kw))
 
 
-async def measure(pipe: Pipeline, long_prompt: str) -> dict:
+async def hot_paths(pipe: Pipeline) -> list[dict]:
+    """Each stage's hot_path counters, stage 0 first."""
+    out = []
+    for k in sorted(pipe.stages):
+        status = await pipe.stages[k].astatus()
+        out.append(status["head"]["hot_path"] if k == 0 else status["stages"][0]["hot_path"])
+    return out
+
+
+def per_step(before: list[dict], after: list[dict]) -> tuple[list[float], list[float]]:
+    """(Python ms, native ms) per decode step of each stage between two hot_paths() readings."""
+    py, native = [], []
+    for b, a in zip(before, after):
+        steps = max(1, a["decode_steps"] - b["decode_steps"])
+        nat = a["native_s"] - b["native_s"]
+        py.append((a["wall_s"] - b["wall_s"] - nat) * 1e3 / steps)
+        native.append(nat * 1e3 / steps)
+    return py, native
+
+
+async def measure(pipe: Pipeline, *, concurrency: tuple[int, ...] = CONCURRENCY) -> dict:
     head = pipe.head
     out: dict = {}
     async with open_control(head.url, head.token_file) as client:
-        # the same prompt for 1 and for 65 tokens: the difference is 64 decode steps
-        short = await generate(client, prompt=DECODE_PROMPT, max_tokens=1)
-        r = await generate(client, prompt=DECODE_PROMPT, max_tokens=65)
-        steps = max(1, len(r["tokens"]) - 1)
+        before = await hot_paths(pipe)
+        r = await generate(client, prompt=DECODE_PROMPT, max_tokens=DECODE_TOKENS)
+        py, native = per_step(before, await hot_paths(pipe))
         out["decode_tps"] = r["timings"]["decode_tokens_per_s"]
-        wall_ms = (r["timings"]["elapsed_ms"] - short["timings"]["elapsed_ms"]) / steps
-        compute_ms = (r["stage_stats"]["compute_us"] - short["stage_stats"]["compute_us"]) / 1000.0 / steps
-        out["compute_ms_per_token"] = compute_ms
-        out["noncompute_ms_per_token"] = wall_ms - compute_ms
-        r = await generate(client, prompt=long_prompt, raw=True, max_tokens=1)
+        out["ms_per_token"] = 1e3 / out["decode_tps"]
+        out["compute_ms_per_token"] = sum(native)
+        out["python_ms_per_step_max"] = max(py)
+        for k, v in enumerate(py):
+            out[f"python_ms_per_step_stage{k}"] = v
+        r = await generate(client, prompt=LONG_PROMPT, max_tokens=1)
         out["ttft_ms_500"] = r["timings"]["ttft_ms"]
         out["prompt_tokens"] = r["usage"]["prompt_tokens"]
-    for conc in CONCURRENCY:
+        out["prefill_tps_500"] = out["prompt_tokens"] / (out["ttft_ms_500"] / 1e3)
+    for conc in concurrency:
         tokens = 0
 
         async def one(i: int) -> None:
@@ -84,75 +125,157 @@ async def measure(pipe: Pipeline, long_prompt: str) -> dict:
             for i in range(conc):
                 nursery.start_soon(one, i)
         out[f"aggregate_tps_{conc}"] = tokens / (time.perf_counter() - started)
+    out["aggregate_4_over_1"] = out["aggregate_tps_4"] / out["aggregate_tps_1"] if 4 in concurrency else 0.0
     return out
 
 
+def measure_reference(model: Path, threads: int, long_prompt_file: Path) -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "llama_cpp_reference.py"), str(model),
+                           "--threads", str(threads), "--decode-prompt", DECODE_PROMPT,
+                           "--decode-tokens", str(DECODE_TOKENS), "--long-prompt-file", str(long_prompt_file)],
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-cpp-python reference failed:\n{proc.stderr[-2000:]}")
+    r = json.loads(proc.stdout)
+    r["ms_per_token"] = 1e3 / r["decode_tps"]
+    return r
+
+
 def summarize(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def table(results: dict[str, list[dict]]) -> dict[str, dict[str, dict]]:
+    return {name: {k: summarize([r[k] for r in runs if k in r]) for k in runs[0] if isinstance(runs[0][k], float)}
+            for name, runs in results.items() if runs}
+
+
+def print_table(title: str, tab: dict, rows: list[tuple[str, str]], base: str | None) -> None:
+    names = list(tab)
+    print(f"\n{title}")
+    print(f"{'':34}" + "".join(f"{n:>28}" for n in names))
+    for key, label in rows:
+        cells = []
+        for n in names:
+            s = tab[n].get(key)
+            if s is None:
+                cells.append(f"{'-':>28}")
+                continue
+            ratio = ""
+            if base is not None and key in tab.get(base, {}) and tab[base][key]["median"]:
+                ratio = f" x{s['median'] / tab[base][key]['median']:.2f}"
+            cells.append(f"{s['median']:.2f} ({s['min']:.1f}-{s['max']:.1f}){ratio}")
+        print(f"{label:34}" + "".join(f"{c:>28}" for c in cells))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="compute threads of every stage and of the reference")
+    ap.add_argument("--delay-ms", type=float, default=10.0, help="one-way link delay for the WAN section (0: skip)")
+    ap.add_argument("--no-reference", action="store_true", help="skip llama-cpp-python")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     model = fetch_default_model()
-    common = ["--lanes", "8", "--ctx", "2048", "--prefill-chunk", "256"]
-    cores = os.cpu_count() or 2
+    if not args.no_reference:
+        from bench.reference import ensure_reference
+
+        ensure_reference()
+    common = ["--lanes", "8", "--ctx", "2048", "--threads", str(args.threads)]
+    results: dict[str, list[dict]] = {}
+    delayed: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        long_file = tmp / "long.txt"
+        long_file.write_text(LONG_PROMPT)
         configs: dict[str, Pipeline] = {}
-        threads: dict[str, str] = {}
         try:
             (tmp / "single").mkdir()
             configs["single"] = Single(model, tmp / "single", common)
-            threads["single"] = f"{cores}"
             for n in (2, 3):
                 work = tmp / f"split{n}"
                 work.mkdir()
                 split_for_test(model, n, work)
                 configs[f"{n}-stage"] = Pipeline(work / "topology.toml", work, extra=common).start()
-                threads[f"{n}-stage"] = f"{max(1, cores // n)} per stage"
-            work = tmp / "split2t"
-            work.mkdir()
-            split_for_test(model, 2, work)
-            configs["2-stage-2t"] = Pipeline(work / "topology.toml", work,
-                                             extra=[*common, "--threads", str(cores)]).start()
-            threads["2-stage-2t"] = f"{cores} per stage (oversubscribed)"
-            long_prompt = LONG * 9
-            results: dict[str, list[dict]] = {name: [] for name in configs}
-            for name, pipe in configs.items():  # warm-up
-                trio.run(measure, pipe, LONG)
+            if not args.no_reference:
+                results["llama-cpp-python"] = []
+            results.update({name: [] for name in configs})
+            for pipe in configs.values():  # warm-up
+                trio.run(lambda p=pipe: measure(p, concurrency=(1,)))
             for rnd in range(args.rounds):
+                if not args.no_reference:
+                    results["llama-cpp-python"].append(measure_reference(model, args.threads, long_file))
                 for name, pipe in configs.items():
-                    results[name].append(trio.run(measure, pipe, long_prompt))
-                    print(f"round {rnd + 1}/{args.rounds} {name}: done", file=sys.stderr)
+                    results[name].append(trio.run(measure, pipe))
+                print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         finally:
             for pipe in configs.values():
-                if pipe is not None:
+                pipe.stop()
+        if args.delay_ms > 0:
+            configs = {}
+            try:
+                for n in (2, 3):
+                    work = tmp / f"delay{n}"
+                    work.mkdir()
+                    split_for_test(model, n, work)
+                    configs[f"{n}-stage"] = Pipeline(work / "topology.toml", work,
+                                                     extra=[*common, "--link-delay-ms", str(args.delay_ms)]).start()
+                delayed = {name: [] for name in configs}
+                for pipe in configs.values():
+                    trio.run(lambda p=pipe: measure(p, concurrency=()))
+                for _ in range(args.rounds):
+                    for name, pipe in configs.items():
+                        r = trio.run(lambda p=pipe: measure(p, concurrency=()))
+                        links = int(name[0])  # around the loop: n links (direct return from 3 stages on)
+                        r["loop_delay_ms"] = links * args.delay_ms
+                        r["bound_ms"] = r["compute_ms_per_token"] + r["loop_delay_ms"] + LOOP_SLACK_MS
+                        r["excess_ms"] = r["ms_per_token"] - r["compute_ms_per_token"] - r["loop_delay_ms"]
+                        delayed[name].append(r)
+            finally:
+                for pipe in configs.values():
                     pipe.stop()
 
-    keys = list(results["single"][0])
-    table = {name: {k: summarize([r[k] for r in runs]) for k in keys} for name, runs in results.items()}
-    base = table["single"]
-    ratios = {name: {k: t[k]["median"] / base[k]["median"] for k in keys if base[k]["median"]}
-              for name, t in table.items()}
-    report = {"model": model.name, "cores": cores, "threads": threads, "rounds": args.rounds, "results": table,
-              "ratio_to_single": ratios}
-    print(f"model {model.name}, {cores} cores, {args.rounds} interleaved rounds; medians (min-max), ratio to single")
-    rows = [("decode_tps", "decode tok/s (1 session)"), ("ttft_ms_500", "TTFT ms (~500-token prompt)")]
+    tab = table(results)
+    cores = os.cpu_count()
+    print(f"model {model.name}, {cores} cores, {args.threads} threads per stage, {args.rounds} interleaved rounds; "
+          f"medians (min-max), xratio to single-stage skippyd")
+    rows = [("decode_tps", "decode tok/s (1 session)"), ("ms_per_token", "ms / token"),
+            ("prefill_tps_500", "prefill tok/s (~500 tokens)"), ("ttft_ms_500", "TTFT ms (~500 tokens)")]
     rows += [(f"aggregate_tps_{c}", f"aggregate tok/s, {c} sessions") for c in CONCURRENCY]
-    rows += [("compute_ms_per_token", "compute ms / token"), ("noncompute_ms_per_token", "non-compute ms / token")]
-    names = list(table)
-    print(f"{'':32}" + "".join(f"{n:>26}" for n in names))
-    print(f"{'threads':32}" + "".join(f"{threads[n]:>26}" for n in names))
-    for key, label in rows:
-        cells = []
-        for n in names:
-            s = table[n][key]
-            cells.append(f"{s['median']:8.1f} ({s['min']:.1f}-{s['max']:.1f}) x{ratios[n].get(key, 0):.2f}")
-        print(f"{label:32}" + "".join(f"{c:>26}" for c in cells))
-    print(f"prompt tokens for TTFT: {results['single'][0]['prompt_tokens']}")
+    rows += [("aggregate_4_over_1", "aggregate 4 / 1 session"), ("compute_ms_per_token", "native compute ms / token")]
+    rows += [(f"python_ms_per_step_stage{k}", f"Python ms / step, stage {k}") for k in range(3)]
+    print_table("throughput and latency", tab, rows, "single")
+    report: dict = {"model": model.name, "cores": cores, "threads": args.threads, "rounds": args.rounds,
+                    "results": tab, "targets": {}}
+    if delayed:
+        dtab = table(delayed)
+        print_table(f"{args.delay_ms:g} ms one-way on every link", dtab,
+                    [("ms_per_token", "ms / token"), ("compute_ms_per_token", "native compute ms / token"),
+                     ("loop_delay_ms", "one-way delays around the loop"), ("excess_ms", "beyond compute + delays"),
+                     ("bound_ms", f"target: compute + delays + {LOOP_SLACK_MS}")], None)
+        report["delayed"] = {"delay_ms": args.delay_ms, "results": dtab}
+
+    def med(name: str, key: str, where: dict = tab) -> float:
+        return where[name][key]["median"]
+
+    targets = report["targets"]
+    if "llama-cpp-python" in tab:
+        targets["single decode / llama-cpp-python >= 0.95"] = med("single", "decode_tps") / med(
+            "llama-cpp-python", "decode_tps")
+        targets["single prefill / llama-cpp-python >= 0.95"] = med("single", "prefill_tps_500") / med(
+            "llama-cpp-python", "prefill_tps_500")
+    targets["2-stage decode / single >= 0.92"] = med("2-stage", "decode_tps") / med("single", "decode_tps")
+    targets["2-stage TTFT / single <= 1.10"] = med("2-stage", "ttft_ms_500") / med("single", "ttft_ms_500")
+    targets[f"max Python ms per step per stage <= {PY_BUDGET_MS}"] = max(
+        med(n, "python_ms_per_step_max") for n in ("single", "2-stage", "3-stage"))
+    targets["2-stage aggregate 4 sessions / 1 >= 1.8"] = med("2-stage", "aggregate_4_over_1")
+    if delayed:
+        for name in delayed:
+            targets[f"{name} with delay: ms/token - bound <= 0"] = med(name, "ms_per_token", dtab) - med(
+                name, "bound_ms", dtab)
+    print("\ntargets (issue 7), same-run medians:")
+    for label, value in targets.items():
+        print(f"  {label:52} {value:.3f}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

@@ -47,6 +47,13 @@ def _at_least(low: float):
     return check
 
 
+def _in_range(low: int, high: int):
+    def check(_inst, attribute, value) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise Invalid(f"must be an integer from {low} to {high}, got {value!r}", attribute.name)
+    return check
+
+
 def _one_of(choices: tuple[str, ...]):
     def check(_inst, attribute, value) -> None:
         if value not in choices:
@@ -98,7 +105,11 @@ class PipelineSection:
 class RuntimeSection:
     lanes: int = attrs.field(default=4, validator=_at_least(1))
     ctx: int = attrs.field(default=4096, validator=_at_least(16))
-    threads: int = attrs.field(default=0, validator=_at_least(0))  # 0: cores / stages on this host
+    threads: int = attrs.field(default=0, validator=_at_least(0))  # 0: automatic (see skippyd --help)
+    # ggml thread pool: workers poll this long (0-100) then sleep; -1: llama.cpp's per-graph threads
+    thread_poll: int = attrs.field(default=0, validator=_in_range(-1, 100))
+    # skippy stages on one host take turns at the cores; auto: unless a stage has one thread
+    compute_lock: str = attrs.field(default="auto", validator=_one_of(("auto", "on", "off")))
     batch: int = attrs.field(default=512, validator=_at_least(1))
     prefill_chunk: int = attrs.field(default=256, validator=_at_least(1))
     credit: int = attrs.field(default=2, validator=_at_least(1))
@@ -173,6 +184,8 @@ FLAG_KEYS = {
     "lanes": "runtime.lanes",
     "ctx": "runtime.ctx",
     "threads": "runtime.threads",
+    "thread_poll": "runtime.thread_poll",
+    "compute_lock": "runtime.compute_lock",
     "batch": "runtime.batch",
     "prefill_chunk": "runtime.prefill_chunk",
     "credit": "runtime.credit",
@@ -278,6 +291,20 @@ def get(config: Config, key: str) -> Any:
     return getattr(getattr(config, section), name)
 
 
+def _check_flags(flags: dict[str, Any]) -> None:
+    """Numeric flags get the same range checks as the file's keys (e.g. --thread-poll 200 is refused)."""
+    raw: dict[str, dict[str, Any]] = {}
+    for key, value in flags.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # the others are checked by the flag's type or where they are used
+        section, name = key.split(".")
+        raw.setdefault(section, {})[name] = value
+    flag_of = {key: "--" + dest.replace("_", "-") for dest, key in FLAG_KEYS.items()}
+    problems = _value_problems(raw, set())
+    if problems:
+        raise ConfigError(None, [(f"{flag_of.get(key, key)}", why) for key, why in problems])
+
+
 def given_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The config keys set on the command line (argparse defaults are None for every mapped flag)."""
     given = {key: getattr(args, dest) for dest, key in FLAG_KEYS.items() if getattr(args, dest, None) is not None}
@@ -328,7 +355,9 @@ class Settings:
              environ: dict[str, str] | None = None) -> Settings:
         path = find_config(getattr(args, "config", None), environ)
         file = load(path)
-        return cls(path, file, given_flags(args), apply(args, file, parser), parser)
+        flags = given_flags(args)
+        _check_flags(flags)
+        return cls(path, file, flags, apply(args, file, parser), parser)
 
     def source(self, key: str) -> str:
         if key in self.flags:

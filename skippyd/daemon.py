@@ -90,7 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lanes", type=int, default=None, help="concurrent sessions per stage (KV sequences, default 4)")
     run.add_argument("--ctx", type=int, default=None, help="context tokens per session (default 4096)")
     run.add_argument("--threads", type=int, default=None,
-                     help="compute threads per stage (default: cores / stages on this host)")
+                     help="compute threads per stage (default: all cores; with --compute-lock off, "
+                          "cores / stages of the topology on this host)")
+    run.add_argument("--thread-poll", type=int, default=None, metavar="N",
+                     help="ggml thread pool: workers spin N (0-100) before sleeping between graphs "
+                          "(default 0); -1 uses llama.cpp's per-graph threads instead of a pool")
+    run.add_argument("--compute-lock", choices=("auto", "on", "off"), default=None,
+                     help="skippy stages on this host take turns at the cores, each computing with all its "
+                          "threads (default auto: on unless a stage has 1 thread; off: the stages of the "
+                          "topology on this host split the cores instead)")
     run.add_argument("--batch", type=int, default=None, help="max tokens per llama_decode (default 512)")
     run.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill chunk (default 256)")
     run.add_argument("--credit", type=int, default=None, help="outstanding prefill acks per link (default 2)")
@@ -210,10 +218,21 @@ class Daemon:
 
     def _config(self, n_local: int) -> StageConfig:
         a = self.args
-        # llama.cpp's threads spin at barriers: stages sharing a host split its cores between them
-        # (two 2-thread stages on 2 cores run at a third of their speed; see BENCHMARKS.md)
-        threads = a.threads or max(1, (os.cpu_count() or 2) // max(1, n_local))
-        cfg = StageConfig(n_ctx_per_seq=a.ctx, lanes=a.lanes, n_batch=a.batch, n_threads=threads,
+        cores = os.cpu_count() or 2
+        poll = a.thread_poll if a.thread_poll >= 0 else None
+        # ggml's workers spin at every barrier, so stages computing on the same cores at once slow each
+        # other down badly (two 2-thread stages on 2 cores: a third of the speed, BENCHMARKS.md). Taking
+        # turns (the compute lock; pool workers sleep between graphs) every stage can use every core.
+        # A lone thread never spins: one-thread stages need no turns. With the lock off, the stages on
+        # this host split its cores.
+        if a.compute_lock == "off":
+            threads = a.threads or max(1, cores // max(1, n_local))
+            lock = False
+        else:
+            threads = a.threads or cores
+            lock = a.compute_lock == "on" or threads > 1
+        cfg = StageConfig(n_ctx_per_seq=a.ctx, lanes=a.lanes, n_batch=a.batch, n_threads=threads, thread_poll=poll,
+                          compute_lock=lock,
                           credit_limit=a.credit, reply_timeout_s=a.reply_timeout,
                           direct_return=getattr(a, "direct_return", None) is not False,
                           link_delay_ms=getattr(a, "link_delay_ms", None) or 0.0,

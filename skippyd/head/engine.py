@@ -349,6 +349,9 @@ class _Run:
         self.sampler: llama.Sampler | None = None
         self.error: str | None = None
         self.returns: trio.MemoryReceiveChannel | None = None  # direct return: this session's predictions
+        # this decode step so far (HotPath): native compute here, and waits on the other stages
+        self.native_us = 0
+        self.waited_us = 0
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1e3
@@ -441,6 +444,8 @@ class _Run:
                 result = await self.engine.scheduler.submit(job)
         except llama.LlamaError as exc:
             raise GenerationError(f"head compute failed: {exc}") from exc
+        self.native_us += job.native_us
+        self.waited_us += job.lock_wait_us
         self.position = pos + len(tokens)
         self.live.position = self.position
         self.stats = merge(self.stats, StageStats.single(0, compute_us=job.compute_us, queue_us=job.queue_us))
@@ -476,6 +481,7 @@ class _Run:
         with self._watched(), span("head.hop", request=self.live.request_id, session=self.live.session_id,
                                    kind=type(msg).__name__, lane=lane.lane_id):
             reply, sent, write_us, wait_us = await lane.link.request(msg)
+        self.waited_us += wait_us
         # the head's own hop (stage_count 0: it is not another stage's report)
         hop = StageStats(forward_write_us=write_us, downstream_wait_us=wait_us, bytes_sent=sent)
         self.stats = merge(self.stats, merge(hop, reply.stats))
@@ -514,6 +520,7 @@ class _Run:
                 with self._watched():
                     item = await self.returns.receive()
                 wait_us = int((time.perf_counter() - started) * 1e6) - write_us
+                self.waited_us += wait_us
                 if isinstance(item, ReturnLost):
                     lane.dirty = True  # the final stage may be gone or wedged: close the lane, no Stop
                     raise GenerationError(f"pipeline failed: {item}", retryable=True, status=502,
@@ -556,7 +563,12 @@ class _Run:
 
     async def _decode_loop(self, token: int) -> None:
         model = self.engine.model
+        hot_path = self.engine.scheduler.hot_path
+        step_started = None
         while True:
+            if step_started is not None:  # one step: from having a token to having the next
+                hot_path.note(time.perf_counter() - step_started - self.waited_us / 1e6, self.native_us)
+            step_started, self.waited_us, self.native_us = time.perf_counter(), 0, 0
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
                 self.ttft_ms = (self.first_token_at - self.started) * 1e3

@@ -17,8 +17,7 @@ from skippyd.head.engine import HeadEngine
 from skippyd.head.lanes import LanePool
 from skippyd.head.liveness import StageWatch
 from skippyd.head.token_return import TokenReturnHub
-from skippyd.runtime.llama import Context, ContextParams, Model
-from skippyd.stage.scheduler import Scheduler
+from skippyd.runtime.llama import Context, Model
 from skippyd.stage.server import StageConfig
 from skippyd.topology import Topology
 from skippyd.wire.messages import Hello
@@ -55,10 +54,8 @@ class HeadNode:
                 raise ValueError(f"{self.model_path} does not start at layer 0: it cannot be the head")
             if self.single_stage and not self.model.stage.is_last:
                 raise ValueError(f"{self.model_path} is a non-final slice: give the whole model or a topology")
-            params = ContextParams(n_ctx_per_seq=cfg.n_ctx_per_seq, n_seq_max=cfg.lanes, n_batch=cfg.n_batch,
-                                   n_ubatch=cfg.n_batch, n_threads=cfg.n_threads)
-            context = await trio.to_thread.run_sync(Context, self.model, params)
-            scheduler = Scheduler(context)
+            context = await trio.to_thread.run_sync(Context, self.model, cfg.context_params())
+            scheduler = cfg.scheduler(context)
             if not self.single_stage:
                 topo = self.topology
                 s0, s1 = topo.stage(0), topo.stage(1)
@@ -127,6 +124,7 @@ class HeadNode:
         snap = self.engine.sessions.snapshot() if self.engine else {}
         snap.update(stage_index=0, scheduler=_stats(self.engine),
                     downstream=self.watch.describe() if self.watch is not None else None,
+                    hot_path=self.engine.scheduler.hot_path.describe() if self.engine else None,
                     token_return=self.engine.describe_token_return() if self.engine else None)
         return snap
 

@@ -21,6 +21,7 @@ conditioning is on) run in the nursery of :meth:`UpstreamConnection.serve`.
 from __future__ import annotations
 
 import itertools
+import time
 import logging
 from typing import TYPE_CHECKING
 
@@ -100,6 +101,7 @@ class UpstreamConnection:
         self.peer_ip, self.peer_desc = _peer_address(stream)
         self._out: trio.abc.SendStream = stream  # replies: the stream, or a conditioned link over it
         self._nursery: trio.Nursery | None = None
+        self._waited_us = 0  # this message's wait on the next stage (not ours to count as overhead)
         # errors of chunks that were acked before compute, reported on the session's next reply
         self._deferred: dict[int, ErrorReply] = {}
 
@@ -266,6 +268,7 @@ class UpstreamConnection:
         with span("stage.downstream_wait", stage=self.server.index, request=msg.request_id,
                   session=getattr(msg, "session_id", 0)):
             down_reply, sent, write_us, wait_us = await self.down.request(msg)
+        self._waited_us += wait_us
         own = self._own_stats(job, write_us=write_us, wait_us=wait_us, sent=sent)
         await self.reply(attrs.evolve(down_reply, stats=merge(own, down_reply.stats)))
         return down_reply
@@ -435,11 +438,15 @@ class UpstreamConnection:
         await self._answer_with_token(session, msg, job)
 
     async def on_decode(self, msg: DecodeStep) -> None:
+        started = time.perf_counter()
+        self._waited_us = 0
         self._take_deferred(msg.session_id)
         session = self._session(msg, create=False)
         await self._align(session, msg.pos_start)
         job = await self._compute(session, msg, want_token=self.server.is_final)
         await self._answer_with_token(session, msg, job)
+        waited_us = self._waited_us + job.lock_wait_us
+        self.server.scheduler.hot_path.note(time.perf_counter() - started - waited_us / 1e6, job.native_us)
 
     async def _answer_with_token(self, session: StageSession, msg, job: Job) -> None:
         if self.server.is_final:

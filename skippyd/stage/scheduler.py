@@ -10,11 +10,20 @@ serving the network meanwhile.
 
 KV operations (trim, release) are queued too and run between two computes,
 since llama.cpp allows one thread at a time per context.
+
+Stages that share a host may take turns at the cores (``HostComputeLock``):
+ggml's workers spin at every barrier inside a graph, so two stages computing
+at once with all cores each would take each other's time slices; taking turns,
+each graph runs with every core and nothing spins against a descheduled peer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
+import os
+import tempfile
 import time
 from collections import deque
 from typing import Callable
@@ -46,7 +55,9 @@ class Job:
     abandoned: bool = False
     submitted: float = 0.0
     queue_us: int = 0  # waiting for the scheduler
-    compute_us: int = 0  # the llama_decode this job was part of
+    compute_us: int = 0  # the llama_decode this job was part of, with the worker-thread round trip
+    native_us: int = 0  # inside llama.cpp only (decode and sampling)
+    lock_wait_us: int = 0  # waiting for the host compute lock
 
     def __attrs_post_init__(self) -> None:
         self.n = len(self.tokens) if self.tokens is not None else len(self.embd)
@@ -62,18 +73,78 @@ class SchedulerStats:
     max_batch_seqs: int = 0
     multi_seq_batches: int = 0
     compute_s: float = 0.0
-    lock_wait_s: float = 0.0
+    lock_wait_s: float = 0.0  # waiting for the host compute lock (other stages computing)
+
+
+class HostComputeLock:
+    """An exclusive lock (flock) that every skippy stage on this host holds while it computes.
+
+    flock locks belong to an open file description, so stages in one process
+    (``--stage all``) exclude each other as stages in different processes do.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = str(path or default_lock_path())
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def __enter__(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)  # blocks in C with the GIL released
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def default_lock_path() -> str:
+    """One lock per user and host: in /dev/shm (memory) when there is one."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return os.path.join(base, f"skippy-compute-{os.getuid()}.lock")
+
+
+@attrs.define
+class HotPath:
+    """Python's share of each decode step on this stage.
+
+    Whoever handles a step reports its wall time here (from having the message
+    to having sent the answer), less the waits on other stages; what remains
+    after native compute (llama_decode and sampling) is Python: framing,
+    dispatch, the worker-thread round trip, bookkeeping.
+    """
+
+    steps: int = 0
+    wall_s: float = 0.0
+    native_s: float = 0.0
+
+    def note(self, wall_s: float, native_us: int) -> None:
+        """One step: its wall time less waits (on other stages, for the host lock), its native time."""
+        self.steps += 1
+        self.wall_s += wall_s
+        self.native_s += native_us / 1e6
+
+    def describe(self) -> dict:
+        n = max(1, self.steps)
+        return {"decode_steps": self.steps, "wall_s": self.wall_s, "native_s": self.native_s,
+                "python_ms_per_step": (self.wall_s - self.native_s) * 1e3 / n,
+                "native_ms_per_step": self.native_s * 1e3 / n}
 
 
 class Scheduler:
-    def __init__(self, ctx: Context, *, max_batch_tokens: int | None = None):
+    def __init__(self, ctx: Context, *, max_batch_tokens: int | None = None,
+                 host_lock: HostComputeLock | None = None):
         self.ctx = ctx
+        self.host_lock = host_lock  # owned: closed when serve() ends
         self.max_batch_tokens = max_batch_tokens or ctx.n_batch
         self._jobs: deque[Job] = deque()
         self._kv_ops: deque[tuple[Callable[[], None], trio.Event]] = deque()
         self._wakeup = trio.Event()
         self._closed = False
         self.stats = SchedulerStats()
+        self.hot_path = HotPath()
+        self._native_us = self._lock_wait_us = 0  # the last compute's (set by the worker thread)
 
     # ---------------------------------------------------------------- clients
     async def submit(self, job: Job) -> object:
@@ -124,6 +195,8 @@ class Scheduler:
                         await self._compute(batch)
         finally:
             self._closed = True
+            if self.host_lock is not None:
+                self.host_lock.close()
             self._run_kv_ops()
             for job in self._jobs:
                 job.error = trio.ClosedResourceError("scheduler stopped")
@@ -174,21 +247,27 @@ class Scheduler:
         compute_us = int((time.perf_counter() - started) * 1e6)
         for job, result in zip(batch, results):
             job.result = result
+            job.native_us, job.lock_wait_us = self._native_us, self._lock_wait_us
             job.queue_us = int((started - job.submitted) * 1e6)
             job.compute_us = compute_us
             job.done.set()
 
     def _compute_sync(self, batch: list[Job]) -> list[object]:
-        """Worker thread: one llama_decode for the whole batch, then split the outputs."""
+        """Worker thread: one llama_decode for the whole batch, then split the outputs (one per job)."""
         ctx = self.ctx
         pos = np.concatenate([np.arange(j.pos_start, j.pos_start + j.n, dtype=np.int32) for j in batch])
         seq = np.concatenate([np.full(j.n, j.seq, dtype=np.int32) for j in batch])
         if ctx.token_input:
-            tokens = batch[0].tokens if len(batch) == 1 else np.concatenate([j.tokens for j in batch])
-            ctx.decode(pos, seq, tokens=tokens)
+            inputs = {"tokens": batch[0].tokens if len(batch) == 1 else np.concatenate([j.tokens for j in batch])}
         else:
-            embd = batch[0].embd if len(batch) == 1 else np.concatenate([j.embd for j in batch])
-            ctx.decode(pos, seq, embd=embd)
+            inputs = {"embd": batch[0].embd if len(batch) == 1 else np.concatenate([j.embd for j in batch])}
+        waiting = time.perf_counter()
+        with self.host_lock or contextlib.nullcontext():
+            native = time.perf_counter()
+            ctx.decode(pos, seq, **inputs)
+        self._lock_wait_us = int((native - waiting) * 1e6)  # the other stages' turns
+        self.stats.lock_wait_s += native - waiting
+        native = time.perf_counter() - native
         self.stats.batches += 1
         self.stats.jobs += len(batch)
         self.stats.tokens += len(pos)
@@ -201,7 +280,10 @@ class Scheduler:
             for j in batch:
                 out.append(hidden[row:row + j.n])
                 row += j.n
+            self._native_us = int(native * 1e6)
             return out
         wanted = {j.seq: j.sampler for j in batch if j.want_token}
+        started = time.perf_counter()
         tokens = ctx.sample(wanted) if wanted else {}
+        self._native_us = int((native + time.perf_counter() - started) * 1e6)
         return [tokens.get(j.seq) for j in batch]

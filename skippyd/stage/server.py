@@ -22,7 +22,7 @@ from skippyd.runtime.llama import Context, ContextParams, Model
 from skippyd.stage.access import UpstreamAllow
 from skippyd.stage.conditioning import LinkShape
 from skippyd.stage.connection import UpstreamConnection
-from skippyd.stage.scheduler import Scheduler
+from skippyd.stage.scheduler import HostComputeLock, Scheduler
 from skippyd.stage.sessions import SessionTable, StageSession
 from skippyd.stage.token_return import TokenReturnLink
 from skippyd.topology import StageSpec, Topology
@@ -55,6 +55,18 @@ class StageConfig:
     direct_return: bool = True  # 3+ stages: predictions go from the final stage straight to the head
     link_delay_ms: float = 0.0  # link conditioning (tests, benchmarks): one-way delay on what we send
     link_mbps: float = 0.0  # ... and a bandwidth cap (0: none)
+    # A persistent ggml thread pool whose workers poll this long (0-100) and then sleep between graphs;
+    # None: llama.cpp's default, worker threads created per graph, which spin and starve a stage
+    # sharing the cores (two 2-thread stages on 2 cores: a third of the speed; see BENCHMARKS.md).
+    thread_poll: int | None = 0
+    compute_lock: bool = False  # take turns at the cores with the other stages on this host (HostComputeLock)
+
+    def context_params(self) -> ContextParams:
+        return ContextParams(n_ctx_per_seq=self.n_ctx_per_seq, n_seq_max=self.lanes, n_batch=self.n_batch,
+                             n_ubatch=self.n_batch, n_threads=self.n_threads, threadpool_poll=self.thread_poll)
+
+    def scheduler(self, context: Context) -> Scheduler:
+        return Scheduler(context, host_lock=HostComputeLock() if self.compute_lock else None)
 
     @property
     def link_shape(self) -> LinkShape:
@@ -105,10 +117,8 @@ class StageServer:
             if (stage.layer_start, stage.layer_end) != (self.spec.layer_start, self.spec.layer_end):
                 raise ValueError(f"{self.model_path} holds layers [{stage.layer_start},{stage.layer_end}), "
                                  f"the topology says [{self.spec.layer_start},{self.spec.layer_end})")
-            params = ContextParams(n_ctx_per_seq=cfg.n_ctx_per_seq, n_seq_max=cfg.lanes, n_batch=cfg.n_batch,
-                                   n_ubatch=cfg.n_batch, n_threads=cfg.n_threads)
-            self.context = await trio.to_thread.run_sync(Context, self.model, params)
-            self.scheduler = Scheduler(self.context)
+            self.context = await trio.to_thread.run_sync(Context, self.model, cfg.context_params())
+            self.scheduler = cfg.scheduler(self.context)
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.scheduler.serve)
                 if self.token_return is not None:
@@ -164,6 +174,7 @@ class StageServer:
             connections=len(self.connections),
             draining=self.draining,
             scheduler=attrs.asdict(self.scheduler.stats) if self.scheduler else {},
+            hot_path=self.scheduler.hot_path.describe() if self.scheduler else None,
             queued=self.scheduler.queued if self.scheduler else 0,
             token_return=self.token_return.describe() if self.token_return else None,
             upstream_allow=self.upstream_allow.describe() if self.upstream_allow else None,
