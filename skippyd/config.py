@@ -116,6 +116,8 @@ class RuntimeSection:
     reply_timeout: float = attrs.field(default=30.0, validator=_at_least(0.1))
     direct_return: bool = True  # 3+ stages: predictions go from the final stage straight to the head
     queue_timeout: float = attrs.field(default=30.0, validator=_at_least(0))  # the head: wait for a slot
+    resume: bool = False  # the head: replay a generation a stage failure interrupted, once it is back
+    resume_window: float = attrs.field(default=30.0, validator=_at_least(0))  # ... waiting this long
 
 
 def _allow_list(_inst, attribute, value) -> None:
@@ -192,6 +194,8 @@ FLAG_KEYS = {
     "reply_timeout": "runtime.reply_timeout",
     "direct_return": "runtime.direct_return",
     "queue_timeout": "runtime.queue_timeout",
+    "resume": "runtime.resume",
+    "resume_window": "runtime.resume_window",
     "listen": "stage.listen",
     "upstream_allow": "stage.upstream_allow",
     "link_secret_file": "stage.link_secret_file",

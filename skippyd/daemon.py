@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default on; the head listens on its topology address for it)")
     run.add_argument("--queue-timeout", type=_non_negative, default=None, metavar="SECONDS",
                      help="the head: how long a generation may wait for a free session slot (default 30)")
+    run.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
+                     help="the head: a generation a stage failure interrupts is replayed once the pipeline "
+                          "is whole again, instead of failing (default off)")
+    run.add_argument("--resume-window", type=_non_negative, default=None, metavar="SECONDS",
+                     help="with --resume: how long to wait for the pipeline to come back (default 30)")
     net = p.add_argument_group("network")
     net.add_argument("--listen", type=_hostport, default=None,
                      help="HOST:PORT for this stage's listener (default: from the topology)")
@@ -315,7 +320,8 @@ class Daemon:
 
     def _head_options(self) -> dict:
         a = self.args
-        return {"queue_timeout": 30.0 if a.queue_timeout is None else a.queue_timeout}
+        return {"queue_timeout": 30.0 if a.queue_timeout is None else a.queue_timeout,
+                "resume_window": (30.0 if a.resume_window is None else a.resume_window) if a.resume else None}
 
     def describe_role(self) -> str:
         parts = []

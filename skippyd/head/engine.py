@@ -28,6 +28,16 @@ Liveness (``watch``, a :class:`~skippyd.head.liveness.StageWatch`): every
 wait on the pipeline is watched, so a stage 1 that stops answering pings
 fails the generation within about 1.5 s, whatever the reply deadline; while
 the watch says stage 1 is down, new generations are refused (retryable).
+
+Resume (``resume_window`` set: ``--resume``): a generation that a stage
+failure interrupts is not failed. Its lane is dropped, and once stage 1
+answers again and a new lane leads through the whole pipeline (within the
+window), the generation is replayed from the head's record: the head
+recomputes its own KV from scratch and sends the prompt in the same chunks,
+then every token generated so far as the same decode steps, so each stage
+computes exactly what it computed the first time (greedy output equals an
+uninterrupted run); the replayed predictions are not emitted again, so a
+stream only pauses.
 """
 
 from __future__ import annotations
@@ -75,6 +85,8 @@ from skippyd.wire.messages import (
 log = logging.getLogger("skippyd.head")
 
 STOP_TIMEOUT_S = 2.0
+RESUME_BACKOFF_MIN_S = 0.1  # resume: first try this long after the failure, doubling ...
+RESUME_BACKOFF_MAX_S = 1.0  # ... up to this
 PIECE_SEND_TIMEOUT_S = 10.0
 
 
@@ -179,11 +191,12 @@ class LiveGeneration:
     position: int = 0
     state: str = "queued"
     killed: bool = False
+    resumes: int = 0  # replays after a stage failure
 
     def describe(self) -> dict:
         return {"session_id": self.session_id, "request_id": self.request_id, "state": self.state,
                 "prompt_tokens": self.prompt_tokens, "generated": self.generated, "position": self.position,
-                "age_s": round(time.monotonic() - self.started, 3), "lane": self.lane_id,
+                "age_s": round(time.monotonic() - self.started, 3), "lane": self.lane_id, "resumes": self.resumes,
                 "stages": {"0": {"seq": self.seq}}}
 
 
@@ -194,7 +207,8 @@ class HeadEngine:
     def __init__(self, model: llama.Model, context: llama.Context, scheduler: Scheduler,
                  pool: LanePool | None, *, prefill_chunk: int = 256, receipts_file: Path | None = None,
                  receipts_kept: int = 256, queue_timeout: float = 30.0, hub: TokenReturnHub | None = None,
-                 watch: StageWatch | None = None, reply_timeout: float = 30.0):
+                 watch: StageWatch | None = None, reply_timeout: float = 30.0,
+                 resume_window: float | None = None):
         self.model = model
         self.context = context
         self.scheduler = scheduler
@@ -213,6 +227,7 @@ class HeadEngine:
         self.last_stage_stats = StageStats()
         self.hub = hub  # direct token return (3+ stages), None: every prediction is relayed
         self.reply_timeout = reply_timeout
+        self.resume_window = resume_window  # None: a stage failure fails the generation (no replay)
         self.watch = watch  # stage 1's liveness (None: single stage)
         # where the predictions of pipeline generations came from, and configures that fell back
         self.token_paths = {"direct": 0, "relayed": 0, "fallbacks": 0}
@@ -349,6 +364,7 @@ class _Run:
         self.sampler: llama.Sampler | None = None
         self.error: str | None = None
         self.returns: trio.MemoryReceiveChannel | None = None  # direct return: this session's predictions
+        self.resume_deadline: float | None = None  # trio time: while resuming, the end of the window
         # this decode step so far (HotPath): native compute here, and waits on the other stages
         self.native_us = 0
         self.waited_us = 0
@@ -380,17 +396,25 @@ class _Run:
         try:
             self.session = engine.sessions.open(0, self.live.session_id, self.live.request_id)
             self.live.seq = self.session.seq
-            if engine.pool is not None:
-                self.lane = await self._checkout()
-                self.lane.session_id = self.live.session_id
-                self.live.lane_id = self.lane.lane_id
-                await self._configure()
-            elif not self.sampling.is_plain_greedy:
-                self.sampler = llama.Sampler(engine.model, self.sampling)
-            self.live.state = "prefill"
-            token = await self._prefill()
-            self.live.state = "decode"
-            await self._decode_loop(token)
+            if engine.pool is None:
+                if not self.sampling.is_plain_greedy:
+                    self.sampler = llama.Sampler(engine.model, self.sampling)
+                self.live.state = "prefill"
+                token = await self._prefill()
+                self.live.state = "decode"
+                await self._decode_loop(token)
+                return
+            while True:
+                try:
+                    token = await self._catch_up()
+                    self.resume_deadline = None  # the pipeline is whole again
+                    self.live.state = "decode"
+                    await self._decode_loop(token)
+                    return
+                except GenerationError as exc:
+                    if not self._may_resume(exc):
+                        raise
+                    await self._wait_to_resume(exc)
         finally:
             # shielded: a kill must not cut the cleanup short; each step that waits has its own bound
             with trio.CancelScope(shield=True):
@@ -398,6 +422,62 @@ class _Run:
                     await self._cleanup()
                 finally:
                     engine.slots.release()
+
+    async def _catch_up(self) -> int:
+        """Open the session down a new lane and bring every stage to where the generation is: the prompt,
+        then (a replay) each token generated so far, in the same chunks and steps as the first time.
+        Returns the next new token."""
+        engine = self.engine
+        self.lane = await self._checkout()
+        self.lane.session_id = self.live.session_id
+        self.live.lane_id = self.lane.lane_id
+        await self._configure()
+        if self.position:  # a replay: recompute the head's hidden states from position 0, as the first time
+            seq = self.session.seq
+            await engine.scheduler.run_kv(lambda: engine.context.kv_clear_seq(seq))
+            self.position = 0
+        self.live.state = "prefill"
+        token = await self._prefill()
+        for replayed in list(self.tokens):  # already emitted: their predictions are not emitted again
+            token = await self._step(replayed)
+        return token
+
+    def _may_resume(self, exc: GenerationError) -> bool:
+        """Replay after this failure? A stage failure with resume on; while resuming (stage 1 back, the rest
+        of the pipeline perhaps not yet, or a slot still held by the lost lane), any retryable error."""
+        if self.engine.resume_window is None or self.live.killed:
+            return False
+        return exc.stage_failure or (self.resume_deadline is not None and exc.retryable)
+
+    async def _wait_to_resume(self, exc: GenerationError) -> None:
+        """Drop the failed lane and wait until stage 1 answers again; raises `exc` once the window is over."""
+        engine = self.engine
+        now = trio.current_time()
+        if self.resume_deadline is None:
+            self.resume_deadline = now + engine.resume_window
+            self._backoff = RESUME_BACKOFF_MIN_S
+            log.warning("head: session %d interrupted after %d tokens (%s); resuming within %g s",
+                        self.live.session_id, len(self.tokens), exc, engine.resume_window)
+        self.live.state = "resuming"
+        self.live.lane_id = None
+        self._close_returns()
+        if self.lane is not None:
+            lane, self.lane = self.lane, None
+            lane.dirty = True  # it carried a failed pipeline: closing it releases whatever is left downstream
+            with trio.CancelScope(shield=True):
+                await engine.pool.checkin(lane)
+        while True:
+            if trio.current_time() + self._backoff > self.resume_deadline:
+                raise GenerationError(f"{exc} (the pipeline was not back within the {engine.resume_window:g} s "
+                                      f"resume window)", retryable=True, status=exc.status) from exc
+            await trio.sleep(self._backoff)
+            self._backoff = min(self._backoff * 2, RESUME_BACKOFF_MAX_S)
+            # a hung stage 1 would hold a new lane's handshake for the whole connect timeout: ping it first
+            if engine.watch is None or await engine.watch.check():
+                break
+        self.live.resumes += 1
+        log.info("head: session %d: resuming (replay %d: %d prompt + %d generated tokens)",
+                 self.live.session_id, self.live.resumes, len(self.prompt), len(self.tokens))
 
     async def _checkout(self) -> Lane:
         from skippyd.head.lanes import Draining, NoLaneAvailable

@@ -27,7 +27,8 @@ log = logging.getLogger("skippyd.head")
 
 class HeadNode:
     def __init__(self, config: StageConfig, *, topology: Topology | None = None, model_path: Path | None = None,
-                 prefill_chunk: int = 256, receipts_file: Path | None = None, queue_timeout: float = 30.0):
+                 prefill_chunk: int = 256, receipts_file: Path | None = None, queue_timeout: float = 30.0,
+                 resume_window: float | None = None):
         if topology is None and model_path is None:
             raise ValueError("the head needs a topology or a model file")
         self.config = config
@@ -36,6 +37,7 @@ class HeadNode:
         self.prefill_chunk = prefill_chunk
         self.receipts_file = receipts_file
         self.queue_timeout = queue_timeout
+        self.resume_window = resume_window  # None: a stage failure fails the generation
         self.engine: HeadEngine | None = None
         self.pool: LanePool | None = None
         self.hub: TokenReturnHub | None = None
@@ -70,7 +72,8 @@ class HeadNode:
                     self.hub = TokenReturnHub(hello, handshake_timeout=cfg.handshake_timeout_s)
             self.engine = HeadEngine(self.model, context, scheduler, self.pool, prefill_chunk=self.prefill_chunk,
                                      receipts_file=self.receipts_file, queue_timeout=self.queue_timeout,
-                                     hub=self.hub, watch=self.watch, reply_timeout=cfg.reply_timeout_s)
+                                     hub=self.hub, watch=self.watch, reply_timeout=cfg.reply_timeout_s,
+                                     resume_window=self.resume_window)
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(scheduler.serve)
