@@ -76,6 +76,9 @@ class SchedulerStats:
     lock_wait_s: float = 0.0  # waiting for the host compute lock (other stages computing)
 
 
+INLINE_MAX_SEQS = 8  # decode batches up to this many sessions compute on the event loop's thread
+
+
 class HostComputeLock:
     """An exclusive lock (flock) that every skippy stage on this host holds while it computes.
 
@@ -91,7 +94,17 @@ class HostComputeLock:
         fcntl.flock(self._fd, fcntl.LOCK_EX)  # blocks in C with the GIL released
 
     def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def try_acquire(self) -> bool:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -229,12 +242,33 @@ class Scheduler:
             self._jobs.remove(job)
         return batch
 
+    def _inline(self, batch: list[Job]) -> bool:
+        """Whether to compute `batch` on the event loop's thread (then holding the host lock, if any).
+
+        A worker-thread round trip costs about 0.1 ms, a third of what a decode
+        step may spend outside llama.cpp, so a batch of a few decode steps
+        (milliseconds of compute) runs inline; the loop is blocked only that
+        long. Prefill chunks, and any batch that would have to wait for the host
+        lock, go to the worker thread so that the loop keeps serving the network.
+        """
+        if len(batch) > INLINE_MAX_SEQS or any(j.n != 1 for j in batch):
+            return False
+        return self.host_lock is None or self.host_lock.try_acquire()
+
     async def _compute(self, batch: list[Job]) -> None:
         started = time.perf_counter()
         try:
             with span("scheduler.decode", seqs=len(batch), tokens=sum(j.n for j in batch),
                       wait_us=max(int((started - j.submitted) * 1e6) for j in batch)):
-                results = await trio.to_thread.run_sync(self._compute_sync, batch)
+                if self._inline(batch):
+                    try:
+                        results = self._compute_sync(batch, locked=True)
+                    finally:
+                        if self.host_lock is not None:
+                            self.host_lock.release()
+                    await trio.lowlevel.checkpoint()  # let the network in between two inline computes
+                else:
+                    results = await trio.to_thread.run_sync(self._compute_sync, batch)
         except BaseException as exc:  # noqa: BLE001 - every waiter must be woken
             for job in batch:
                 job.error = exc if isinstance(exc, Exception) else trio.ClosedResourceError("scheduler stopped")
@@ -252,7 +286,7 @@ class Scheduler:
             job.compute_us = compute_us
             job.done.set()
 
-    def _compute_sync(self, batch: list[Job]) -> list[object]:
+    def _compute_sync(self, batch: list[Job], locked: bool = False) -> list[object]:
         """Worker thread: one llama_decode for the whole batch, then split the outputs (one per job)."""
         ctx = self.ctx
         pos = np.concatenate([np.arange(j.pos_start, j.pos_start + j.n, dtype=np.int32) for j in batch])
@@ -262,7 +296,7 @@ class Scheduler:
         else:
             inputs = {"embd": batch[0].embd if len(batch) == 1 else np.concatenate([j.embd for j in batch])}
         waiting = time.perf_counter()
-        with self.host_lock or contextlib.nullcontext():
+        with contextlib.nullcontext() if locked or self.host_lock is None else self.host_lock:
             native = time.perf_counter()
             ctx.decode(pos, seq, **inputs)
         self._lock_wait_us = int((native - waiting) * 1e6)  # the other stages' turns
