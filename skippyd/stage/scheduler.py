@@ -76,7 +76,11 @@ class SchedulerStats:
     lock_wait_s: float = 0.0  # waiting for the host compute lock (other stages computing)
 
 
-INLINE_MAX_SEQS = 8  # decode batches up to this many sessions compute on the event loop's thread
+# Decode batches up to this many sessions compute on the event loop's thread, while the last such
+# batch's compute took less than INLINE_MAX_US (a big model's decode step stays off the loop, which
+# must answer liveness pings promptly).
+INLINE_MAX_SEQS = 8
+INLINE_MAX_US = 20_000
 
 
 class HostComputeLock:
@@ -158,6 +162,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.hot_path = HotPath()
         self._native_us = self._lock_wait_us = 0  # the last compute's (set by the worker thread)
+        self._decode_native_us = 0  # the last decode-only batch's
 
     # ---------------------------------------------------------------- clients
     async def submit(self, job: Job) -> object:
@@ -248,10 +253,13 @@ class Scheduler:
         A worker-thread round trip costs about 0.1 ms, a third of what a decode
         step may spend outside llama.cpp, so a batch of a few decode steps
         (milliseconds of compute) runs inline; the loop is blocked only that
-        long. Prefill chunks, and any batch that would have to wait for the host
-        lock, go to the worker thread so that the loop keeps serving the network.
+        long. Prefill chunks, decode steps measured slower than INLINE_MAX_US,
+        and any batch that would have to wait for the host lock go to the
+        worker thread so that the loop keeps serving the network.
         """
         if len(batch) > INLINE_MAX_SEQS or any(j.n != 1 for j in batch):
+            return False
+        if not 0 < self._decode_native_us < INLINE_MAX_US:  # unmeasured yet, or too slow
             return False
         return self.host_lock is None or self.host_lock.try_acquire()
 
@@ -279,6 +287,8 @@ class Scheduler:
         finally:
             self.stats.compute_s += time.perf_counter() - started
         compute_us = int((time.perf_counter() - started) * 1e6)
+        if all(j.n == 1 for j in batch):
+            self._decode_native_us = self._native_us
         for job, result in zip(batch, results):
             job.result = result
             job.native_us, job.lock_wait_us = self._native_us, self._lock_wait_us
