@@ -65,6 +65,9 @@ class StageConfig:
         return ContextParams(n_ctx_per_seq=self.n_ctx_per_seq, n_seq_max=self.lanes, n_batch=self.n_batch,
                              n_ubatch=self.n_batch, n_threads=self.n_threads, threadpool_poll=self.thread_poll)
 
+    def describe_compute(self) -> dict:
+        return {"threads": self.n_threads, "thread_poll": self.thread_poll, "compute_lock": self.compute_lock}
+
     def scheduler(self, context: Context) -> Scheduler:
         return Scheduler(context, host_lock=HostComputeLock() if self.compute_lock else None)
 
@@ -175,6 +178,7 @@ class StageServer:
             draining=self.draining,
             scheduler=attrs.asdict(self.scheduler.stats) if self.scheduler else {},
             hot_path=self.scheduler.hot_path.describe() if self.scheduler else None,
+            compute=self.config.describe_compute(),
             queued=self.scheduler.queued if self.scheduler else 0,
             token_return=self.token_return.describe() if self.token_return else None,
             upstream_allow=self.upstream_allow.describe() if self.upstream_allow else None,
