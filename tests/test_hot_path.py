@@ -71,3 +71,38 @@ async def test_stages_sharing_a_host_use_every_core_and_take_turns(two):
 
     for snap in await _snapshots(two):
         assert snap["compute"] == {"threads": os.cpu_count(), "thread_poll": 0, "compute_lock": os.cpu_count() > 1}
+
+
+def test_chunk_grows_to_cover_the_link_round_trip_and_no_further():
+    from skippyd.head.chunking import PrefillChunker
+
+    c = PrefillChunker(64, 512, credit=2)
+    assert c.size == 64  # nothing measured yet: the configured chunk
+    c.observe_prefill(256, 256 * 100)  # 100 us per token
+    c.observe_round_trip(wait_us=1_000, downstream_compute_us=800)  # a fast link: 200 us
+    assert c.size == 64
+    for _ in range(30):  # a 20 ms link: 2 chunks must cover 20 ms of round trip at 100 us per token
+        c.observe_round_trip(wait_us=25_000, downstream_compute_us=5_000)
+    assert c.size == int(1.25 * c.round_trip_us / (2 * 100))
+    assert 120 <= c.size <= 130
+    for _ in range(30):  # a 200 ms link: capped at the batch size
+        c.observe_round_trip(wait_us=205_000, downstream_compute_us=5_000)
+    assert c.size == 512
+
+
+async def test_a_delayed_link_makes_the_head_measure_it_and_grow_its_chunk(default_model_path, tmp_path):
+    import trio
+
+    split_for_test(default_model_path, 2, tmp_path)
+    pipe = Pipeline(tmp_path / "topology.toml", tmp_path,
+                    extra=["--lanes", "1", "--ctx", "512", "--prefill-chunk", "1", "--link-delay-ms", "50"])
+    await trio.to_thread.run_sync(pipe.start)
+    try:
+        await pipe.generate(prompt=PROMPT, raw=True, max_tokens=8)
+        prefill = (await pipe.stages[0].astatus())["head"]["prefill"]
+        assert 95_000 <= prefill["round_trip_us"] <= 150_000, prefill  # 50 ms each way, plus a little
+        assert prefill["us_per_token"] > 0
+        # one-token chunks cannot keep two chunks in flight over a 100 ms round trip
+        assert prefill["prefill_chunk"] > prefill["floor"] == 1, prefill
+    finally:
+        await trio.to_thread.run_sync(pipe.stop)

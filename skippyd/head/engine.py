@@ -57,6 +57,7 @@ import attrs
 import numpy as np
 import trio
 
+from skippyd.head.chunking import PrefillChunker
 from skippyd.head.lanes import Lane, LanePool
 from skippyd.head.liveness import StageDown, StageWatch
 from skippyd.head.stops import StopMatcher
@@ -214,6 +215,8 @@ class HeadEngine:
         self.scheduler = scheduler
         self.pool = pool
         self.prefill_chunk = max(1, min(prefill_chunk, context.n_batch))
+        # the chunk grows past the configured one when the link's round trip needs it
+        self.chunker = PrefillChunker(self.prefill_chunk, context.n_batch, pool.credit_limit if pool else 1)
         # admission: a generation waits (up to queue_timeout) for one of the head's sequence slots; the
         # table then assigns which one (it never runs out: the semaphore holds the others back)
         self.sessions = SessionTable(context.n_seq_max)
@@ -562,6 +565,8 @@ class _Run:
                                    kind=type(msg).__name__, lane=lane.lane_id):
             reply, sent, write_us, wait_us = await lane.link.request(msg)
         self.waited_us += wait_us
+        if isinstance(msg, DecodeStep):
+            self.engine.chunker.observe_round_trip(wait_us, reply.stats.compute_us + reply.stats.queue_us)
         # the head's own hop (stage_count 0: it is not another stage's report)
         hop = StageStats(forward_write_us=write_us, downstream_wait_us=wait_us, bytes_sent=sent)
         self.stats = merge(self.stats, merge(hop, reply.stats))
@@ -605,6 +610,9 @@ class _Run:
                     lane.dirty = True  # the final stage may be gone or wedged: close the lane, no Stop
                     raise GenerationError(f"pipeline failed: {item}", retryable=True, status=502,
                                           stage_failure=True)
+                if isinstance(msg, DecodeStep):  # the middle stages' compute: from the acks just folded
+                    others = folded.compute_us + folded.queue_us + item.stats.compute_us + item.stats.queue_us
+                    self.engine.chunker.observe_round_trip(wait_us, others)
                 self.stats = merge(self.stats, merge(StageStats(forward_write_us=write_us, downstream_wait_us=wait_us,
                                                                 bytes_sent=sent), item.stats))
                 if isinstance(item, ErrorReply):
@@ -620,9 +628,11 @@ class _Run:
                               stage_failure=True)
 
     async def _prefill(self) -> int:
-        chunk = self.engine.prefill_chunk
+        chunker = self.engine.chunker
+        chunk = chunker.size if self.lane is not None else self.engine.prefill_chunk
         prompt = self.prompt
         n = len(prompt)
+        compute_us = 0  # the head's compute for this prompt
         for lo in range(0, n, chunk):
             part = prompt[lo:lo + chunk]
             final = lo + chunk >= n
@@ -631,13 +641,16 @@ class _Run:
                 if final:
                     return int(token)
                 continue
+            native_before = self.native_us
             hidden = await self._compute(part, lo, want_token=False)
+            compute_us += self.native_us - native_before
             msg = PrefillChunk(self.live.request_id, self.live.session_id, lo, part, hidden, final=final)
             if not final:
                 with self._watched(), span("head.forward_write", request=self.live.request_id,
                                            session=self.live.session_id, pos=lo, tokens=len(part)):
                     await self.lane.link.send_deferred(msg)
             else:
+                chunker.observe_prefill(n, compute_us)
                 return await self._predict(msg)
         raise AssertionError("unreachable: the prompt is not empty")
 
