@@ -321,9 +321,12 @@ async def test_pipeline_with_a_link_secret(tiny_model_small_vocab_path, tmp_path
         await expect_refusal(pipe, stage0_hello(pipe), "authentication failed")
         await expect_refusal(pipe, stage0_hello(pipe, link_auth(b"x" * 40)), "authentication failed")
         head = await pipe.head.astatus()
+        tr = head["head"]["token_return"]  # the final stage's token-return link presented the secret too
+        assert tr["accepted"] >= 1 and tr["refused"] == 0 and tr["direct"] >= 1, tr
         reach = {s["index"]: (s["reachable"], s.get("error")) for s in head["topology"]["stages"]}
         assert reach[2] == (True, None), reach  # the probe presents the secret too
-        assert (await pipe.stages[1].astatus())["stages"][0]["link_secret"] is True
+        snap = (await pipe.stages[1].astatus())["stages"][0]
+        assert snap["link_secret"] is True and snap["refused_upstreams"] == 2
     finally:
         codes = pipe.stop()
     assert all(c == 0 for c in codes.values()), codes

@@ -118,7 +118,6 @@ class UpstreamConnection:
             try:
                 allow = self.server.upstream_allow
                 if allow is not None and not await allow.allows(self.peer_ip):
-                    self.server.refused_upstreams += 1
                     await refuse_handshake(self.stream, f"upstream address not allowed: {self.peer_ip} may not "
                                            f"connect to stage {self.server.index}", receive=receive,
                                            timeout=cfg.handshake_timeout_s)
@@ -128,6 +127,7 @@ class UpstreamConnection:
                 if exc.by_peer:  # e.g. a status probe, which declines once it has seen our Hello
                     log.info("stage %d: upstream %s declined: %s", self.server.index, self.peer_desc, exc.reason)
                 else:
+                    self.server.refused_upstreams += 1
                     log.warning("stage %d: refused upstream %s: %s", self.server.index, self.peer_desc, exc.reason)
                 return
             self._out = shaped(self.stream, cfg.link_shape, self._nursery)

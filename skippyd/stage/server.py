@@ -104,7 +104,7 @@ class StageServer:
             auth=config.link_auth,
         )
         self.upstream_allow = UpstreamAllow.for_stage(topology, index, config.upstream_allow) if index else None
-        self.refused_upstreams = 0  # connections refused by the allow-list
+        self.refused_upstreams = 0  # upstream connections this stage refused at the handshake (any reason)
         self.token_return: TokenReturnLink | None = None
         if self.is_final and len(topology.stages) >= 3 and config.direct_return:
             head = topology.stage(0)
