@@ -75,8 +75,8 @@ def test_default_allow_list_is_the_previous_stage_host(tiny_model_small_vocab_pa
     allow = UpstreamAllow.for_stage(topo, 2, None)
     assert allow.entries == ["10.1.0.2"] and "stage 1" in allow.source
     assert UpstreamAllow.for_stage(topo, 2, ["any"]).any
-    with pytest.raises(TopologyError):
-        UpstreamAllow.for_stage(topo, 0, None)
+    # the head's only listener takes the final stage's token-return connection
+    assert UpstreamAllow.for_stage(topo, 0, None).entries == ["10.1.0.3"]
 
 
 def test_upstream_allow_in_config_and_flags(tmp_path):
@@ -304,6 +304,28 @@ async def test_default_allow_list_admits_the_loopback_topology_and_status_names_
     assert all(c == 0 for c in codes.values()), codes
 
 
+async def test_head_refuses_a_token_return_connection_from_elsewhere(tiny_model_small_vocab_path, tmp_path):
+    """The head's token-return listener takes only the final stage's host: from anywhere else a peer that
+    passed the handshake could inject tokens into running generations. Refused, the final stage falls back to
+    the relayed path and generations still work."""
+    split_for_test(tiny_model_small_vocab_path, 3, tmp_path)
+    pipe = Pipeline(tmp_path / "topology.toml", tmp_path)
+    try:
+        await pipe.astart_stage(2)
+        await pipe.astart_stage(1)
+        pipe.extra = ["--upstream-allow", "192.0.2.1"]  # the head only: not where the final stage dials from
+        await pipe.astart_stage(0)
+        got = await pipe.generate(prompt="hi", raw=True, max_tokens=3)
+        assert len(got["tokens"]) == 3
+        tr = (await pipe.head.astatus())["head"]["token_return"]
+        assert tr["refused"] >= 1 and tr["accepted"] == 0 and tr["direct"] == 0, tr
+        assert "upstream address not allowed: 127.0.0.1 may not open the token-return connection" \
+            in pipe.head.log()
+    finally:
+        codes = pipe.stop()
+    assert all(c == 0 for c in codes.values()), codes
+
+
 async def test_pipeline_with_a_link_secret(tiny_model_small_vocab_path, tmp_path):
     """Every daemon holds the secret: lanes (and status probes) work; a dialer without it, or with
     another, is refused with "authentication failed"."""
@@ -317,6 +339,7 @@ async def test_pipeline_with_a_link_secret(tiny_model_small_vocab_path, tmp_path
         got = await pipe.generate(prompt="hi", raw=True, max_tokens=4)
         assert len(got["tokens"]) == 4
         auth = load_link_secret(secret)
+        before = (await pipe.stages[1].astatus())["stages"][0]["refused_upstreams"]  # startup races count too
         await ping(pipe, stage0_hello(pipe, auth))
         await expect_refusal(pipe, stage0_hello(pipe), "authentication failed")
         await expect_refusal(pipe, stage0_hello(pipe, link_auth(b"x" * 40)), "authentication failed")
@@ -326,7 +349,7 @@ async def test_pipeline_with_a_link_secret(tiny_model_small_vocab_path, tmp_path
         reach = {s["index"]: (s["reachable"], s.get("error")) for s in head["topology"]["stages"]}
         assert reach[2] == (True, None), reach  # the probe presents the secret too
         snap = (await pipe.stages[1].astatus())["stages"][0]
-        assert snap["link_secret"] is True and snap["refused_upstreams"] == 2
+        assert snap["link_secret"] is True and snap["refused_upstreams"] == before + 2
     finally:
         codes = pipe.stop()
     assert all(c == 0 for c in codes.values()), codes

@@ -17,6 +17,7 @@ from skippyd.head.engine import HeadEngine
 from skippyd.head.lanes import LanePool
 from skippyd.head.liveness import StageWatch
 from skippyd.head.token_return import TokenReturnHub
+from skippyd.stage.access import UpstreamAllow
 from skippyd.runtime.llama import Context, Model
 from skippyd.stage.server import StageConfig
 from skippyd.topology import Topology
@@ -69,7 +70,8 @@ class HeadNode:
                                      queue_timeout=self.queue_timeout, shape=cfg.link_shape)
                 self.watch = StageWatch(s1.host, s1.port, hello)
                 if len(topo.stages) >= 3 and cfg.direct_return:
-                    self.hub = TokenReturnHub(hello, handshake_timeout=cfg.handshake_timeout_s)
+                    self.hub = TokenReturnHub(hello, handshake_timeout=cfg.handshake_timeout_s,
+                                              allow=UpstreamAllow.for_stage(topo, 0, cfg.upstream_allow))
             self.engine = HeadEngine(self.model, context, scheduler, self.pool, prefill_chunk=self.prefill_chunk,
                                      receipts_file=self.receipts_file, queue_timeout=self.queue_timeout,
                                      hub=self.hub, watch=self.watch, reply_timeout=cfg.reply_timeout_s,

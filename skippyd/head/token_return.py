@@ -22,7 +22,8 @@ import attrs
 import trio
 
 from skippyd.wire.errors import HandshakeRefused, PeerClosed, ProtocolError, ReadTimeout, WireError
-from skippyd.wire.handshake import handshake_server
+from skippyd.stage.access import UpstreamAllow
+from skippyd.wire.handshake import handshake_server, refuse_handshake
 from skippyd.wire.messages import Ack, ErrorReply, Hello, PredictedToken, PredictedTokens, Reply, Role
 from skippyd.wire.stream import ReceiveBuffer, read_reply
 
@@ -47,8 +48,10 @@ class HubStats:
 
 
 class TokenReturnHub:
-    def __init__(self, hello: Hello, *, handshake_timeout: float = 5.0, read_deadline: float = READ_DEADLINE_S):
+    def __init__(self, hello: Hello, *, handshake_timeout: float = 5.0, read_deadline: float = READ_DEADLINE_S,
+                 allow: UpstreamAllow | None = None):
         self.hello = attrs.evolve(hello, role=Role.TOKEN_RETURN)
+        self.allow = allow  # who may connect (the final stage's host by default; see stage/access.py)
         self.handshake_timeout = handshake_timeout
         self.read_deadline = read_deadline
         self.address: str | None = None
@@ -119,6 +122,12 @@ class TokenReturnHub:
         self._streams.add(stream)
         try:
             try:
+                address = _peer_ip(stream)
+                if self.allow is not None and not await self.allow.allows(address):
+                    # anyone who passed the handshake could inject tokens into running generations
+                    await refuse_handshake(stream, f"upstream address not allowed: {address} may not open the "
+                                           f"token-return connection", timeout=self.handshake_timeout,
+                                           receive=receive)
                 peer = await handshake_server(stream, self.hello, timeout=self.handshake_timeout, receive=receive)
             except HandshakeRefused as exc:
                 self.stats.refused += 1
@@ -164,3 +173,10 @@ class TokenReturnHub:
     def describe(self) -> dict:
         return {"listen": self.address, "connections": self.connections, "waiting": self.waiting,
                 **attrs.asdict(self.stats)}
+
+
+def _peer_ip(stream: trio.SocketStream) -> str:
+    try:
+        return stream.socket.getpeername()[0]
+    except (OSError, AttributeError, IndexError):
+        return "?"

@@ -104,13 +104,14 @@ class UpstreamAllow:
 
     @classmethod
     def for_stage(cls, topology: Topology, index: int, configured: Sequence[str] | None) -> UpstreamAllow:
-        """The configured list, else the host the topology names for stage index-1."""
+        """The configured list, else the host the topology names for stage index-1; for stage 0 (the
+        head, whose only listener takes the final stage's token-return connection) the final stage's."""
         if configured is not None:
             return cls(configured, source="upstream_allow")
-        if index == 0:
-            raise TopologyError("stage 0 has no upstream")
-        prev = topology.stage(index - 1)
-        return cls([prev.host], source=f"the topology: stage {prev.index}'s host")
+        if len(topology.stages) < 2:
+            raise TopologyError("a single-stage topology has no peers")
+        peer = topology.stage(index - 1 if index else len(topology.stages) - 1)
+        return cls([peer.host], source=f"the topology: stage {peer.index}'s host")
 
     def describe(self) -> str:
         return "any address" if self.any else ", ".join(self.entries)
