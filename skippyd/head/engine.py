@@ -371,6 +371,7 @@ class _Run:
         # this decode step so far (HotPath): native compute here, and waits on the other stages
         self.native_us = 0
         self.waited_us = 0
+        self.loop_native_cpu_us = 0
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1e3
@@ -528,6 +529,7 @@ class _Run:
         except llama.LlamaError as exc:
             raise GenerationError(f"head compute failed: {exc}") from exc
         self.native_us += job.native_us
+        self.loop_native_cpu_us += job.loop_native_cpu_us
         self.waited_us += job.lock_wait_us
         self.position = pos + len(tokens)
         self.live.position = self.position
@@ -660,8 +662,10 @@ class _Run:
         step_started = None
         while True:
             if step_started is not None:  # one step: from having a token to having the next
-                hot_path.note(time.perf_counter() - step_started - self.waited_us / 1e6, self.native_us)
-            step_started, self.waited_us, self.native_us = time.perf_counter(), 0, 0
+                cpu_s = time.thread_time() - step_cpu - self.loop_native_cpu_us / 1e6
+                hot_path.note(time.perf_counter() - step_started - self.waited_us / 1e6, self.native_us, cpu_s)
+            step_started, step_cpu = time.perf_counter(), time.thread_time()
+            self.waited_us = self.native_us = self.loop_native_cpu_us = 0
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
                 self.ttft_ms = (self.first_token_at - self.started) * 1e3

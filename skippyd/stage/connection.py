@@ -438,7 +438,7 @@ class UpstreamConnection:
         await self._answer_with_token(session, msg, job)
 
     async def on_decode(self, msg: DecodeStep) -> None:
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         self._waited_us = 0
         self._take_deferred(msg.session_id)
         session = self._session(msg, create=False)
@@ -446,7 +446,8 @@ class UpstreamConnection:
         job = await self._compute(session, msg, want_token=self.server.is_final)
         await self._answer_with_token(session, msg, job)
         waited_us = self._waited_us + job.lock_wait_us
-        self.server.scheduler.hot_path.note(time.perf_counter() - started - waited_us / 1e6, job.native_us)
+        cpu_s = time.thread_time() - started_cpu - job.loop_native_cpu_us / 1e6
+        self.server.scheduler.hot_path.note(time.perf_counter() - started - waited_us / 1e6, job.native_us, cpu_s)
 
     async def _answer_with_token(self, session: StageSession, msg, job: Job) -> None:
         if self.server.is_final:

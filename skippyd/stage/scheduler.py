@@ -58,6 +58,7 @@ class Job:
     compute_us: int = 0  # the llama_decode this job was part of, with the worker-thread round trip
     native_us: int = 0  # inside llama.cpp only (decode and sampling)
     lock_wait_us: int = 0  # waiting for the host compute lock
+    loop_native_cpu_us: int = 0  # CPU time the event loop's thread spent in llama.cpp (inline computes)
 
     def __attrs_post_init__(self) -> None:
         self.n = len(self.tokens) if self.tokens is not None else len(self.embd)
@@ -74,6 +75,7 @@ class SchedulerStats:
     multi_seq_batches: int = 0
     compute_s: float = 0.0
     lock_wait_s: float = 0.0  # waiting for the host compute lock (other stages computing)
+    inline_batches: int = 0  # computed on the event loop's thread (small decode batches)
 
 
 # Decode batches up to this many sessions compute on the event loop's thread, while the last such
@@ -129,23 +131,30 @@ class HotPath:
     Whoever handles a step reports its wall time here (from having the message
     to having sent the answer), less the waits on other stages; what remains
     after native compute (llama_decode and sampling) is Python: framing,
-    dispatch, the worker-thread round trip, bookkeeping.
+    dispatch, the worker-thread round trip, bookkeeping. On a busy host the
+    wall time also holds the time the process waited for a core, so the
+    event loop thread's CPU time outside llama.cpp is kept too (``cpu_s``):
+    Python's own cost, whatever the load.
     """
 
     steps: int = 0
     wall_s: float = 0.0
     native_s: float = 0.0
+    cpu_s: float = 0.0
 
-    def note(self, wall_s: float, native_us: int) -> None:
-        """One step: its wall time less waits (on other stages, for the host lock), its native time."""
+    def note(self, wall_s: float, native_us: int, cpu_s: float = 0.0) -> None:
+        """One step: its wall time less waits (on other stages, for the host lock), its native time, and the
+        event loop thread's CPU time outside llama.cpp."""
         self.steps += 1
         self.wall_s += wall_s
         self.native_s += native_us / 1e6
+        self.cpu_s += cpu_s
 
     def describe(self) -> dict:
         n = max(1, self.steps)
-        return {"decode_steps": self.steps, "wall_s": self.wall_s, "native_s": self.native_s,
+        return {"decode_steps": self.steps, "wall_s": self.wall_s, "native_s": self.native_s, "cpu_s": self.cpu_s,
                 "python_ms_per_step": (self.wall_s - self.native_s) * 1e3 / n,
+                "python_cpu_ms_per_step": self.cpu_s * 1e3 / n,
                 "native_ms_per_step": self.native_s * 1e3 / n}
 
 
@@ -162,6 +171,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.hot_path = HotPath()
         self._native_us = self._lock_wait_us = 0  # the last compute's (set by the worker thread)
+        self._native_cpu_us = 0  # ... CPU time of the computing thread in llama.cpp
         self._decode_native_us = 0  # the last decode-only batch's
 
     # ---------------------------------------------------------------- clients
@@ -268,7 +278,9 @@ class Scheduler:
         try:
             with span("scheduler.decode", seqs=len(batch), tokens=sum(j.n for j in batch),
                       wait_us=max(int((started - j.submitted) * 1e6) for j in batch)):
-                if self._inline(batch):
+                inline = self._inline(batch)
+                if inline:
+                    self.stats.inline_batches += 1
                     try:
                         results = self._compute_sync(batch, locked=True)
                     finally:
@@ -292,6 +304,7 @@ class Scheduler:
         for job, result in zip(batch, results):
             job.result = result
             job.native_us, job.lock_wait_us = self._native_us, self._lock_wait_us
+            job.loop_native_cpu_us = self._native_cpu_us if inline else 0
             job.queue_us = int((started - job.submitted) * 1e6)
             job.compute_us = compute_us
             job.done.set()
@@ -308,10 +321,12 @@ class Scheduler:
         waiting = time.perf_counter()
         with contextlib.nullcontext() if locked or self.host_lock is None else self.host_lock:
             native = time.perf_counter()
+            native_cpu = time.thread_time()
             ctx.decode(pos, seq, **inputs)
         self._lock_wait_us = int((native - waiting) * 1e6)  # the other stages' turns
         self.stats.lock_wait_s += native - waiting
         native = time.perf_counter() - native
+        native_cpu = time.thread_time() - native_cpu
         self.stats.batches += 1
         self.stats.jobs += len(batch)
         self.stats.tokens += len(pos)
@@ -324,10 +339,11 @@ class Scheduler:
             for j in batch:
                 out.append(hidden[row:row + j.n])
                 row += j.n
-            self._native_us = int(native * 1e6)
+            self._native_us, self._native_cpu_us = int(native * 1e6), int(native_cpu * 1e6)
             return out
         wanted = {j.seq: j.sampler for j in batch if j.want_token}
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         tokens = ctx.sample(wanted) if wanted else {}
         self._native_us = int((native + time.perf_counter() - started) * 1e6)
+        self._native_cpu_us = int((native_cpu + time.thread_time() - started_cpu) * 1e6)
         return [tokens.get(j.seq) for j in batch]
