@@ -70,6 +70,7 @@ class StageWatch:
         self._link: DownstreamLink | None = None
         self._waiters: set[_Waiter] = set()
         self._wake = trio.Event()
+        self._idle = False  # the task waits for a first request (no deadline to keep)
         self._checked = trio.Event()  # set (and replaced) after every check
         self._lock = trio.Lock()  # one ping at a time on the watch connection
         self._suspected = False
@@ -92,7 +93,8 @@ class StageWatch:
     def watching(self) -> Iterator[None]:
         """Around a wait on the pipeline: raises StageDown if stage 1 stops answering meanwhile."""
         waiter = _Waiter(trio.current_time(), trio.CancelScope())
-        if not self._waiters:  # a newer request never makes a ping due sooner: only an idle task needs waking
+        if self._idle:  # a newer request never makes a ping due sooner: only an idle task needs waking
+            self._idle = False
             self._wake.set()
         self._waiters.add(waiter)
         try:
@@ -133,6 +135,7 @@ class StageWatch:
                     continue
                 backoff = BACKOFF_MIN_S
                 if not self._waiters:
+                    self._idle = True  # between two decode steps too: then woken at the next due, not per step
                     await self._wait_woken()
                     continue
                 due = min(w.since for w in self._waiters) + self.interval
