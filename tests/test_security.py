@@ -371,3 +371,38 @@ def test_units_run_unprivileged_and_confined(name):
     assert keys["SystemCallFilter"] == "@system-service" and keys["SystemCallErrorNumber"] == "EPERM"
     assert keys["Environment"] == "MALLOC_ARENA_MAX=2"
     assert keys["RestrictAddressFamilies"] == "AF_UNIX AF_INET AF_INET6"
+
+
+# ---------------------------------------------------------------------------- a handshake flood
+async def test_connections_beyond_max_handshakes_are_closed_at_once(tiny_model_small_vocab_path, tmp_path, nursery):
+    """Silent connections fill the handshake slots; the next ones are closed unheard; once the silent ones
+    time out, a real upstream is accepted again."""
+    from skippyd.stage.server import StageConfig, StageServer
+
+    topo = split_for_test(tiny_model_small_vocab_path, 2, tmp_path)
+    cfg = StageConfig(n_ctx_per_seq=256, lanes=2, n_batch=64, n_threads=1, listen_host="127.0.0.1", listen_port=0,
+                      handshake_timeout_s=2.0, max_handshakes=4)
+    server = await nursery.start(StageServer(topo, 1, cfg).run)
+    silent = [await trio.open_tcp_stream("127.0.0.1", server.port) for _ in range(4)]
+    with trio.fail_after(2):
+        while server.handshaking < 4:
+            await trio.sleep(0.01)
+    extra = await trio.open_tcp_stream("127.0.0.1", server.port)
+    with trio.fail_after(1):  # closed at once, not at the handshake deadline
+        assert await extra.receive_some(100) == b""
+    assert server.dropped_handshakes == 1
+    with trio.fail_after(4):  # the silent ones time out; the slots are free again
+        while server.handshaking:
+            await trio.sleep(0.05)
+    s0 = topo.stage(0)
+    hello = Hello(fingerprint=topo.source_sha256, stage_index=0, layer_start=s0.layer_start, layer_end=s0.layer_end,
+                  n_layer=topo.n_layer, n_embd=topo.n_embd, node="test")
+    link = await DownstreamLink.connect("127.0.0.1", server.port, hello, connect_timeout=5)
+    try:
+        reply, *_ = await link.request(Ping(1))
+        assert isinstance(reply, Ack)
+    finally:
+        await link.aclose()
+    for s in [*silent, extra]:
+        await s.aclose()
+    assert server.snapshot()["dropped_handshakes"] == 1

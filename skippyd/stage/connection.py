@@ -115,12 +115,19 @@ class UpstreamConnection:
         cfg = self.server.config
         receive = ReceiveBuffer(self.stream)
         try:
+            if self.server.handshaking >= cfg.max_handshakes:
+                # a flood of connections that never finish their handshake must not use up this stage's
+                # descriptors: beyond the cap they are closed at once (lanes are long-lived, so few handshake)
+                self.server.note_dropped_handshake()
+                return
+            self.server.handshaking += 1
             try:
                 allow = self.server.upstream_allow
                 if allow is not None and not await allow.allows(self.peer_ip):
+                    # not the handshake's full deadline: a refused peer only needs to finish its Hello
                     await refuse_handshake(self.stream, f"upstream address not allowed: {self.peer_ip} may not "
                                            f"connect to stage {self.server.index}", receive=receive,
-                                           timeout=cfg.handshake_timeout_s)
+                                           timeout=min(cfg.handshake_timeout_s, 2.0))
                 await handshake_server(self.stream, self.server.hello, timeout=cfg.handshake_timeout_s,
                                        receive=receive, admit=self._admit)
             except HandshakeRefused as exc:
@@ -130,6 +137,8 @@ class UpstreamConnection:
                     self.server.refused_upstreams += 1
                     log.warning("stage %d: refused upstream %s: %s", self.server.index, self.peer_desc, exc.reason)
                 return
+            finally:
+                self.server.handshaking -= 1
             self._out = shaped(self.stream, cfg.link_shape, self._nursery)
             self.server.connections[self.conn_id] = self
             limits = Limits(max_tokens=min(self.server.context.n_batch, 8192))

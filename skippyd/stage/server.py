@@ -13,6 +13,7 @@ dialed when the first session asks for direct return.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import attrs
@@ -48,6 +49,7 @@ class StageConfig:
     frame_min_rate: float = DEFAULT_MIN_RATE  # ... within frame_timeout_s + its bytes / this (bytes/s)
     upstream_allow: tuple[str, ...] | None = None  # who may connect (see stage/access.py); None: the topology's
     link_auth: bytes = b""  # the Hello auth of the shared link secret (stage/access.py link_auth); b"": none
+    max_handshakes: int = 64  # connections in their handshake at once; more are closed at once
     reply_timeout_s: float = 30.0  # the next stage must answer within this
     write_timeout_s: float = 10.0
     listen_host: str | None = None  # default: the topology's host for this stage
@@ -105,6 +107,9 @@ class StageServer:
         )
         self.upstream_allow = UpstreamAllow.for_stage(topology, index, config.upstream_allow) if index else None
         self.refused_upstreams = 0  # upstream connections this stage refused at the handshake (any reason)
+        self.handshaking = 0  # connections in their handshake now
+        self.dropped_handshakes = 0  # connections closed unheard because max_handshakes were in progress
+        self._drop_logged = (-math.inf, 0)  # when the last "dropped" line was logged, and the count then
         self.token_return: TokenReturnLink | None = None
         if self.is_final and len(topology.stages) >= 3 and config.direct_return:
             head = topology.stage(0)
@@ -153,6 +158,15 @@ class StageServer:
             log.info("stage %d: draining: no new sessions (%d running)", self.index, len(self.sessions.live))
         self.draining = True
 
+    def note_dropped_handshake(self) -> None:
+        """Count a connection closed because max_handshakes were in progress; log at most every 10 s."""
+        self.dropped_handshakes += 1
+        now = trio.current_time()
+        if now - self._drop_logged[0] >= 10.0:
+            log.warning("stage %d: %d handshakes in progress: closed %d new connections unheard", self.index,
+                        self.handshaking, self.dropped_handshakes - self._drop_logged[1])
+            self._drop_logged = (now, self.dropped_handshakes)
+
     async def _handle(self, stream: trio.SocketStream) -> None:
         await UpstreamConnection(self, stream).serve()
 
@@ -183,6 +197,7 @@ class StageServer:
             token_return=self.token_return.describe() if self.token_return else None,
             upstream_allow=self.upstream_allow.describe() if self.upstream_allow else None,
             refused_upstreams=self.refused_upstreams,
+            dropped_handshakes=self.dropped_handshakes,
             link_secret=bool(self.config.link_auth),
         )
         return snap
