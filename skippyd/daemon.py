@@ -247,17 +247,23 @@ class Daemon:
         if getattr(a, "upstream_allow", None) is not None:
             cfg.upstream_allow = tuple(a.upstream_allow)
         if getattr(a, "frame_timeout", None) is not None:
-            if a.frame_timeout < 0.1:
-                raise SystemExit(f"skippyd: --frame-timeout must be at least 0.1 s, got {a.frame_timeout:g}")
             cfg.frame_timeout_s = a.frame_timeout
-        if getattr(a, "link_secret_file", None) is not None:
-            from skippyd.stage.access import LinkSecretError, load_link_secret
-
-            try:
-                cfg.link_auth = load_link_secret(a.link_secret_file)
-            except LinkSecretError as exc:
-                raise SystemExit(f"skippyd: {exc}") from None
+        cfg.link_auth = self._link_auth
         return cfg
+
+    def _check_links(self) -> bytes:
+        """Check the stage-link settings; returns the link secret's Hello auth (b"": none)."""
+        a = self.args
+        if getattr(a, "frame_timeout", None) is not None and a.frame_timeout < 0.1:
+            raise SystemExit(f"skippyd: --frame-timeout must be at least 0.1 s, got {a.frame_timeout:g}")
+        if getattr(a, "link_secret_file", None) is None:
+            return b""
+        from skippyd.stage.access import LinkSecretError, load_link_secret
+
+        try:
+            return load_link_secret(a.link_secret_file)
+        except LinkSecretError as exc:
+            raise SystemExit(f"skippyd: {exc}") from None
 
     # ---------------------------------------------------------------- lifetime
     async def run(self) -> None:
@@ -275,6 +281,7 @@ class Daemon:
             except (TopologyError, OSError) as exc:
                 raise SystemExit(f"skippyd: {exc}")
             indices = self._stage_indices()
+        self._link_auth = self._check_links()  # before any task: a bad setting is a usage error (exit 2)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_signals, nursery)
             if a.model is not None:
@@ -284,7 +291,6 @@ class Daemon:
                                                          receipts_file=a.receipts, **self._head_options()).run)
             else:
                 cfg = self._config(self._stages_on_this_host())
-                self._link_auth = cfg.link_auth
                 # downstream stages first, so the head's lanes find them listening
                 for k in sorted(indices, reverse=True):
                     spec = self.topology.stage(k)

@@ -406,3 +406,17 @@ async def test_connections_beyond_max_handshakes_are_closed_at_once(tiny_model_s
     for s in [*silent, extra]:
         await s.aclose()
     assert server.snapshot()["dropped_handshakes"] == 1
+
+
+def test_a_bad_link_secret_file_is_a_usage_error(tmp_path):
+    """Exit 2 with one line (systemd's RestartPreventExitStatus=2), before any model is loaded."""
+    import subprocess
+    import sys
+
+    short = tmp_path / "short.secret"
+    short.write_text("abc\n")
+    for path, why in ((tmp_path / "missing", "No such file"), (short, "at least 16 bytes")):
+        proc = subprocess.run([sys.executable, "-m", "skippyd.daemon", "--model", str(tmp_path / "none.gguf"),
+                               "--no-control", "--link-secret-file", str(path)], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 2 and why in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
