@@ -118,7 +118,10 @@ def test_shape_validation():
 
 
 def _pipeline(topology, work, *extra: str) -> Pipeline:
-    pipe = Pipeline(topology, work, extra=["--prefill-chunk", "16", "--link-delay-ms", str(DELAY_MS), *extra])
+    # one thread per stage: these tests time the links; a tiny model gains nothing from more threads, and
+    # llama.cpp's spinning workers would make its compute time depend on whatever else the host runs
+    pipe = Pipeline(topology, work, extra=["--prefill-chunk", "16", "--link-delay-ms", str(DELAY_MS), "--threads", "1",
+                                           *extra])
     return pipe.start()
 
 
