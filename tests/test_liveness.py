@@ -30,8 +30,10 @@ def split2(default_model_path, tmp_path_factory):
 @pytest.fixture
 async def pipe(split2, tmp_path):
     # --batch/--prefill-chunk 4096: one prefill chunk of thousands of tokens keeps stage 1 busy for seconds
+    # (--compute-lock off: without holding the host-wide lock other skippy processes here would wait on)
     pipe = Pipeline(retarget(split2, tmp_path), tmp_path,
-                    extra=["--lanes", "2", "--ctx", "4096", "--batch", "4096", "--prefill-chunk", "4096"])
+                    extra=["--lanes", "2", "--ctx", "4096", "--batch", "4096", "--prefill-chunk", "4096",
+                           "--compute-lock", "off"])
     await trio.to_thread.run_sync(pipe.start)
     try:
         yield pipe

@@ -114,6 +114,9 @@ class DownstreamLink:
     async def send(self, msg: Message) -> tuple[int, int]:
         """Write one message; returns (bytes, microseconds)."""
         started = time.perf_counter()
+        # a cancellation already pending (a kill while this task computed) lands here, before the first
+        # byte, rather than at write_frame's first checkpoint, where the frame would count as half written
+        await trio.lowlevel.checkpoint_if_cancelled()
         self.writing = True
         try:
             n = await write_frame(self._out, msg, timeout=self.write_timeout)
