@@ -24,7 +24,7 @@ def _table(data: dict) -> Table:
                         + (" · draining" if data.get("draining") else ""),
                   caption=f"{load.get('live_generations', 0)} generations running, "
                           f"{load.get('totals', {}).get('generations', 0)} done; skippy {data.get('version')}"
-                          + _listening(data.get("listeners")))
+                          + _down((data.get("head") or {}).get("downstream")) + _listening(data.get("listeners")))
     for s in (data.get("topology") or {}).get("stages", []):
         table.add_row(str(s["index"]), s["address"], f"[{s['layers'][0]},{s['layers'][1]})",
                       "yes" if s["local"] else "no", _yes(s["reachable"]), _dash(s.get("version")))
@@ -33,6 +33,13 @@ def _table(data: dict) -> Table:
             table.add_row(str(s["index"]), s["listen"] or "-", f"[{s['layers'][0]},{s['layers'][1]})", "yes",
                           "yes", str(data.get("protocol_version")))
     return table
+
+
+def _down(watch: dict | None) -> str:
+    """The head's view of stage 1, when it stopped answering (new generations are refused meanwhile)."""
+    if not watch or watch.get("state") != "down":
+        return ""
+    return f"\nstage {watch['stage']} is DOWN: {watch.get('error')}"
 
 
 def _listening(listeners: list[dict] | None) -> str:

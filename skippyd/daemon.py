@@ -527,11 +527,10 @@ class Daemon:
     async def _probe(self, spec) -> dict:
         """Reachability and protocol version of a remote stage: a live lane's handshake, or a probe (cached)."""
         pool = self.head.pool if self.head is not None else None
+        watch = self.head.watch if self.head is not None else None
+        if watch is not None and watch.down and spec.index == watch.down_stage:  # stopped answering pings
+            return {"reachable": False, "version": None, "node": None, "state": "down", "error": watch.last_error}
         if pool is not None and spec.index == 1:  # a working lane already went through the handshake
-            watch = self.head.watch
-            if watch is not None and watch.down:  # stopped answering the head's liveness pings
-                return {"reachable": False, "version": None, "node": None, "state": "down",
-                        "error": watch.last_error}
             for lane in list(pool.lanes.values()):
                 if lane.state == "busy" or (lane.state == "idle" and lane.link.looks_alive()):
                     return {"reachable": True, "version": lane.link.peer.version, "node": lane.link.peer.node}

@@ -95,3 +95,50 @@ async def test_a_busy_stage_answers_pings_and_is_not_taken_for_a_hung_one(pipe):
     assert watch["pings"] > before["pings"], "the head never waited long enough to ping: the test proves nothing"
     assert watch["last_rtt_ms"] < 500, watch
     await pipe.wait_all_released()
+
+
+@pytest.fixture(scope="module")
+def split3(default_model_path, tmp_path_factory):
+    work = tmp_path_factory.mktemp("split3")
+    split_for_test(default_model_path, 3, work)
+    return work / "topology.toml"
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-return", "relayed"])
+async def test_hung_final_stage_of_three_is_named_within_2s(split3, tmp_path, direct):
+    """SIGSTOP stage 2 of 3: stage 1 is alive, so the head's ping goes through it; stage 1 relays it with a
+    shorter deadline and names stage 2. With direct return the head waits on the token-return connection,
+    which stage 1 never waits on: only the relayed ping can tell."""
+    pipe = Pipeline(retarget(split3, tmp_path), tmp_path,
+                    extra=["--lanes", "2", "--ctx", "1024", "--compute-lock", "off",
+                           *([] if direct else ["--no-direct-return"])])
+    await trio.to_thread.run_sync(pipe.start)
+    try:
+        reference = (await pipe.generate(**PROBE))["tokens"]
+        stage2 = pipe.stages[2]
+        with trio.fail_after(60):
+            try:
+                async with trio.open_nursery() as nursery:
+                    s = await start_stream(pipe, nursery, prompt=COUNT, raw=True, max_tokens=256)
+                    await s.wait_pieces(3)
+                    injected = time.monotonic()
+                    stage2.signal(signal.SIGSTOP)
+                    assert await s.wait_done(3), "the hung stage was not detected within 3 s"
+                detection = s.ended_at - injected
+                assert detection < 2.0, detection
+                assert s.error.code == "unavailable" and s.retryable, s.error
+                assert str(s.error).startswith("pipeline failed: stage 2 failed: ") and "liveness ping" in \
+                    str(s.error), str(s.error)
+                watch = await downstream(pipe)
+                assert watch["state"] == "down" and watch["stage"] == 2, watch
+                with pytest.raises(ControlError) as err:
+                    await pipe.generate(**PROBE)
+                assert err.value.code == "unavailable" and "stage 2" in str(err.value), str(err.value)
+            finally:
+                stage2.signal(signal.SIGCONT)
+            got = await pipe.generate(**PROBE)
+            assert got["tokens"] == reference
+            assert (await downstream(pipe))["state"] == "up"
+            await pipe.wait_all_released()
+    finally:
+        await trio.to_thread.run_sync(pipe.stop)

@@ -25,9 +25,10 @@ final stage answers DIRECT_RETURN_UNAVAILABLE the generation configures
 again without it and uses the relayed path (logged once per change).
 
 Liveness (``watch``, a :class:`~skippyd.head.liveness.StageWatch`): every
-wait on the pipeline is watched, so a stage 1 that stops answering pings
+wait on the pipeline is watched, so a stage that stops answering pings (the
+ping goes through the whole pipeline; the stage before a hung one names it)
 fails the generation within about 1.5 s, whatever the reply deadline; while
-the watch says stage 1 is down, new generations are refused (retryable).
+the watch says a stage is down, new generations are refused (retryable).
 
 Resume (``resume_window`` set: ``--resume``): a generation that a stage
 failure interrupts is not failed. Its lane is dropped, and once stage 1
@@ -390,7 +391,7 @@ class _Run:
         engine = self.engine
         watch = engine.watch
         if watch is not None and watch.down and not await watch.check():
-            raise GenerationError(f"{watch.name} is down ({watch.last_error}); try again once it is back",
+            raise GenerationError(f"{watch.down_name} is down ({watch.last_error}); try again once it is back",
                                   retryable=True, status=503)
         with trio.move_on_after(engine.queue_timeout) as waited:
             await engine.slots.acquire()

@@ -18,12 +18,19 @@ interval cost no ping at all, and nothing polls. No answer within
 (:class:`StageDown`, naming the stage); while it is down the same task
 pings with backoff until it answers again, and a new generation checks it
 at once (:meth:`check`) instead of waiting for the next try.
+
+The watch connection is a lane like any other, so it leads through the
+whole pipeline, and a middle stage relays a Ping with a shorter deadline
+than its upstream's (``on_ping`` in skippyd/stage/connection.py): a hung
+stage further down is named by the stage before it, in a DOWNSTREAM_FAILED
+reply ("stage 2 failed: ..."), and ``down_stage`` says which stage it was.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import re
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -33,7 +40,7 @@ import trio
 
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.wire.errors import HandshakeRefused
-from skippyd.wire.messages import Ack, Hello, Ping
+from skippyd.wire.messages import Ack, ErrorReply, Hello, Ping
 
 log = logging.getLogger("skippyd.head")
 
@@ -41,6 +48,10 @@ INTERVAL_S = 0.5  # a request waiting longer than this gets stage 1 pinged
 PING_TIMEOUT_S = 1.0  # no answer within this: stage 1 is down (detection within INTERVAL_S + PING_TIMEOUT_S)
 BACKOFF_MIN_S = 0.25  # while down: first re-check after this, doubling ...
 BACKOFF_MAX_S = 2.0  # ... up to this
+
+
+_NAMED = re.compile(r"^stage (\d+) failed: ")  # how a stage's DOWNSTREAM_FAILED reply names the next stage
+_AWAY = re.compile(r"^downstream unavailable: stage (\d+) at ")  # a middle stage's refusal when it is
 
 
 class StageDown(Exception):
@@ -62,6 +73,7 @@ class StageWatch:
         self.interval = interval
         self.ping_timeout = ping_timeout
         self.up: bool | None = None  # None: not checked yet
+        self.down_stage = stage_index  # while down: the stage that did not answer (a later one may be named)
         self.changed_at = time.time()
         self.last_error: str | None = None
         self.pings = 0
@@ -87,6 +99,11 @@ class StageWatch:
     @property
     def down(self) -> bool:
         return self.up is False
+
+    @property
+    def down_name(self) -> str:
+        """The stage that is down, as error messages name it."""
+        return self.name if self.down_stage == self.stage_index else f"stage {self.down_stage}"
 
     # ---------------------------------------------------------------- requests
     @contextmanager
@@ -167,8 +184,17 @@ class StageWatch:
                 w.since = max(w.since, started)
             self._set(True, None)
             return
+        named = _NAMED.match(error)  # a stage further down did not answer: the stage before it says so
+        if named:
+            self.down_stage = int(named.group(1))
+        elif self.down and self.down_stage != self.stage_index:
+            # a re-check that times out while a later stage is down (stage 1 waits on that one in the watch
+            # connection's handshake) keeps the stage first named, and why
+            error = self.last_error
+        else:
+            self.down_stage = self.stage_index
         self._set(False, error)
-        why = f"{self.name} is not responding: {error}"
+        why = error if named else f"{self.name} is not responding: {error}"
         for w in list(self._waiters):
             w.failure = why
             w.scope.cancel()
@@ -194,6 +220,8 @@ class StageWatch:
                 self.last_rtt_ms = round((time.perf_counter() - sent) * 1e3, 3)
                 if not isinstance(reply, Ack):
                     await self._drop()
+                    if isinstance(reply, ErrorReply):
+                        return reply.message  # "stage K failed: ...": the stage before it names it
                     return f"it answered a ping with {type(reply).__name__}"
                 return None
             except trio.TooSlowError:
@@ -202,8 +230,9 @@ class StageWatch:
             except DownstreamError as exc:
                 await self._drop()
                 if isinstance(exc.__cause__, HandshakeRefused):
-                    # it refused the watch connection (its own next stage is away, say): alive, and it says why
-                    return None
+                    # it refused the watch connection: alive; but if because its next stage is away, that one is down
+                    away = _AWAY.match(exc.__cause__.reason)
+                    return f"stage {away.group(1)} failed: {exc.__cause__.reason}" if away else None
                 if fresh or attempt == 2:
                     return exc.detail
         return "unreachable"
@@ -225,7 +254,7 @@ class StageWatch:
         self.up, self.last_error = up, error
 
     def describe(self) -> dict:
-        return {"stage": self.stage_index, "address": self.address,
+        return {"stage": self.down_stage if self.down else self.stage_index, "address": self.address,
                 "state": {None: "unknown", True: "up", False: "down"}[self.up],
                 "since": round(self.changed_at, 3), "error": self.last_error, "pings": self.pings,
                 "failed_checks": self.failures, "last_rtt_ms": self.last_rtt_ms}

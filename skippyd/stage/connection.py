@@ -66,6 +66,9 @@ log = logging.getLogger("skippyd.stage")
 
 _conn_ids = itertools.count(1)
 CLEANUP_TIMEOUT_S = 5.0
+# A middle stage k relays a Ping and waits PING_RELAY_S ** k for the answer of the stages after it: less
+# than whoever pinged it waits (the head: 1 s), so the stage before a hung one is the one that names it.
+PING_RELAY_S = 0.8
 
 
 class RequestFailed(Exception):
@@ -495,7 +498,19 @@ class UpstreamConnection:
             await self.reply(Ack(msg.request_id, msg.session_id, stats=self._own_stats()))
 
     async def on_ping(self, msg: Ping) -> None:
-        await self.reply(Ack(msg.request_id, 0, stats=self._own_stats()))
+        """Answer for this stage and every stage after it (a middle stage relays the ping). A stage computes
+        in a worker thread, so a busy one answers at once; one that does not answer in time is named in a
+        DOWNSTREAM_FAILED reply (by dispatch), and this connection ends (a reply is owed on its link)."""
+        if self.server.is_final:
+            await self.reply(Ack(msg.request_id, 0, stats=self._own_stats()))
+            return
+        await self._ensure_downstream()  # the next stage restarted since the last ping: reconnect first
+        wait = PING_RELAY_S ** self.server.index
+        with trio.move_on_after(wait):
+            await self._relay(msg, None)
+            return
+        self.down.broken = True
+        raise DownstreamError(self.down.address, f"no answer to a liveness ping within {wait:.2g} s")
 
 
 def _peer_address(stream: trio.SocketStream) -> tuple[str, str]:

@@ -558,8 +558,9 @@ class Stop:
 
 @attrs.frozen
 class Ping:
-    """Keepalive on an idle lane. Reply: ``Ack`` with the same ``request_id``;
-    a middle stage answers it itself."""
+    """Liveness check (the head's watch lane). Reply: ``Ack`` with the same ``request_id``
+    from the final stage; a middle stage relays it, and answers DOWNSTREAM_FAILED
+    naming the next stage if that one does not answer in time."""
 
     kind: ClassVar[MessageKind] = MessageKind.PING
     request_id: int = attrs.field(validator=_u64)
