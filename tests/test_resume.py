@@ -200,3 +200,30 @@ async def test_hung_stage_resumes_after_sigcont_with_the_same_tokens(splits, tmp
         await pipe.wait_all_released()
     finally:
         await trio.to_thread.run_sync(pipe.stop)
+
+
+async def test_hung_final_stage_of_three_resumes_after_sigcont(splits, tmp_path):
+    """SIGSTOP stage 2 of 3 (direct return) for 3 s: stage 1 names it within the ping deadline, the head
+    waits for the pipeline to answer again, replays, and the generation ends as an uninterrupted one would."""
+    pipe = await start(splits[3], tmp_path, "--resume", "--resume-window", "30")
+    try:
+        reference = await pipe.generate(**DECODE)
+        d = pipe.stages[2]
+        with trio.fail_after(90):
+            async with trio.open_nursery() as nursery:
+                s = await stream(pipe, nursery, **DECODE)
+                await wait_for(lambda: len(s.pieces) >= 10 or s.done.is_set())
+                try:
+                    d.signal(signal.SIGSTOP)
+                    await trio.sleep(3)
+                    assert (await head_sessions(pipe))[0]["state"] == "resuming"
+                finally:
+                    d.signal(signal.SIGCONT)
+                await s.done.wait()
+        assert s.error is None, f"the generation failed instead of resuming: {s.error}"
+        assert s.result["tokens"] == reference["tokens"]
+        assert "".join(s.pieces) == s.result["text"] == reference["text"]
+        assert "resuming (replay 1:" in pipe.head.log() and "stage 2 failed: " in pipe.head.log()
+        await pipe.wait_all_released()
+    finally:
+        await trio.to_thread.run_sync(pipe.stop)
