@@ -22,7 +22,9 @@ from skippyd.control import messages as m
 from tests.procs import Pipeline, retarget, split_for_test
 from tests.test_faults import COUNT, LONG, wait_prefilling
 
-FLAGS = ["--prefill-chunk", "32", "--lanes", "2", "--ctx", "512"]
+# --compute-lock off: a stage stopped (SIGSTOP) while it holds the host-wide compute lock would stall every
+# other skippy process of this user on the host (other test runs) until SIGCONT
+FLAGS = ["--prefill-chunk", "32", "--lanes", "2", "--ctx", "512", "--compute-lock", "off"]
 DECODE = dict(prompt=COUNT, raw=True, max_tokens=96)
 PREFILL = dict(prompt=LONG + COUNT, raw=True, max_tokens=24)  # ~200 prompt tokens: 7 chunks of 32
 
