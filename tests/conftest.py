@@ -10,6 +10,20 @@ from skippyd.runtime.models import fetch_default_model
 from tests.tiny_model import MetadataField, load_tokenizer, small_vocabulary, write_tiny_llama
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_compute_lock(tmp_path_factory: pytest.TempPathFactory):
+    """This run's stages take turns with each other only, not with another run's on the same host."""
+    import os
+
+    previous = os.environ.get("SKIPPY_COMPUTE_LOCK")
+    os.environ["SKIPPY_COMPUTE_LOCK"] = str(tmp_path_factory.mktemp("lock") / "compute.lock")
+    yield
+    if previous is None:
+        os.environ.pop("SKIPPY_COMPUTE_LOCK", None)
+    else:
+        os.environ["SKIPPY_COMPUTE_LOCK"] = previous
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The embedded default model (SmolLM2-135M-Instruct Q4_1), fetched once into the cache."""

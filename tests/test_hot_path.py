@@ -106,3 +106,43 @@ async def test_a_delayed_link_makes_the_head_measure_it_and_grow_its_chunk(defau
         assert prefill["prefill_chunk"] > prefill["floor"] == 1, prefill
     finally:
         await trio.to_thread.run_sync(pipe.stop)
+
+
+def test_a_stuck_holder_costs_one_bounded_wait_then_is_bypassed(tmp_path):
+    """A stage that stops while it holds the lock (SIGSTOP) must not stall the others: they wait at most
+    max_wait_s once, then compute without the lock for bypass_s."""
+    import time
+
+    path = tmp_path / "compute.lock"
+    stuck, waiter = HostComputeLock(path), HostComputeLock(path, max_wait_s=0.3, bypass_s=60)
+    try:
+        assert stuck.try_acquire()
+        started = time.monotonic()
+        assert waiter.acquire() is False
+        assert 0.3 <= time.monotonic() - started < 1.0
+        started = time.monotonic()
+        assert waiter.acquire() is False  # bypassed: no second wait
+        assert time.monotonic() - started < 0.05
+        assert waiter.timeouts == 1
+        stuck.release()
+    finally:
+        stuck.close()
+        waiter.close()
+
+
+def test_a_free_lock_is_taken_at_once_and_a_busy_one_after_its_release(tmp_path):
+    import threading
+    import time
+
+    path = tmp_path / "compute.lock"
+    holder, waiter = HostComputeLock(path), HostComputeLock(path)
+    try:
+        assert holder.try_acquire()
+        threading.Timer(0.2, holder.release).start()
+        started = time.monotonic()
+        assert waiter.acquire() is True
+        assert 0.15 <= time.monotonic() - started < 0.5
+        waiter.release()
+    finally:
+        holder.close()
+        waiter.close()

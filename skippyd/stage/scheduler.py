@@ -19,7 +19,6 @@ each graph runs with every core and nothing spins against a descheduled peer.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
 import os
@@ -76,6 +75,7 @@ class SchedulerStats:
     compute_s: float = 0.0
     lock_wait_s: float = 0.0  # waiting for the host compute lock (other stages computing)
     inline_batches: int = 0  # computed on the event loop's thread (small decode batches)
+    lock_timeouts: int = 0  # waits for the host lock that gave up (its holder stopped or stuck)
 
 
 # Decode batches up to this many sessions compute on the event loop's thread, while the last such
@@ -83,6 +83,8 @@ class SchedulerStats:
 # must answer liveness pings promptly).
 INLINE_MAX_SEQS = 8
 INLINE_MAX_US = 20_000
+LOCK_MAX_WAIT_S = 1.0  # longer than any other stage's one compute should hold the host lock ...
+LOCK_BYPASS_S = 5.0  # ... past that the holder is taken to be stuck: go without the lock this long
 
 
 class HostComputeLock:
@@ -90,17 +92,38 @@ class HostComputeLock:
 
     flock locks belong to an open file description, so stages in one process
     (``--stage all``) exclude each other as stages in different processes do.
+
+    Taking turns is an optimisation, never a dependency: a holder that stops
+    (SIGSTOP, a wedged compute) keeps its flock, so a waiter gives up after
+    ``max_wait_s``, computes without the lock and leaves it alone for
+    ``bypass_s`` before trying again. Slower while that lasts, never stuck.
     """
 
-    def __init__(self, path: str | os.PathLike | None = None):
+    def __init__(self, path: str | os.PathLike | None = None, *, max_wait_s: float = LOCK_MAX_WAIT_S,
+                 bypass_s: float = LOCK_BYPASS_S):
         self.path = str(path or default_lock_path())
+        self.max_wait_s, self.bypass_s = max_wait_s, bypass_s
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._bypass_until = 0.0
+        self.timeouts = 0  # waits that gave up (a stuck or very long holder)
 
-    def __enter__(self) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_EX)  # blocks in C with the GIL released
-
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def acquire(self) -> bool:
+        """Wait (blocking this thread, up to max_wait_s) for the lock; False: compute without it."""
+        now = time.monotonic()
+        if now < self._bypass_until:
+            return False
+        deadline, pause = now + self.max_wait_s, 50e-6
+        while not self.try_acquire():
+            now = time.monotonic()
+            if now >= deadline:
+                self.timeouts += 1
+                self._bypass_until = now + self.bypass_s
+                log.warning("the host compute lock %s was held for more than %g s (a stopped or stuck stage?); "
+                            "computing without it for %g s", self.path, self.max_wait_s, self.bypass_s)
+                return False
+            time.sleep(pause)  # flock has no timeout: poll, from 50 us up to 1 ms apart
+            pause = min(pause * 2, 1e-3)
+        return True
 
     def release(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -119,7 +142,10 @@ class HostComputeLock:
 
 
 def default_lock_path() -> str:
-    """One lock per user and host: in /dev/shm (memory) when there is one."""
+    """One lock per user and host: in /dev/shm (memory) when there is one; $SKIPPY_COMPUTE_LOCK overrides it
+    (e.g. to keep a test run's stages apart from another's)."""
+    if os.environ.get("SKIPPY_COMPUTE_LOCK"):
+        return os.environ["SKIPPY_COMPUTE_LOCK"]
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     return os.path.join(base, f"skippy-compute-{os.getuid()}.lock")
 
@@ -319,10 +345,17 @@ class Scheduler:
         else:
             inputs = {"embd": batch[0].embd if len(batch) == 1 else np.concatenate([j.embd for j in batch])}
         waiting = time.perf_counter()
-        with contextlib.nullcontext() if locked or self.host_lock is None else self.host_lock:
+        take_lock = not locked and self.host_lock is not None
+        holding = take_lock and self.host_lock.acquire()
+        if take_lock and not holding:
+            self.stats.lock_timeouts = self.host_lock.timeouts
+        try:
             native = time.perf_counter()
             native_cpu = time.thread_time()
             ctx.decode(pos, seq, **inputs)
+        finally:
+            if holding:
+                self.host_lock.release()
         self._lock_wait_us = int((native - waiting) * 1e6)  # the other stages' turns
         self.stats.lock_wait_s += native - waiting
         native = time.perf_counter() - native
