@@ -76,6 +76,7 @@ class SchedulerStats:
     lock_wait_s: float = 0.0  # waiting for the host compute lock (other stages computing)
     inline_batches: int = 0  # computed on the event loop's thread (small decode batches)
     lock_timeouts: int = 0  # waits for the host lock that gave up (its holder stopped or stuck)
+    gathers: int = 0  # decode batches that waited for the last batch's other sessions
 
 
 # Decode batches up to this many sessions compute on the event loop's thread, while the last such
@@ -83,6 +84,9 @@ class SchedulerStats:
 # must answer liveness pings promptly).
 INLINE_MAX_SEQS = 8
 INLINE_MAX_US = 20_000
+GATHER_MAX_S = 0.002  # a decode batch waits at most this long for the last batch's other sessions ...
+GATHER_SHARE = 0.2  # ... and at most this share of that batch's compute
+GATHER_MAX_LOCKED_S = 0.02  # with the host lock: up to one decode's compute, at most this
 LOCK_MAX_WAIT_S = 1.0  # longer than any other stage's one compute should hold the host lock ...
 LOCK_BYPASS_S = 5.0  # ... past that the holder is taken to be stuck: go without the lock this long
 
@@ -199,6 +203,9 @@ class Scheduler:
         self._native_us = self._lock_wait_us = 0  # the last compute's (set by the worker thread)
         self._native_cpu_us = 0  # ... CPU time of the computing thread in llama.cpp
         self._decode_native_us = 0  # the last decode-only batch's
+        self._expected: set[int] = set()  # sequences of the last two batches' decode steps (see _gather)
+        self._previous: set[int] = set()
+        self._arrived: trio.Event | None = None  # set by submit() while _gather waits
 
     # ---------------------------------------------------------------- clients
     async def submit(self, job: Job) -> object:
@@ -208,6 +215,8 @@ class Scheduler:
         job.submitted = time.perf_counter()
         self._jobs.append(job)
         self._wakeup.set()
+        if self._arrived is not None:
+            self._arrived.set()
         try:
             await job.done.wait()
         except BaseException:
@@ -244,6 +253,7 @@ class Scheduler:
                 self._wakeup = trio.Event()
                 while self._kv_ops or self._jobs:
                     self._run_kv_ops()
+                    await self._gather()
                     batch = self._take_batch()
                     if batch:
                         await self._compute(batch)
@@ -256,6 +266,34 @@ class Scheduler:
                 job.error = trio.ClosedResourceError("scheduler stopped")
                 job.done.set()
             self._jobs.clear()
+
+    async def _gather(self) -> None:
+        """Before a decode batch: give the sessions of the last one a moment to send their next step.
+
+        Sessions decoding together come back at slightly different times (each
+        has its own bookkeeping, frames arrive one after the other); starting
+        the batch with the first one back would split them into a batch of one
+        and a batch of the rest, every step. The wait is at most GATHER_MAX_S
+        and a GATHER_SHARE of the last decode's compute, and ends as soon as
+        every expected session is back (a session that ended is expected once).
+        """
+        queued = {j.seq for j in self._jobs if j.n == 1}
+        if not queued or self._expected <= queued:
+            return
+        # taking turns at the cores (the host lock), two half groups cannot overlap anyway: wait up to a
+        # whole compute to decode them as one batch (a batch of 4 costs ~1.5 of 1, not 4)
+        limit, share = (GATHER_MAX_LOCKED_S, 1.0) if self.host_lock is not None else (GATHER_MAX_S, GATHER_SHARE)
+        window = min(limit, share * self._decode_native_us / 1e6)
+        self._arrived = trio.Event()
+        with trio.move_on_after(window):
+            while not self._expected <= queued:
+                await self._arrived.wait()
+                self._arrived = trio.Event()
+                queued = {j.seq for j in self._jobs if j.n == 1}
+        self._arrived = None
+        self._expected &= queued  # one that did not come back is not waited for again
+        self._previous &= queued
+        self.stats.gathers += 1
 
     def _run_kv_ops(self) -> None:
         while self._kv_ops:
@@ -281,6 +319,7 @@ class Scheduler:
             budget -= job.n
         for job in batch:
             self._jobs.remove(job)
+        batch.sort(key=lambda j: j.seq)  # rows in sequence order: llama.cpp decodes that faster (see sessions.py)
         return batch
 
     def _inline(self, batch: list[Job]) -> bool:
@@ -327,6 +366,9 @@ class Scheduler:
         compute_us = int((time.perf_counter() - started) * 1e6)
         if all(j.n == 1 for j in batch):
             self._decode_native_us = self._native_us
+        decoded = {j.seq for j in batch if j.n == 1}
+        if decoded:  # the sessions of the last two decode batches: a split group is gathered again
+            self._expected, self._previous = decoded | self._previous, decoded
         for job, result in zip(batch, results):
             job.result = result
             job.native_us, job.lock_wait_us = self._native_us, self._lock_wait_us
