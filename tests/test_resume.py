@@ -128,27 +128,15 @@ async def check_resumed(pipe: Pipeline, victim: int, kw: dict, *, when: str) -> 
     await pipe.wait_all_released()
 
 
-async def test_kill_mid_decode_then_restart_resumes_with_the_same_tokens(splits, tmp_path):
-    pipe = await start(splits[2], tmp_path, "--resume", "--resume-window", "30")
+@pytest.mark.parametrize("n_stages, victim, when", [
+    (2, 1, "decode"),
+    (3, 2, "decode"),  # the final stage of three: direct token return, the prediction is lost on that connection
+    (2, 1, "prefill"),
+], ids=["2stage-kill1-mid-decode", "3stage-kill2-mid-decode", "2stage-kill1-mid-prefill"])
+async def test_killed_stage_restarted_resumes_with_the_same_tokens(splits, tmp_path, n_stages, victim, when):
+    pipe = await start(splits[n_stages], tmp_path, "--resume", "--resume-window", "30")
     try:
-        await check_resumed(pipe, 1, DECODE, when="decode")
-    finally:
-        await trio.to_thread.run_sync(pipe.stop)
-
-
-async def test_three_stages_kill_final_stage_mid_decode_resumes(splits, tmp_path):
-    """The final stage of three (direct token return: the prediction is lost on the return connection)."""
-    pipe = await start(splits[3], tmp_path, "--resume", "--resume-window", "30")
-    try:
-        await check_resumed(pipe, 2, DECODE, when="decode")
-    finally:
-        await trio.to_thread.run_sync(pipe.stop)
-
-
-async def test_kill_mid_prefill_then_restart_resumes(splits, tmp_path):
-    pipe = await start(splits[2], tmp_path, "--resume", "--resume-window", "30")
-    try:
-        await check_resumed(pipe, 1, PREFILL, when="prefill")
+        await check_resumed(pipe, victim, DECODE if when == "decode" else PREFILL, when=when)
     finally:
         await trio.to_thread.run_sync(pipe.stop)
 
