@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from skippyctl.client import open_control  # noqa: E402
 from skippyd.control import messages as m  # noqa: E402
 from skippyd.runtime.models import fetch_default_model  # noqa: E402
-from tests.procs import Daemon, Pipeline, split_for_test  # noqa: E402
+from tests.procs import Pipeline, SingleStage, split_for_test  # noqa: E402
 
 LONG = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of oil and a "
         "cloth for the great lens. Ships passing the rocky headland depended on the beam to find the channel "
@@ -59,15 +59,6 @@ DECODE_TOKENS = 65  # the first token, then 64 decode steps
 CONCURRENCY = (1, 2, 4, 8)
 PY_BUDGET_MS = 0.3  # the target: Python time per decode step per stage
 LOOP_SLACK_MS = 1.5  # the target with link delay: compute + delays around the loop + this
-
-
-class Single(Pipeline):
-    """`skippyd --model`: a one-stage 'pipeline' for the measuring code."""
-
-    def __init__(self, model: Path, workdir: Path, extra: list[str]):
-        self.workdir = workdir
-        self.stages = {0: Daemon(["--model", str(model), *extra], workdir, "single")}
-        self.stages[0].wait_ready()
 
 
 async def generate(client, **kw) -> dict:
@@ -196,7 +187,7 @@ def main() -> int:
         configs: dict[str, Pipeline] = {}
         try:
             (tmp / "single").mkdir()
-            configs["single"] = Single(model, tmp / "single", common)
+            configs["single"] = SingleStage(model, tmp / "single", common)
             for n in (2, 3):
                 work = tmp / f"split{n}"
                 work.mkdir()

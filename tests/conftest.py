@@ -30,6 +30,19 @@ def default_model_path() -> Path:
     return fetch_default_model()
 
 
+@pytest.fixture(scope="module")
+def splits(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The default model split in 2 and in 3 stages on free loopback ports: {n: topology.toml}."""
+    from tests.procs import split_for_test
+
+    out = {}
+    for n in (2, 3):
+        work = tmp_path_factory.mktemp(f"split{n}")
+        split_for_test(default_model_path, n, work)
+        out[n] = work / "topology.toml"
+    return out
+
+
 @pytest.fixture(scope="session")
 def tokenizer_fields(default_model_path: Path) -> list[MetadataField]:
     """The default model's tokenizer metadata (parsed once: ~2 s)."""

@@ -224,6 +224,15 @@ class Pipeline:
             return await client.call(m.Generate(id=client.new_id(), stream=False, **kw))
 
 
+
+class SingleStage(Pipeline):
+    """`skippyd --model FILE`: the whole model in one stage, driven like a pipeline."""
+
+    def __init__(self, model: Path, workdir: Path, extra: list[str] = ()):
+        self.workdir = workdir
+        self.stages = {0: Daemon(["--model", str(model), *extra], workdir, "single")}
+        self.stages[0].wait_ready()
+
 class Stage0Driver:
     """Plays stage 0 in the test process: runs the stage-0 slice and speaks the wire protocol to stage 1.
 

@@ -100,16 +100,6 @@ def fault_report(request, tmp_path_factory):
 
 
 # ---------------------------------------------------------------------------- pipelines
-@pytest.fixture(scope="module")
-def splits(default_model_path, tmp_path_factory) -> dict[int, Path]:
-    out = {}
-    for n in (2, 3):
-        work = tmp_path_factory.mktemp(f"split{n}")
-        split_for_test(default_model_path, n, work)
-        out[n] = work / "topology.toml"
-    return out
-
-
 class Faulty(Pipeline):
     """A pipeline that remembers the tokens of PROBE before any fault."""
 

@@ -16,7 +16,7 @@ import trio
 from skippyctl.client import ControlError, open_control
 from skippyd.control import messages as m
 from skippyd.head.stops import StopMatcher
-from tests.procs import Daemon, Pipeline, split_for_test
+from tests.procs import Pipeline, SingleStage, split_for_test
 
 LONG_PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying oil for the lamp. "
                "Ships passing the rocky headland depended on the beam to find the channel between the reefs. ") * 8
@@ -28,18 +28,9 @@ PROMPTS = [
 COMMON = ["--prefill-chunk", "64", "--lanes", "8", "--ctx", "1024"]
 
 
-class SingleStage(Pipeline):
-    """`skippyd --model FILE`: the whole model in one stage, driven like a pipeline."""
-
-    def __init__(self, model, workdir):
-        self.workdir = workdir
-        self.stages = {0: Daemon(["--model", str(model), *COMMON], workdir, "single")}
-        self.stages[0].wait_ready()
-
-
 @pytest.fixture(scope="module")
 def single(default_model_path, tmp_path_factory):
-    pipe = SingleStage(default_model_path, tmp_path_factory.mktemp("single"))
+    pipe = SingleStage(default_model_path, tmp_path_factory.mktemp("single"), COMMON)
     yield pipe
     assert pipe.stop() == {0: 0}
 

@@ -16,22 +16,15 @@ import pytest
 import trio
 
 from skippyctl.client import ControlError
-from tests.procs import Pipeline, retarget, split_for_test
+from tests.procs import Pipeline, retarget
 from tests.test_faults import COUNT, PROBE, start_stream
 
 
-@pytest.fixture(scope="module")
-def split2(default_model_path, tmp_path_factory):
-    work = tmp_path_factory.mktemp("split2")
-    split_for_test(default_model_path, 2, work)
-    return work / "topology.toml"
-
-
 @pytest.fixture
-async def pipe(split2, tmp_path):
+async def pipe(splits, tmp_path):
     # --batch/--prefill-chunk 4096: one prefill chunk of thousands of tokens keeps stage 1 busy for seconds
     # (--compute-lock off: without holding the host-wide lock other skippy processes here would wait on)
-    pipe = Pipeline(retarget(split2, tmp_path), tmp_path,
+    pipe = Pipeline(retarget(splits[2], tmp_path), tmp_path,
                     extra=["--lanes", "2", "--ctx", "4096", "--batch", "4096", "--prefill-chunk", "4096",
                            "--compute-lock", "off"])
     await trio.to_thread.run_sync(pipe.start)
@@ -97,19 +90,12 @@ async def test_a_busy_stage_answers_pings_and_is_not_taken_for_a_hung_one(pipe):
     await pipe.wait_all_released()
 
 
-@pytest.fixture(scope="module")
-def split3(default_model_path, tmp_path_factory):
-    work = tmp_path_factory.mktemp("split3")
-    split_for_test(default_model_path, 3, work)
-    return work / "topology.toml"
-
-
 @pytest.mark.parametrize("direct", [True, False], ids=["direct-return", "relayed"])
-async def test_hung_final_stage_of_three_is_named_within_2s(split3, tmp_path, direct):
+async def test_hung_final_stage_of_three_is_named_within_2s(splits, tmp_path, direct):
     """SIGSTOP stage 2 of 3: stage 1 is alive, so the head's ping goes through it; stage 1 relays it with a
     shorter deadline and names stage 2. With direct return the head waits on the token-return connection,
     which stage 1 never waits on: only the relayed ping can tell."""
-    pipe = Pipeline(retarget(split3, tmp_path), tmp_path,
+    pipe = Pipeline(retarget(splits[3], tmp_path), tmp_path,
                     extra=["--lanes", "2", "--ctx", "1024", "--compute-lock", "off",
                            *([] if direct else ["--no-direct-return"])])
     await trio.to_thread.run_sync(pipe.start)
