@@ -373,6 +373,9 @@ class _Run:
         self.native_us = 0
         self.waited_us = 0
         self.loop_native_cpu_us = 0
+        # this generation's prefill chunk, chosen once: a replay (resume) must chunk the prompt the same way,
+        # or its logits (and so a greedy replay's tokens) could differ from the first time
+        self.chunk: int | None = None
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1e3
@@ -632,7 +635,9 @@ class _Run:
 
     async def _prefill(self) -> int:
         chunker = self.engine.chunker
-        chunk = chunker.size if self.lane is not None else self.engine.prefill_chunk
+        if self.chunk is None:  # single-stage: never measured, so the configured chunk
+            self.chunk = chunker.size
+        chunk = self.chunk
         prompt = self.prompt
         n = len(prompt)
         compute_us = 0  # the head's compute for this prompt
@@ -660,7 +665,7 @@ class _Run:
     async def _decode_loop(self, token: int) -> None:
         model = self.engine.model
         hot_path = self.engine.scheduler.hot_path
-        step_started = None
+        step_started = step_cpu = None
         while True:
             if step_started is not None:  # one step: from having a token to having the next
                 cpu_s = time.thread_time() - step_cpu - self.loop_native_cpu_us / 1e6
