@@ -26,7 +26,6 @@ import logging
 from typing import TYPE_CHECKING
 
 import attrs
-import numpy as np
 import trio
 
 from skippyd.runtime import llama

@@ -268,14 +268,17 @@ class Scheduler:
             self._jobs.clear()
 
     async def _gather(self) -> None:
-        """Before a decode batch: give the sessions of the last one a moment to send their next step.
+        """Before a decode batch: give the sessions of the last two decode batches a moment to send their
+        next step.
 
         Sessions decoding together come back at slightly different times (each
         has its own bookkeeping, frames arrive one after the other); starting
         the batch with the first one back would split them into a batch of one
-        and a batch of the rest, every step. The wait is at most GATHER_MAX_S
-        and a GATHER_SHARE of the last decode's compute, and ends as soon as
-        every expected session is back (a session that ended is expected once).
+        and a batch of the rest, every step (and a group split once stays split
+        unless the last two batches are gathered again). The wait is at most
+        GATHER_MAX_S and a GATHER_SHARE of the last decode's compute (see below
+        with the host lock), and ends as soon as every expected session is back
+        (a session that ended is expected once).
         """
         queued = {j.seq for j in self._jobs if j.n == 1}
         if not queued or self._expected <= queued:
@@ -364,9 +367,9 @@ class Scheduler:
         finally:
             self.stats.compute_s += time.perf_counter() - started
         compute_us = int((time.perf_counter() - started) * 1e6)
-        if all(j.n == 1 for j in batch):
-            self._decode_native_us = self._native_us
         decoded = {j.seq for j in batch if j.n == 1}
+        if len(decoded) == len(batch):  # decode steps only (one job per sequence): its time decides _inline
+            self._decode_native_us = self._native_us
         if decoded:  # the sessions of the last two decode batches: a split group is gathered again
             self._expected, self._previous = decoded | self._previous, decoded
         for job, result in zip(batch, results):
