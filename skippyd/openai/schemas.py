@@ -302,43 +302,23 @@ converter.register_structure_hook(bool, _strict("a boolean", lambda v: type(v) i
 converter.register_structure_hook(Any, lambda v, _: v)
 
 
-def _list_of(item_type: type):
-    inner = converter.get_structure_hook(list[item_type])
-
-    def hook(value: Any, type_: Any) -> list:
-        if not isinstance(value, list):
-            raise _Invalid(f"expected an array, got {_json_type(value)}")
-        return inner(value, type_)
-
-    return hook
-
-
-def _dict_of(val_type: type):
-    inner = converter.get_structure_hook(dict[str, val_type])
-
-    def hook(value: Any, type_: Any) -> dict:
-        if not isinstance(value, dict):
-            raise _Invalid(f"expected an object, got {_json_type(value)}")
-        return inner(value, type_)
-
-    return hook
-
-
-def _attrs_object(cls: type):
-    inner = converter.get_structure_hook(cls)
+def _json_shape(hint: Any, json_type: type, what: str):
+    """cattrs' hook for `hint`, refusing first a value that is not a JSON `what` (cattrs would coerce it)."""
+    inner = converter.get_structure_hook(hint)
 
     def hook(value: Any, type_: Any):
-        if not isinstance(value, dict):
-            raise _Invalid(f"expected an object, got {_json_type(value)}")
+        if not isinstance(value, json_type):
+            raise _Invalid(f"expected {what}, got {_json_type(value)}")
         return inner(value, type_)
 
     return hook
 
 
 for _cls in (StreamOptions, ResponseFormat, ChatMessage):  # before the containers that hold them
-    converter.register_structure_hook(_cls, _attrs_object(_cls))
-for _type, _hook in ((list[ChatMessage], _list_of(ChatMessage)), (dict[str, float], _dict_of(float)),
-                     (dict[str, str], _dict_of(str))):
+    converter.register_structure_hook(_cls, _json_shape(_cls, dict, "an object"))
+for _type, _hook in ((list[ChatMessage], _json_shape(list[ChatMessage], list, "an array")),
+                     (dict[str, float], _json_shape(dict[str, float], dict, "an object")),
+                     (dict[str, str], _json_shape(dict[str, str], dict, "an object"))):
     converter.register_structure_hook_func(lambda t, _type=_type: t == _type, _hook)
 
 
