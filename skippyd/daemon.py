@@ -528,7 +528,9 @@ class Daemon:
         """Reachability and protocol version of a remote stage: a live lane's handshake, or a probe (cached)."""
         pool = self.head.pool if self.head is not None else None
         watch = self.head.watch if self.head is not None else None
-        if watch is not None and watch.down and spec.index == watch.down_stage:  # stopped answering pings
+        # down by the last liveness check: check again now rather than report a stale state (the head's first
+        # check may have run before the stage listened, and the watch re-checks only with backoff)
+        if watch is not None and watch.down and spec.index == watch.down_stage and not await watch.check():
             return {"reachable": False, "version": None, "node": None, "state": "down", "error": watch.last_error}
         if pool is not None and spec.index == 1:  # a working lane already went through the handshake
             for lane in list(pool.lanes.values()):
