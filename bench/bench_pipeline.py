@@ -96,6 +96,8 @@ async def measure(pipe: Pipeline, *, concurrency: tuple[int, ...] = CONCURRENCY)
         out["decode_tps"] = r["timings"]["decode_tokens_per_s"]
         out["ms_per_token"] = 1e3 / out["decode_tps"]
         out["compute_ms_per_token"] = sum(native)
+        for k, v in enumerate(native):
+            out[f"native_ms_per_step_stage{k}"] = v
         out["python_ms_per_step_max"] = max(py)
         out["python_cpu_ms_per_step_max"] = max(cpu)
         for k, (v, c) in enumerate(zip(py, cpu)):
