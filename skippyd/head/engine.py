@@ -737,6 +737,7 @@ class _Run:
             self.sampler.close()
         if self.session is not None:
             seq = self.session.seq
+            engine.scheduler.forget(seq)
             try:
                 with trio.move_on_after(STOP_TIMEOUT_S):
                     await engine.scheduler.run_kv(lambda: engine.context.kv_clear_seq(seq))

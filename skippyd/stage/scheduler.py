@@ -86,7 +86,7 @@ INLINE_MAX_SEQS = 8
 INLINE_MAX_US = 20_000
 GATHER_MAX_S = 0.002  # a decode batch waits at most this long for the last batch's other sessions ...
 GATHER_SHARE = 0.2  # ... and at most this share of that batch's compute
-GATHER_MAX_LOCKED_S = 0.02  # with the host lock: up to one decode's compute, at most this
+GATHER_MAX_LOCKED_S = 0.02  # the head with the host lock: this long (see _gather)
 LOCK_MAX_WAIT_S = 1.0  # longer than any other stage's one compute should hold the host lock ...
 LOCK_BYPASS_S = 5.0  # ... past that the holder is taken to be stuck: go without the lock this long
 
@@ -240,6 +240,13 @@ class Scheduler:
         self._wakeup.set()
         await done.wait()
 
+    def forget(self, seq: int) -> None:
+        """`seq` ended: a gather waits for it no more."""
+        self._expected.discard(seq)
+        self._previous.discard(seq)
+        if self._arrived is not None:
+            self._arrived.set()
+
     @property
     def queued(self) -> int:
         return len(self._jobs)
@@ -277,16 +284,20 @@ class Scheduler:
         and a batch of the rest, every step (and a group split once stays split
         unless the last two batches are gathered again). The wait is at most
         GATHER_MAX_S and a GATHER_SHARE of the last decode's compute (see below
-        with the host lock), and ends as soon as every expected session is back
-        (a session that ended is expected once).
+        for the head with the host lock), and ends as soon as every expected
+        session is back or has ended (``forget``).
         """
         queued = {j.seq for j in self._jobs if j.n == 1}
         if not queued or self._expected <= queued:
             return
-        # taking turns at the cores (the host lock), two half groups cannot overlap anyway: wait up to a
-        # whole compute to decode them as one batch (a batch of 4 costs ~1.5 of 1, not 4)
-        limit, share = (GATHER_MAX_LOCKED_S, 1.0) if self.host_lock is not None else (GATHER_MAX_S, GATHER_SHARE)
-        window = min(limit, share * self._decode_native_us / 1e6)
+        if self.host_lock is not None and self.ctx.token_input:
+            # the head, taking turns at the cores (the host lock): a group that is not here is on another stage,
+            # using the cores, so waiting for it costs no compute, and one batch of both groups costs much less
+            # than two (here a batch of 8 ~1.2 of 4). Only the head waits this long: groups form here, and a
+            # later stage waiting for a group the head holds would hold the head's group in turn.
+            window = GATHER_MAX_LOCKED_S
+        else:
+            window = min(GATHER_MAX_S, GATHER_SHARE * self._decode_native_us / 1e6)
         self._arrived = trio.Event()
         with trio.move_on_after(window):
             while not self._expected <= queued:

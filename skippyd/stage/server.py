@@ -175,6 +175,7 @@ class StageServer:
         if self.sessions.get(session.conn_id, session.session_id) is not session:
             return
         seq = session.seq
+        self.scheduler.forget(seq)
         # shielded: a slot must never be freed with its KV sequence still full
         with trio.CancelScope(shield=True):
             try:
