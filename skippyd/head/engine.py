@@ -712,7 +712,7 @@ class _Run:
             self.text_parts.append(text)
             if self.on_piece is not None:
                 # shielded: a kill must not cut a client's message in half (bounded for a stalled client)
-                with trio.CancelScope(shield=True), trio.move_on_after(PIECE_SEND_TIMEOUT_S):
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + PIECE_SEND_TIMEOUT_S):
                     await self.on_piece(text)
 
     async def _cleanup(self) -> None:

@@ -206,6 +206,7 @@ class Scheduler:
         self._expected: set[int] = set()  # sequences of the last two batches' decode steps (see _gather)
         self._previous: set[int] = set()
         self._arrived: trio.Event | None = None  # set by submit() while _gather waits
+        self._busy = False  # the serve task is between its wake-up and its next wait (or _direct computes)
 
     # ---------------------------------------------------------------- clients
     async def submit(self, job: Job) -> object:
@@ -213,6 +214,13 @@ class Scheduler:
         if self._closed:
             raise trio.ClosedResourceError("scheduler stopped")
         job.submitted = time.perf_counter()
+        if self._direct(job):
+            # computed already: a schedule point as every await is, but a cancellation now must not lose the
+            # result (the KV cache holds this step)
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            if job.error is not None:
+                raise job.error
+            return job.result
         self._jobs.append(job)
         self._wakeup.set()
         if self._arrived is not None:
@@ -240,6 +248,19 @@ class Scheduler:
         self._wakeup.set()
         await done.wait()
 
+    def _direct(self, job: Job) -> bool:
+        """One session decoding alone, the scheduler idle: compute `job` right here (inline), without the
+        hand-off to the scheduler's task and back (two task switches per step). True if it did."""
+        if (self._busy or self._closed or self._jobs or self._kv_ops or job.n != 1
+                or not self._expected <= {job.seq} or not self._inline([job])):
+            return False
+        self._busy = True  # no other job can slip in: nothing below awaits
+        try:
+            self._compute_inline([job], time.perf_counter())
+        finally:
+            self._busy = False
+        return True
+
     def forget(self, seq: int) -> None:
         """`seq` ended: a gather waits for it no more."""
         self._expected.discard(seq)
@@ -258,12 +279,14 @@ class Scheduler:
             while True:
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
+                self._busy = True
                 while self._kv_ops or self._jobs:
                     self._run_kv_ops()
                     await self._gather()
                     batch = self._take_batch()
                     if batch:
                         await self._compute(batch)
+                self._busy = False
         finally:
             self._closed = True
             if self.host_lock is not None:
@@ -354,30 +377,45 @@ class Scheduler:
 
     async def _compute(self, batch: list[Job]) -> None:
         started = time.perf_counter()
+        if self._inline(batch):
+            self._compute_inline(batch, started)
+            await trio.lowlevel.checkpoint()  # let the network in between two inline computes
+            return
         try:
-            with span("scheduler.decode", seqs=len(batch), tokens=sum(j.n for j in batch),
-                      wait_us=max(int((started - j.submitted) * 1e6) for j in batch)):
-                inline = self._inline(batch)
-                if inline:
-                    self.stats.inline_batches += 1
-                    try:
-                        results = self._compute_sync(batch, locked=True)
-                    finally:
-                        if self.host_lock is not None:
-                            self.host_lock.release()
-                    await trio.lowlevel.checkpoint()  # let the network in between two inline computes
-                else:
-                    results = await trio.to_thread.run_sync(self._compute_sync, batch)
+            with span("scheduler.decode", seqs=len(batch), tokens=sum(j.n for j in batch)):
+                results = await trio.to_thread.run_sync(self._compute_sync, batch)
         except BaseException as exc:  # noqa: BLE001 - every waiter must be woken
-            for job in batch:
-                job.error = exc if isinstance(exc, Exception) else trio.ClosedResourceError("scheduler stopped")
-                job.done.set()
+            self._fail(batch, exc, started)
             if not isinstance(exc, Exception):
                 raise
             return
-        finally:
-            self.stats.compute_s += time.perf_counter() - started
-        compute_us = int((time.perf_counter() - started) * 1e6)
+        self._finish(batch, results, started, inline=False)
+
+    def _compute_inline(self, batch: list[Job], started: float) -> None:
+        """Compute `batch` on this thread (``_inline`` took the host lock, if any) and wake its jobs."""
+        self.stats.inline_batches += 1
+        try:
+            with span("scheduler.decode", seqs=len(batch), tokens=len(batch)):
+                try:
+                    results = self._compute_sync(batch, locked=True)
+                finally:
+                    if self.host_lock is not None:
+                        self.host_lock.release()
+        except Exception as exc:  # noqa: BLE001 - every waiter must be woken
+            self._fail(batch, exc, started)
+            return
+        self._finish(batch, results, started, inline=True)
+
+    def _fail(self, batch: list[Job], exc: BaseException, started: float) -> None:
+        self.stats.compute_s += time.perf_counter() - started
+        for job in batch:
+            job.error = exc if isinstance(exc, Exception) else trio.ClosedResourceError("scheduler stopped")
+            job.done.set()
+
+    def _finish(self, batch: list[Job], results: list[object], started: float, *, inline: bool) -> None:
+        now = time.perf_counter()
+        self.stats.compute_s += now - started
+        compute_us = int((now - started) * 1e6)
         decoded = {j.seq for j in batch if j.n == 1}
         if len(decoded) == len(batch):  # decode steps only (one job per sequence): its time decides _inline
             self._decode_native_us = self._native_us
