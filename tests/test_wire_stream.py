@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import random
+import signal
+import socket
 import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
 import tracemalloc
 
 import numpy as np
@@ -525,3 +531,44 @@ async def test_frame_deadline_reads_lose_nothing(read_size):
     await send.aclose()
     for frame in frames:
         assert await read_frame(buf, timeout=1, frame_timeout=1, n_embd=N_EMBD) == frame
+
+
+READ_AFTER_STOP = """
+import sys, socket, trio
+from skippyd.wire.errors import ReadTimeout
+from skippyd.wire.stream import ReceiveBuffer, read_reply
+
+async def main():
+    sock = trio.socket.from_stdlib_socket(socket.socket(fileno=int(sys.argv[1])))
+    reader = ReceiveBuffer(trio.SocketStream(sock))
+    print("waiting", flush=True)
+    print(type(await read_reply(reader, timeout=0.3, frame_timeout=1.0)).__name__, flush=True)
+    try:
+        await read_reply(reader, timeout=0.05, frame_timeout=1.0)
+    except ReadTimeout:
+        print("silent peer: ReadTimeout", flush=True)
+
+trio.run(main)
+"""
+
+
+def test_frame_that_arrived_while_the_reader_was_stopped_is_read():
+    """SIGSTOP while waiting for a reply, the reply arriving meanwhile, SIGCONT after the read's deadline: the
+    interrupted epoll returns no event once its timeout is over, yet the peer was not late; the reply is read."""
+    a, b = socket.socketpair()
+    child = subprocess.Popen([sys.executable, "-c", READ_AFTER_STOP, str(a.fileno())], pass_fds=[a.fileno()],
+                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        a.close()
+        assert child.stdout.readline() == "waiting\n"
+        time.sleep(0.05)
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(0.05)
+        b.sendall(frame_bytes(Ack(1, 2)))
+        time.sleep(0.4)  # past the reader's 0.3 s deadline
+        child.send_signal(signal.SIGCONT)
+        out, _ = child.communicate(timeout=10)
+    finally:
+        child.kill()
+        b.close()
+    assert out.splitlines() == ["Ack", "silent peer: ReadTimeout"]

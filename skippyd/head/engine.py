@@ -15,6 +15,10 @@ a lane that cannot be finished in time (a half-written frame, a silent
 stage) is closed instead, which makes stage 1 release the session when it
 notices.
 
+In a pipeline, each decode step goes down the lane before the previous
+token is detokenized and streamed, so that work overlaps the other stages'
+compute instead of adding to every token's time.
+
 Direct token return (three or more stages, ``hub`` given): a generation
 asks for it in its ConfigureGeneration; if the final stage accepts, each
 prediction-bearing message (the final prefill chunk, every decode step) is
@@ -566,15 +570,23 @@ class _Run:
 
         An ErrorReply becomes a GenerationError, except one with the code ``tolerate``, which is returned.
         """
-        lane = self.lane
+        return await self._request_finish(await self._request_begin(msg), tolerate=tolerate)
+
+    async def _request_begin(self, msg) -> _InFlight:
+        with self._watched():
+            sent, write_us = await self.lane.link.begin(msg)
+        return _InFlight(msg, sent, write_us)
+
+    async def _request_finish(self, sent: _InFlight, *, tolerate: ErrorCode | None = None):
+        lane, msg = self.lane, sent.msg
         with self._watched(), span("head.hop", request=self.live.request_id, session=self.live.session_id,
                                    kind=type(msg).__name__, lane=lane.lane_id):
-            reply, sent, write_us, wait_us = await lane.link.request(msg)
+            reply, wait_us = await lane.link.finish()
         self.waited_us += wait_us
         if isinstance(msg, DecodeStep):
             self.engine.chunker.observe_round_trip(wait_us, reply.stats.compute_us + reply.stats.queue_us)
         # the head's own hop (stage_count 0: it is not another stage's report)
-        hop = StageStats(forward_write_us=write_us, downstream_wait_us=wait_us, bytes_sent=sent)
+        hop = StageStats(forward_write_us=sent.write_us, downstream_wait_us=wait_us, bytes_sent=sent.bytes)
         self.stats = merge(self.stats, merge(hop, reply.stats))
         if isinstance(reply, ErrorReply):
             if reply.code == tolerate:
@@ -584,23 +596,31 @@ class _Run:
 
     async def _predict(self, msg) -> int:
         """Send a prediction-bearing message (final prefill chunk, decode step); the predicted token."""
+        return await self._predict_finish(await self._predict_begin(msg))
+
+    async def _predict_begin(self, msg) -> _InFlight:
+        """The sending half of :meth:`_predict`: the message is on its way, its prediction owed."""
         if self.returns is None:
-            reply = await self._request(msg)
+            return await self._request_begin(msg)
+        # direct return: stage 1 acks as soon as it has forwarded the message, so the ack arrives before the
+        # prediction can; the prediction comes on the session's channel, which the token-return connection feeds
+        started = time.perf_counter()
+        with self._watched():
+            sent, write_us = await self.lane.link.send_expecting_ack(msg)
+        return _InFlight(msg, sent, write_us, started)
+
+    async def _predict_finish(self, sent: _InFlight) -> int:
+        """The waiting half of :meth:`_predict`: the predicted token."""
+        msg = sent.msg
+        if self.returns is None:
+            reply = await self._request_finish(sent)
             if not isinstance(reply, PredictedToken):
                 raise GenerationError(f"stage 1 answered {type(msg).__name__} with {type(reply).__name__}")
             self.engine.token_paths["relayed"] += 1
             return int(reply.token)
-        return await self._predict_direct(msg)
-
-    async def _predict_direct(self, msg) -> int:
-        """Direct return: send, collect the lane's ack (stage 1 sends it as soon as it has forwarded the
-        message, so it arrives before the prediction can), then take the prediction from the session's
-        channel, which the token-return connection feeds."""
         lane = self.lane
-        started = time.perf_counter()
         with self._watched(), span("head.hop", request=self.live.request_id, session=self.live.session_id,
                                    kind=type(msg).__name__, lane=lane.lane_id, direct=1):
-            sent, write_us = await lane.link.send_expecting_ack(msg)
             await lane.link.drain()
         folded, error = lane.link.take_folded()
         self.stats = merge(self.stats, folded)
@@ -610,7 +630,7 @@ class _Run:
             with trio.move_on_after(self.engine.reply_timeout):
                 with self._watched():
                     item = await self.returns.receive()
-                wait_us = int((time.perf_counter() - started) * 1e6) - write_us
+                wait_us = int((time.perf_counter() - sent.started) * 1e6) - sent.write_us
                 self.waited_us += wait_us
                 if isinstance(item, ReturnLost):
                     lane.dirty = True  # the final stage may be gone or wedged: close the lane, no Stop
@@ -619,8 +639,9 @@ class _Run:
                 if isinstance(msg, DecodeStep):  # the middle stages' compute: from the acks just folded
                     others = folded.compute_us + folded.queue_us + item.stats.compute_us + item.stats.queue_us
                     self.engine.chunker.observe_round_trip(wait_us, others)
-                self.stats = merge(self.stats, merge(StageStats(forward_write_us=write_us, downstream_wait_us=wait_us,
-                                                                bytes_sent=sent), item.stats))
+                self.stats = merge(self.stats, merge(StageStats(forward_write_us=sent.write_us,
+                                                                downstream_wait_us=wait_us,
+                                                                bytes_sent=sent.bytes), item.stats))
                 if isinstance(item, ErrorReply):
                     raise _stage_error(item)
                 if not isinstance(item, PredictedToken) or item.session_id != self.live.session_id:
@@ -682,6 +703,12 @@ class _Run:
                 await self._emit(self.detok.flush(), final=True)
                 self.finish_reason = "stop"
                 return
+            in_flight = None
+            if self.lane is not None and len(self.tokens) < self.max_tokens:
+                # the next step goes down the pipeline first (it is the critical path); this token's text is
+                # made and streamed while the other stages compute. A stop string found below leaves that
+                # step in flight: the cleanup collects its reply before it stops the session.
+                in_flight = await self._step_begin(token)
             text, hit = self.stops.push(self.detok.push(token))
             await self._emit(text)
             if hit:
@@ -691,15 +718,20 @@ class _Run:
                 await self._emit(self.detok.flush(), final=True)
                 self.finish_reason = "length"
                 return
-            token = await self._step(token)
+            token = await (self._predict_finish(in_flight) if in_flight is not None else self._step(token))
 
     async def _step(self, token: int) -> int:
+        if self.lane is None:
+            return int(await self._compute(np.array([token], dtype=np.int32), self.position, want_token=True))
+        return await self._predict_finish(await self._step_begin(token))
+
+    async def _step_begin(self, token: int) -> _InFlight:
+        """Compute the head's slice for `token` and send the decode step on (its prediction owed)."""
         tokens = np.array([token], dtype=np.int32)
         pos = self.position
-        if self.lane is None:
-            return int(await self._compute(tokens, pos, want_token=True))
         hidden = await self._compute(tokens, pos, want_token=False)
-        return await self._predict(DecodeStep(self.live.request_id, self.live.session_id, pos, tokens, hidden))
+        return await self._predict_begin(DecodeStep(self.live.request_id, self.live.session_id, pos, tokens,
+                                                    hidden))
 
     async def _emit(self, text: str, *, final: bool = False) -> None:
         if final:
@@ -760,6 +792,16 @@ class _Run:
             log.warning("head: stop for session %d answered with %s", self.live.session_id, reply)
             return False
         return True
+
+
+@attrs.frozen
+class _InFlight:
+    """A request sent down the lane whose reply (or prediction) is still owed."""
+
+    msg: object
+    bytes: int
+    write_us: int
+    started: float = 0.0  # direct return: when the send began
 
 
 # stage errors worth retrying shortly: a full or draining stage, or one further down that died or hung

@@ -60,6 +60,7 @@ class DownstreamLink:
         # what an interrupted caller left behind (see settle): a frame half written, a reply not yet read
         self.writing = False
         self.awaiting_reply = False
+        self._reply_owed_since = 0.0
 
     @classmethod
     async def connect(cls, host: str, port: int, hello: Hello, *, connect_timeout: float = 5.0,
@@ -198,17 +199,27 @@ class DownstreamLink:
         The reply carries the stats of the drained acks too. An error that a
         drained ack reported replaces the reply (it happened first).
         """
-        n, write_us = await self.send(msg)
+        n, write_us = await self.begin(msg)
+        reply, wait_us = await self.finish()
+        return reply, n, write_us, wait_us
+
+    async def begin(self, msg: Message) -> tuple[int, int]:
+        """The first half of :meth:`request`: send `msg` (its reply is then owed); (bytes, write_us)."""
+        sent = await self.send(msg)
         self.awaiting_reply = True
-        started = time.perf_counter()
+        self._reply_owed_since = time.perf_counter()
+        return sent
+
+    async def finish(self) -> tuple[Reply, int]:
+        """The second half of :meth:`request`: drain the acks, read the reply; (reply, wait_us since sent)."""
         await self.drain()
         reply = await self._read()
         self.awaiting_reply = False
-        wait_us = int((time.perf_counter() - started) * 1e6)
+        wait_us = int((time.perf_counter() - self._reply_owed_since) * 1e6)
         folded, self._folded = self._folded, StageStats()
         if self._deferred_error is not None:
             reply, self._deferred_error = self._deferred_error, None
-        return _with_stats(reply, merge(reply.stats, folded)), n, write_us, wait_us
+        return _with_stats(reply, merge(reply.stats, folded)), wait_us
 
 
 def _with_stats(reply: Reply, stats: StageStats) -> Reply:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import math
+import select
 from collections.abc import Callable, Container
 
 import trio
@@ -100,6 +101,16 @@ class ReceiveBuffer:
         if not data:
             _raise_eof(0, 1, False)
         self._pending, self._pos = data, 0
+
+    def arrived(self) -> bool:
+        """Whether the next frame's first byte (or EOF) is here now: buffered, or waiting in the socket."""
+        if self.buffered:
+            return True
+        if self._socket is None:
+            return False
+        poller = select.poll()
+        poller.register(self._socket.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
 
     async def receive_exactly(self, n: int, *, frame_started: bool = True) -> bytearray:
         out = bytearray(n)
@@ -227,25 +238,32 @@ async def read_frame(
     (``mid_frame`` set when the frame had started).
     """
     buf = _as_buffer(source)
-    started: float | None = None
-    with trio.CancelScope(deadline=_deadline(timeout)) as scope:  # trio.fail_after, minus contextlib
-        if frame_timeout is None:
-            return await _read_frame(buf, limits, n_embd, accept)
-        if math.isnan(frame_timeout) or frame_timeout < 0 or not min_rate > 0:
-            raise ValueError(f"frame_timeout must be >= 0 and min_rate > 0, got {frame_timeout!r}, {min_rate!r}")
-        await buf.wait_first_byte()
-        started = trio.current_time()
-        scope.deadline = started + frame_timeout  # replaces the idle deadline, earlier or later
+    if frame_timeout is not None and (math.isnan(frame_timeout) or frame_timeout < 0 or not min_rate > 0):
+        raise ValueError(f"frame_timeout must be >= 0 and min_rate > 0, got {frame_timeout!r}, {min_rate!r}")
+    retried = False
+    while True:
+        started: float | None = None
+        with trio.CancelScope(deadline=_deadline(timeout)) as scope:  # trio.fail_after, minus contextlib
+            if frame_timeout is None:
+                return await _read_frame(buf, limits, n_embd, accept)
+            await buf.wait_first_byte()
+            started = trio.current_time()
+            scope.deadline = started + frame_timeout  # replaces the idle deadline, earlier or later
 
-        def on_length(body_len: int) -> None:
-            scope.deadline = started + frame_deadline_s(body_len, frame_timeout, min_rate)
+            def on_length(body_len: int) -> None:
+                scope.deadline = started + frame_deadline_s(body_len, frame_timeout, min_rate)
 
-        return await _read_frame(buf, limits, n_embd, accept, on_length)
-    if started is not None:
-        took = trio.current_time() - started
-        raise ReadTimeout(f"frame started but not complete {took:.1f} s later (a stalled or too slow peer)",
-                          timeout=took, mid_frame=True)
-    raise ReadTimeout(f"no complete frame within {timeout:g} s", timeout=timeout)
+            return await _read_frame(buf, limits, n_embd, accept, on_length)
+        if started is None and not retried and buf.arrived():
+            # the frame is here, its wait ran out all the same: this process was not running (SIGSTOP, a
+            # suspended VM, a starved host), the peer was not late. Read it, with fresh deadlines.
+            retried = True
+            continue
+        if started is not None:
+            took = trio.current_time() - started
+            raise ReadTimeout(f"frame started but not complete {took:.1f} s later (a stalled or too slow peer)",
+                              timeout=took, mid_frame=True)
+        raise ReadTimeout(f"no complete frame within {timeout:g} s", timeout=timeout)
 
 
 async def read_message(
