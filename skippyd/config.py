@@ -110,6 +110,8 @@ class RuntimeSection:
     thread_poll: int = attrs.field(default=0, validator=_in_range(-1, 100))
     # skippy stages on one host take turns at the cores; auto: unless a stage has one thread
     compute_lock: str = attrs.field(default="auto", validator=_one_of(("auto", "on", "off")))
+    # llama.cpp's flash attention; off: on this CPU build it halves decode at a few hundred tokens of context
+    flash_attn: str = attrs.field(default="off", validator=_one_of(("off", "on", "auto")))
     batch: int = attrs.field(default=512, validator=_at_least(1))
     prefill_chunk: int = attrs.field(default=256, validator=_at_least(1))
     credit: int = attrs.field(default=2, validator=_at_least(1))
@@ -188,6 +190,7 @@ FLAG_KEYS = {
     "threads": "runtime.threads",
     "thread_poll": "runtime.thread_poll",
     "compute_lock": "runtime.compute_lock",
+    "flash_attn": "runtime.flash_attn",
     "batch": "runtime.batch",
     "prefill_chunk": "runtime.prefill_chunk",
     "credit": "runtime.credit",

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="skippy stages on this host take turns at the cores, each computing with all its "
                           "threads (default auto: on unless a stage has 1 thread; off: the stages of the "
                           "topology on this host split the cores instead)")
+    run.add_argument("--flash-attn", choices=("off", "on", "auto"), default=None,
+                     help="llama.cpp's flash attention (default off: on this CPU build it halves decode speed "
+                          "once a session holds a few hundred tokens; auto lets llama.cpp decide)")
     run.add_argument("--batch", type=int, default=None, help="max tokens per llama_decode (default 512)")
     run.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill chunk (default 256)")
     run.add_argument("--credit", type=int, default=None, help="outstanding prefill acks per link (default 2)")
@@ -237,7 +240,7 @@ class Daemon:
             threads = a.threads or cores
             lock = a.compute_lock == "on" or threads > 1
         cfg = StageConfig(n_ctx_per_seq=a.ctx, lanes=a.lanes, n_batch=a.batch, n_threads=threads, thread_poll=poll,
-                          compute_lock=lock,
+                          compute_lock=lock, flash_attn=a.flash_attn,
                           credit_limit=a.credit, reply_timeout_s=a.reply_timeout,
                           direct_return=getattr(a, "direct_return", None) is not False,
                           link_delay_ms=getattr(a, "link_delay_ms", None) or 0.0,

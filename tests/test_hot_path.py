@@ -70,7 +70,8 @@ async def test_stages_sharing_a_host_use_every_core_and_take_turns(two):
     import os
 
     for snap in await _snapshots(two):
-        assert snap["compute"] == {"threads": os.cpu_count(), "thread_poll": 0, "compute_lock": os.cpu_count() > 1}
+        assert snap["compute"] == {"threads": os.cpu_count(), "thread_poll": 0, "compute_lock": os.cpu_count() > 1,
+                               "flash_attn": "off"}
 
 
 def test_chunk_grows_to_cover_the_link_round_trip_and_no_further():

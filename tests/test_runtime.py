@@ -301,3 +301,20 @@ def test_persistent_threadpool_gives_identical_tokens(default_model_path):
     with pytest.raises(InvalidArgumentError, match="threadpool_poll"):
         with Model(default_model_path) as model:
             Context(model, ContextParams(threadpool_poll=101))
+
+
+def test_flash_attention_setting(default_model_path):
+    """Off by default (this CPU build decodes long contexts much slower with it); on/auto still run and give the
+    same greedy answer here; anything else is refused."""
+    assert ContextParams().flash_attn == "off"
+    prompt = None
+    answers = []
+    for mode in ("off", "on", "auto"):
+        params = ContextParams(n_ctx_per_seq=1024, n_seq_max=1, n_threads=2, flash_attn=mode)
+        with LocalPipeline([default_model_path], params) as pipe:
+            prompt = pipe.head.tokenize("The capital of France is") if prompt is None else prompt
+            answers.append(pipe.generate(prompt, 8, stop_at_eog=False))
+    assert answers[0] == answers[1] == answers[2]
+    with pytest.raises(InvalidArgumentError, match="flash_attn"):
+        with Model(default_model_path) as model:
+            Context(model, ContextParams(flash_attn="fast"))

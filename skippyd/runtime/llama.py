@@ -445,6 +445,13 @@ class ContextParams:
     # A persistent ggml thread pool whose workers poll this long (0-100) before sleeping;
     # None keeps llama.cpp's default (worker threads created and joined for every graph).
     threadpool_poll: int | None = None
+    # llama.cpp's flash attention: "off", "on" or "auto" (llama.cpp decides; on for this CPU build). Off by
+    # default: on this CPU build it halves decode speed once the context holds a few hundred tokens
+    # (SmolLM2-135M, 2 threads: 44 vs 74 tok/s at 500 tokens, 38 vs 65 at 1000; BENCHMARKS.md).
+    flash_attn: str = "off"
+
+
+FLASH_ATTN_MODES = ("off", "on", "auto")
 
 
 class Context(_NativeObject):
@@ -471,6 +478,8 @@ class Context(_NativeObject):
             raise InvalidArgumentError(op, "n_ctx_per_seq must be >= 16")
         if params.n_threads < 1:
             raise InvalidArgumentError(op, "n_threads must be >= 1")
+        if params.flash_attn not in FLASH_ATTN_MODES:
+            raise InvalidArgumentError(op, f"flash_attn must be one of {', '.join(FLASH_ATTN_MODES)}")
         self.model = model
         self.params = params
         self.hidden_output = model.stage.output == "hidden"
@@ -483,6 +492,8 @@ class Context(_NativeObject):
         cp.n_threads = params.n_threads
         cp.n_threads_batch = params.n_threads_batch or params.n_threads
         cp.kv_unified = params.kv_unified
+        cp.flash_attn_type = {"off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED, "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                              "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO}[params.flash_attn]
         cp.no_perf = True
         cp.embeddings = self.hidden_output
         if self.hidden_output:

@@ -62,13 +62,16 @@ class StageConfig:
     # sharing the cores (two 2-thread stages on 2 cores: a third of the speed; see BENCHMARKS.md).
     thread_poll: int | None = 0
     compute_lock: bool = False  # take turns at the cores with the other stages on this host (HostComputeLock)
+    flash_attn: str = "off"  # llama.cpp's flash attention: off | on | auto (see ContextParams)
 
     def context_params(self) -> ContextParams:
         return ContextParams(n_ctx_per_seq=self.n_ctx_per_seq, n_seq_max=self.lanes, n_batch=self.n_batch,
-                             n_ubatch=self.n_batch, n_threads=self.n_threads, threadpool_poll=self.thread_poll)
+                             n_ubatch=self.n_batch, n_threads=self.n_threads, threadpool_poll=self.thread_poll,
+                             flash_attn=self.flash_attn)
 
     def describe_compute(self) -> dict:
-        return {"threads": self.n_threads, "thread_poll": self.thread_poll, "compute_lock": self.compute_lock}
+        return {"threads": self.n_threads, "thread_poll": self.thread_poll, "compute_lock": self.compute_lock,
+                "flash_attn": self.flash_attn}
 
     def scheduler(self, context: Context) -> Scheduler:
         return Scheduler(context, host_lock=HostComputeLock() if self.compute_lock else None)
