@@ -14,7 +14,8 @@ VMs drift by ±10% over a minute, so only same-run figures are compared):
 Every skippyd runs with its defaults except ``--lanes 8 --ctx 2048``; the
 threads are ``--threads`` (default 2) everywhere. Per configuration and
 round: decode tokens/s of one session (64 tokens after the first), time to
-first token and prefill tokens/s of a ~500-token prompt, aggregate decode
+first token and prefill tokens/s of a ~500-token prompt and decode tokens/s
+after it (32 tokens), aggregate decode
 tokens/s of 1, 2, 4 and 8 concurrent sessions (the streamed tokens that arrive
 while all of them decode, over that window; also end-to-end: completion
 tokens of all / wall time, prefill included), and each stage's Python time per decode step (its own
@@ -58,6 +59,7 @@ LONG_PROMPT = LONG * 9  # ~500 tokens
 DECODE_PROMPT = "Write a long story about a dragon who learns to sail."
 DECODE_TOKENS = 65  # the first token, then 64 decode steps
 AGGREGATE_TOKENS = 64  # per session, concurrent sessions
+LONG_DECODE_TOKENS = 33  # after the ~500-token prompt: its first token, then 32 decode steps
 CONCURRENCY = (1, 2, 4, 8)
 PY_BUDGET_MS = 0.3  # the target: Python time per decode step per stage
 LOOP_SLACK_MS = 1.5  # the target with link delay: compute + delays around the loop + this
@@ -146,8 +148,9 @@ async def measure(pipe: Pipeline, *, concurrency: tuple[int, ...] = CONCURRENCY)
         for k, (v, c) in enumerate(zip(py, cpu)):
             out[f"python_ms_per_step_stage{k}"] = v
             out[f"python_cpu_ms_per_step_stage{k}"] = c
-        r = await generate(client, prompt=LONG_PROMPT, max_tokens=1)
+        r = await generate(client, prompt=LONG_PROMPT, max_tokens=LONG_DECODE_TOKENS)
         out["ttft_ms_500"] = r["timings"]["ttft_ms"]
+        out["decode_tps_500"] = r["timings"]["decode_tokens_per_s"]
         out["prompt_tokens"] = r["usage"]["prompt_tokens"]
         out["prefill_tps_500"] = out["prompt_tokens"] / (out["ttft_ms_500"] / 1e3)
     for conc in concurrency:
@@ -159,7 +162,8 @@ async def measure(pipe: Pipeline, *, concurrency: tuple[int, ...] = CONCURRENCY)
 def measure_reference(model: Path, threads: int, long_prompt_file: Path) -> dict:
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "llama_cpp_reference.py"), str(model),
                            "--threads", str(threads), "--decode-prompt", DECODE_PROMPT,
-                           "--decode-tokens", str(DECODE_TOKENS), "--long-prompt-file", str(long_prompt_file)],
+                           "--decode-tokens", str(DECODE_TOKENS), "--long-prompt-file", str(long_prompt_file),
+                           "--long-decode-tokens", str(LONG_DECODE_TOKENS)],
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-cpp-python reference failed:\n{proc.stderr[-2000:]}")
@@ -269,7 +273,8 @@ def main() -> int:
     print(f"model {model.name}, {cores} cores, {args.threads} threads per stage, {args.rounds} interleaved rounds; "
           f"medians (min-max), xratio to single-stage skippyd")
     rows = [("decode_tps", "decode tok/s (1 session)"), ("ms_per_token", "ms / token"),
-            ("prefill_tps_500", "prefill tok/s (~500 tokens)"), ("ttft_ms_500", "TTFT ms (~500 tokens)")]
+            ("prefill_tps_500", "prefill tok/s (~500 tokens)"), ("ttft_ms_500", "TTFT ms (~500 tokens)"),
+            ("decode_tps_500", "decode tok/s after ~500 tokens")]
     rows += [(f"aggregate_tps_{c}", f"aggregate decode tok/s, {c} sessions") for c in CONCURRENCY]
     rows += [(f"e2e_tps_{c}", f"end-to-end tok/s, {c} sessions") for c in CONCURRENCY]
     rows += [("aggregate_4_over_1", "aggregate 4 / 1 session"), ("compute_ms_per_token", "native compute ms / token")]

@@ -512,19 +512,27 @@ class _Run:
         """Around a wait on the pipeline: a lane failure, or stage 1 not answering liveness pings, becomes a
         retryable GenerationError (a stage failure)."""
         watch = self.engine.watch
-        try:
-            if watch is None:
-                yield
-            else:
-                with watch.watching():
+        with self._sending():
+            try:
+                if watch is None:
                     yield
-        except StageDown as exc:
-            self.lane.dirty = True  # a Stop would wait for the same silent stage: close the lane instead
-            raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502,
-                                  stage_failure=True) from exc
+                else:
+                    with watch.watching():
+                        yield
+            except StageDown as exc:
+                self.lane.dirty = True  # a Stop would wait for the same silent stage: close the lane instead
+                raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502,
+                                      stage_failure=True) from exc
+
+    @contextmanager
+    def _sending(self):
+        """Around a send down the lane (which waits on no stage: no liveness watch): a lane failure becomes
+        a retryable GenerationError (a stage failure)."""
+        try:
+            yield
         except DownstreamError as exc:
-            if watch is not None:
-                watch.suspect()  # dead or cut off? status learns it now, not at the next generation
+            if self.engine.watch is not None:
+                self.engine.watch.suspect()  # dead or cut off? status learns it now, not at the next generation
             raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502,
                                   stage_failure=True) from exc
 
@@ -573,7 +581,7 @@ class _Run:
         return await self._request_finish(await self._request_begin(msg), tolerate=tolerate)
 
     async def _request_begin(self, msg) -> _InFlight:
-        with self._watched():
+        with self._sending():
             sent, write_us = await self.lane.link.begin(msg)
         return _InFlight(msg, sent, write_us)
 
@@ -605,7 +613,7 @@ class _Run:
         # direct return: stage 1 acks as soon as it has forwarded the message, so the ack arrives before the
         # prediction can; the prediction comes on the session's channel, which the token-return connection feeds
         started = time.perf_counter()
-        with self._watched():
+        with self._sending():
             sent, write_us = await self.lane.link.send_expecting_ack(msg)
         return _InFlight(msg, sent, write_us, started)
 
