@@ -20,6 +20,7 @@ between two conditioned daemons is delayed in both directions.
 from __future__ import annotations
 
 import math
+import time
 
 import attrs
 import trio
@@ -137,7 +138,7 @@ class ShapedSendStream(trio.abc.SendStream):
             with self._scope:
                 async with self._receive:
                     async for release_at, chunk in self._receive:
-                        await trio.sleep_until(release_at)
+                        await _wait_until(release_at)
                         try:
                             await self.stream.send_all(chunk)
                         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError,
@@ -151,6 +152,21 @@ class ShapedSendStream(trio.abc.SendStream):
         finally:
             self._done.set()
             self._empty.set()
+
+
+# trio's timers are as coarse as epoll's timeout, whole milliseconds rounded up: a sleep ends up to 1 ms
+# late, which would add ~0.5 ms to every conditioned hop (a real network delivers to the microsecond). So the
+# transmit task sleeps until TIMER_GRAIN before a chunk's time and yields to the loop from there on.
+TIMER_GRAIN = 0.0011
+
+
+async def _wait_until(when: float) -> None:
+    if when - trio.current_time() > TIMER_GRAIN:
+        await trio.sleep_until(when - TIMER_GRAIN)
+    spin_until = time.perf_counter() + 2 * TIMER_GRAIN
+    while trio.current_time() < when and time.perf_counter() < spin_until:
+        await trio.lowlevel.checkpoint()  # other tasks run meanwhile
+    await trio.sleep_until(when)  # at once, unless the clock does not follow real time (tests' MockClock)
 
 
 def shaped(stream: trio.abc.SendStream, shape: LinkShape | None,
