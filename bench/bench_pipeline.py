@@ -13,14 +13,14 @@ VMs drift by ±10% over a minute, so only same-run figures are compared):
 
 Every skippyd runs with its defaults except ``--lanes 8 --ctx 2048``; the
 threads are ``--threads`` (default 2) everywhere. Per configuration and
-round: decode tokens/s of one session (64 tokens after the first), time to
-first token and prefill tokens/s of a ~500-token prompt and decode tokens/s
-after it (32 tokens), aggregate decode
-tokens/s of 1, 2, 4 and 8 concurrent sessions (the streamed tokens that arrive
-while all of them decode, over that window; also end-to-end: completion
-tokens of all / wall time, prefill included), and each stage's Python time per decode step (its own
-``hot_path`` counters: wall time handling a step, less waits on other
-stages and for the host compute lock, less native compute).
+round: decode tokens/s of one session (64 tokens after the first; the median
+of 3 generations), time to first token and prefill tokens/s of a ~500-token
+prompt and decode tokens/s after it (32 tokens), aggregate decode tokens/s
+of 1, 2, 4 and 8 concurrent sessions (the streamed tokens that arrive while
+all of them decode, over that window; also end-to-end: completion tokens of
+all / wall time, prefill included), and each stage's Python time per decode
+step (its own ``hot_path`` counters: wall time handling a step, less waits
+on other stages and for the host compute lock, less native compute).
 
 With ``--delay-ms D`` (default 10; 0 skips it) the 2- and 3-stage pipelines
 run again with D ms one-way delay on every link and the time per output
@@ -59,6 +59,7 @@ LONG_PROMPT = LONG * 9  # ~500 tokens
 DECODE_PROMPT = "Write a long story about a dragon who learns to sail."
 DECODE_TOKENS = 65  # the first token, then 64 decode steps
 AGGREGATE_TOKENS = 64  # per session, concurrent sessions
+DECODE_REPEATS = 3  # one session's decode: the median of this many generations per round (the VM drifts)
 LONG_DECODE_TOKENS = 33  # after the ~500-token prompt: its first token, then 32 decode steps
 CONCURRENCY = (1, 2, 4, 8)
 PY_BUDGET_MS = 0.3  # the target: Python time per decode step per stage
@@ -136,9 +137,12 @@ async def measure(pipe: Pipeline, *, concurrency: tuple[int, ...] = CONCURRENCY)
     out: dict = {}
     async with open_control(head.url, head.token_file) as client:
         before = await hot_paths(pipe)
-        r = await generate(client, prompt=DECODE_PROMPT, max_tokens=DECODE_TOKENS)
+        rates = []
+        for _ in range(DECODE_REPEATS):
+            r = await generate(client, prompt=DECODE_PROMPT, max_tokens=DECODE_TOKENS)
+            rates.append(r["timings"]["decode_tokens_per_s"])
         py, cpu, native = per_step(before, await hot_paths(pipe))
-        out["decode_tps"] = r["timings"]["decode_tokens_per_s"]
+        out["decode_tps"] = statistics.median(rates)
         out["ms_per_token"] = 1e3 / out["decode_tps"]
         out["compute_ms_per_token"] = sum(native)
         for k, v in enumerate(native):
@@ -163,7 +167,7 @@ def measure_reference(model: Path, threads: int, long_prompt_file: Path) -> dict
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "llama_cpp_reference.py"), str(model),
                            "--threads", str(threads), "--decode-prompt", DECODE_PROMPT,
                            "--decode-tokens", str(DECODE_TOKENS), "--long-prompt-file", str(long_prompt_file),
-                           "--long-decode-tokens", str(LONG_DECODE_TOKENS)],
+                           "--long-decode-tokens", str(LONG_DECODE_TOKENS), "--repeats", str(DECODE_REPEATS)],
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-cpp-python reference failed:\n{proc.stderr[-2000:]}")

@@ -4,9 +4,11 @@ Sessions submit work (a prefill chunk or a decode step for their sequence)
 and wait for the result. The scheduler gathers whatever is ready into one
 ``llama_decode``: every pending decode step of every session (batched decode),
 plus prefill chunks while there is room in the batch, so that a long prompt
-is interleaved with running generations instead of stalling them. Compute
-runs in a worker thread (cffi releases the GIL), so the event loop keeps
-serving the network meanwhile.
+is interleaved with running generations instead of stalling them. Prefill
+and slow batches compute in a worker thread (cffi releases the GIL), so the
+event loop keeps serving the network meanwhile; a few decode steps of a
+small model compute on the loop's thread (``_inline``), and a lone
+session's step right in the task that submits it (``_direct``).
 
 KV operations (trim, release) are queued too and run between two computes,
 since llama.cpp allows one thread at a time per context.
