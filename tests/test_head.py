@@ -118,7 +118,8 @@ async def test_seeded_sampling_reproducible_across_runs_and_shapes(single, two, 
 async def test_concurrent_generations_batch_and_match_alone(two):
     prompts = [f"Write one sentence about the number {i}." for i in range(8)]
     alone = [(await two.generate(prompt=p, max_tokens=16))["tokens"] for p in prompts]
-    before = (await two.stage_sessions())[1]["scheduler"]
+    before_all = await two.stage_sessions()
+    before = before_all[1]["scheduler"]
     results: list = [None] * 8
 
     async def run(i: int) -> None:
@@ -128,9 +129,15 @@ async def test_concurrent_generations_batch_and_match_alone(two):
         for i in range(8):
             nursery.start_soon(run, i)
     assert results == alone
-    after = (await two.stage_sessions())[1]["scheduler"]
+    stages = await two.stage_sessions()
+    after = stages[1]["scheduler"]
     assert after["multi_seq_batches"] > before["multi_seq_batches"]
     assert after["max_batch_seqs"] >= 2
+    # the head waits for a group of sessions still on stage 1, so the 8 decode as one batch, not two of 4
+    # (prefill chunks and the first and last steps make it fewer than 8 per batch on average)
+    h0, h1 = before_all[0]["scheduler"], stages[0]["scheduler"]
+    per_batch = (h1["jobs"] - h0["jobs"]) / (h1["batches"] - h0["batches"])
+    assert per_batch >= 5, f"the head computed {per_batch:.1f} jobs per batch: the sessions did not merge"
     await two.wait_all_released()
 
 
