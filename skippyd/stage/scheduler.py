@@ -208,7 +208,7 @@ class Scheduler:
         self._expected: set[int] = set()  # sequences of the last two batches' decode steps (see _gather)
         self._previous: set[int] = set()
         self._arrived: trio.Event | None = None  # set by submit() while _gather waits
-        self._busy = False  # the serve task is between its wake-up and its next wait (or _direct computes)
+        self._busy = False  # the serve task is between its wake-up and its next wait
 
     # ---------------------------------------------------------------- clients
     async def submit(self, job: Job) -> object:
@@ -256,11 +256,7 @@ class Scheduler:
         if (self._busy or self._closed or self._jobs or self._kv_ops or job.n != 1
                 or not self._expected <= {job.seq} or not self._inline([job])):
             return False
-        self._busy = True  # no other job can slip in: nothing below awaits
-        try:
-            self._compute_inline([job], time.perf_counter())
-        finally:
-            self._busy = False
+        self._compute_inline([job], time.perf_counter())  # awaits nothing: no other job can slip in
         return True
 
     def forget(self, seq: int) -> None:
