@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from skippyctl.client import ControlError
-from tests.procs import Pipeline, retarget
+from tests.procs import Daemon, Pipeline, retarget
 from tests.test_faults import COUNT, PROBE, start_stream
 
 
@@ -38,20 +38,27 @@ async def downstream(pipe: Pipeline) -> dict:
     return (await pipe.head.astatus())["head"]["downstream"]
 
 
+async def hang_mid_decode(pipe: Pipeline, stage: Daemon):
+    """SIGSTOP `stage` while a generation streams; the generation must end within 2 s. The caller sends
+    SIGCONT (in a finally). Returns the ended stream."""
+    async with trio.open_nursery() as nursery:
+        s = await start_stream(pipe, nursery, prompt=COUNT, raw=True, max_tokens=256)
+        await s.wait_pieces(3)
+        injected = time.monotonic()
+        stage.signal(signal.SIGSTOP)
+        assert await s.wait_done(3), "the hung stage was not detected within 3 s"
+    detection = s.ended_at - injected
+    assert detection < 2.0, detection
+    return s
+
+
 async def test_hung_stage_is_down_in_status_and_new_work_is_refused_until_it_answers(pipe):
     reference = (await pipe.generate(**PROBE))["tokens"]
     assert (await downstream(pipe))["state"] == "up"
     stage1 = pipe.stages[1]
     with trio.fail_after(60):
         try:
-            async with trio.open_nursery() as nursery:
-                s = await start_stream(pipe, nursery, prompt=COUNT, raw=True, max_tokens=256)
-                await s.wait_pieces(3)
-                injected = time.monotonic()
-                stage1.signal(signal.SIGSTOP)
-                assert await s.wait_done(3), "the hung stage was not detected within 3 s"
-            detection = s.ended_at - injected
-            assert detection < 2.0, detection
+            s = await hang_mid_decode(pipe, stage1)
             assert s.error is not None and s.error.code == "unavailable" and s.retryable
             assert "stage 1 at 127.0.0.1:" in str(s.error) and "not responding" in str(s.error), str(s.error)
 
@@ -104,14 +111,7 @@ async def test_hung_final_stage_of_three_is_named_within_2s(splits, tmp_path, di
         stage2 = pipe.stages[2]
         with trio.fail_after(60):
             try:
-                async with trio.open_nursery() as nursery:
-                    s = await start_stream(pipe, nursery, prompt=COUNT, raw=True, max_tokens=256)
-                    await s.wait_pieces(3)
-                    injected = time.monotonic()
-                    stage2.signal(signal.SIGSTOP)
-                    assert await s.wait_done(3), "the hung stage was not detected within 3 s"
-                detection = s.ended_at - injected
-                assert detection < 2.0, detection
+                s = await hang_mid_decode(pipe, stage2)
                 assert s.error.code == "unavailable" and s.retryable, s.error
                 assert str(s.error).startswith("pipeline failed: stage 2 failed: ") and "liveness ping" in \
                     str(s.error), str(s.error)
