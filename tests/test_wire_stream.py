@@ -533,6 +533,81 @@ async def test_frame_deadline_reads_lose_nothing(read_size):
         assert await read_frame(buf, timeout=1, frame_timeout=1, n_embd=N_EMBD) == frame
 
 
+# --------------------------------------------------------------------------
+# real sockets: a small frame is sent with no wait (what the socket takes at once) and decoded from what one
+# receive brought; the general path finishes whatever that did not cover
+
+
+def socket_streams() -> tuple[trio.SocketStream, trio.SocketStream]:
+    a, b = trio.socket.socketpair()
+    return trio.SocketStream(a), trio.SocketStream(b)
+
+
+@pytest.mark.parametrize("read_size", [0, 16, 64 * 1024])
+async def test_frames_round_trip_over_a_socket(read_size):
+    frames = sample_frames()
+    left, right = socket_streams()
+    buf = ReceiveBuffer(right, read_size=read_size)
+
+    async def write_all():
+        for frame in frames:
+            assert await write_frame(left, frame, timeout=5) == len(frame_bytes(frame))
+        await left.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(write_all)
+        for frame in frames:
+            assert await read_frame(buf, timeout=5, frame_timeout=5, n_embd=N_EMBD) == frame
+        with pytest.raises(PeerClosed) as info:
+            await read_frame(buf, timeout=5, frame_timeout=5, n_embd=N_EMBD)
+        assert not info.value.mid_frame
+
+
+async def test_frames_that_arrived_together_are_read_one_by_one():
+    frames = sample_frames()[3:12]
+    left, right = socket_streams()
+    await left.send_all(b"".join(frame_bytes(f) for f in frames))  # one write: one receive holds them all
+    buf = ReceiveBuffer(right)
+    got = [await read_frame(buf, timeout=5, frame_timeout=5, n_embd=N_EMBD) for _ in frames]
+    assert got == frames
+    assert buf.buffered == 0
+    decode = next(g for g in got if isinstance(g, DecodeStep))
+    assert decode.activation.flags.writeable  # as from receive_exactly: its own buffer, not the receive's
+
+
+async def test_a_frame_the_socket_cannot_take_at_once_is_sent_whole():
+    """Bigger than the socket's buffer: what the first send left is written by the general path (waiting
+    for the reader), and the frame arrives intact."""
+    left, right = socket_streams()
+    left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    right.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    msg = PrefillChunk(1, 7, 0, np.arange(8000) % 1000)  # 32 KB of tokens: one part, sent in pieces
+    buf = ReceiveBuffer(right, read_size=512)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: write_frame(left, msg, timeout=5))
+        await trio.sleep(0.05)  # the writer is blocked on a full socket by now
+        assert await read_message(buf, timeout=5, frame_timeout=5, n_embd=N_EMBD) == msg
+
+
+async def test_socket_writes_to_a_closed_peer_or_socket_fail_clearly():
+    left, right = socket_streams()
+    await right.aclose()
+    with pytest.raises(PeerClosed):
+        await write_frame(left, Ping(1), timeout=1)
+    left.socket.close()
+    with pytest.raises(trio.ClosedResourceError):
+        await write_frame(left, Ping(1), timeout=1)
+
+
+async def test_socket_peer_gone_mid_frame_is_peer_closed():
+    left, right = socket_streams()
+    await left.send_all(frame_bytes(Ping(1))[:5])
+    await left.aclose()
+    with pytest.raises(PeerClosed) as info:
+        await read_frame(ReceiveBuffer(right), timeout=1, n_embd=N_EMBD)
+    assert info.value.mid_frame
+
+
 READ_AFTER_STOP = """
 import sys, socket, trio
 from skippyd.wire.errors import ReadTimeout

@@ -712,7 +712,12 @@ def decode_frame(
         raise ProtocolError(
             ErrorCode.LENGTH_MISMATCH, f"frame of {len(view)} bytes, prefix says {PREFIX_SIZE + prefix.body_len}"
         )
-    body = view[PREFIX_SIZE:]
+    return decode_parsed(prefix, view[PREFIX_SIZE:], n_embd=n_embd, limits=limits)
+
+
+def decode_parsed(prefix: FramePrefix, body: Buffer, *, n_embd: int | None, limits: Limits = DEFAULT_LIMITS) -> Frame:
+    """Decode a frame whose prefix :func:`parse_prefix` accepted, from its whole body (views into it)."""
+    body = memoryview(body)
     if prefix.kind not in MESSAGE_KINDS:
         return decode_body(prefix, body, limits)
     assert n_embd is not None

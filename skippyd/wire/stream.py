@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 import select
 from collections.abc import Callable, Container
 
@@ -33,6 +34,7 @@ from skippyd.wire.codec import (
     Buffer,
     decode_body,
     decode_message,
+    decode_parsed,
     encode_frame,
     parse_message_header,
     parse_prefix,
@@ -102,6 +104,31 @@ class ReceiveBuffer:
             _raise_eof(0, 1, False)
         self._pending, self._pos = data, 0
 
+    def take_frame(self, limits: Limits, n_embd: int | None, accept: Container[int] | None) -> Frame | None:
+        """The next frame if all of it is buffered already, decoded without a wait; None if it is not.
+
+        A small frame usually arrives in one piece, and a read ahead may hold
+        the next ones: decoding it straight from the buffer spares the
+        per-part awaits of the general path. The frame's bytes are copied out
+        (a ``bytearray``, as :meth:`receive_exactly` gives), so its arrays are
+        writable and outlive the buffer.
+        """
+        pos = self._pos
+        avail = len(self._pending) - pos
+        if avail < PREFIX_SIZE:
+            return None
+        view = memoryview(self._pending)
+        prefix = parse_prefix(view[pos:pos + PREFIX_SIZE], limits, n_embd=n_embd, accept=accept)
+        end = pos + PREFIX_SIZE + prefix.body_len
+        if end > len(self._pending):
+            return None
+        body = bytearray(view[pos + PREFIX_SIZE:end])
+        if end == len(self._pending):
+            self._pending, self._pos = b"", 0
+        else:
+            self._pos = end
+        return decode_parsed(prefix, body, n_embd=n_embd, limits=limits)
+
     def arrived(self) -> bool:
         """Whether the next frame's first byte (or EOF) is here now: buffered, or waiting in the socket."""
         if self.buffered:
@@ -162,10 +189,33 @@ class ReceiveBuffer:
             raise PeerClosed(f"connection broken: {exc}", mid_frame=True) from exc
 
     async def _receive_some(self, max_bytes: int) -> Buffer:
+        if self._socket is not None:
+            return await self._recv_socket(max_bytes)
         try:
             return await self.stream.receive_some(max_bytes)
         except trio.BrokenResourceError as exc:
             raise PeerClosed(f"connection broken: {exc}", mid_frame=True) from exc
+
+    async def _recv_socket(self, max_bytes: int) -> bytes:
+        """``receive_some`` on the socket itself: what has arrived, else wait until something does.
+
+        trio's version tries first too, but then spends a pass of the
+        scheduler even when the bytes were there; a reply that is already in
+        the socket is taken here with no schedule point (a wait, when there is
+        one, is the schedule point).
+        """
+        sock = self._socket
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            try:
+                return os.read(sock.fileno(), max_bytes)
+            except BlockingIOError:
+                pass
+            except OSError as exc:  # the same mapping as trio.SocketStream.receive_some
+                if exc.errno == errno.EBADF:
+                    raise trio.ClosedResourceError("this socket was already closed") from None
+                raise PeerClosed(f"connection broken: {exc}", mid_frame=True) from exc
+            await trio.lowlevel.wait_readable(sock)
 
 
 # Frames up to this size are joined into one buffer before sending (copying a few KiB is cheaper than
@@ -240,6 +290,9 @@ async def read_frame(
     buf = _as_buffer(source)
     if frame_timeout is not None and (math.isnan(frame_timeout) or frame_timeout < 0 or not min_rate > 0):
         raise ValueError(f"frame_timeout must be >= 0 and min_rate > 0, got {frame_timeout!r}, {min_rate!r}")
+    frame = buf.take_frame(limits, n_embd, accept)  # read ahead already (no deadline to set for it)
+    if frame is not None:
+        return frame
     retried = False
     while True:
         started: float | None = None
@@ -247,6 +300,9 @@ async def read_frame(
             if frame_timeout is None:
                 return await _read_frame(buf, limits, n_embd, accept)
             await buf.wait_first_byte()
+            frame = buf.take_frame(limits, n_embd, accept)  # usually all of a small frame came at once
+            if frame is not None:
+                return frame
             started = trio.current_time()
             scope.deadline = started + frame_timeout  # replaces the idle deadline, earlier or later
 
@@ -305,6 +361,11 @@ async def write_frame(stream: trio.abc.SendStream, obj: Frame, *, timeout: float
     total = sum(len(part) for part in parts)
     if len(parts) > 1 and total <= JOIN_BELOW:
         parts = [b"".join(parts)]  # one send: a decode step's frame costs one syscall, not three
+    if len(parts) == 1 and isinstance(stream, trio.SocketStream):
+        sent = _send_now(stream, parts[0])
+        if sent == total:
+            return total
+        parts = [memoryview(parts[0])[sent:]]
     try:
         with trio.CancelScope(deadline=_deadline(timeout)):
             for part in parts:
@@ -313,3 +374,21 @@ async def write_frame(stream: trio.abc.SendStream, obj: Frame, *, timeout: float
     except trio.BrokenResourceError as exc:
         raise PeerClosed(f"connection broken: {exc}") from exc
     raise WriteTimeout(f"frame not written within {timeout:g} s", timeout=timeout)
+
+
+def _send_now(stream: trio.SocketStream, data: Buffer) -> int:
+    """Write what the socket takes right now, without a wait or a schedule point; the bytes written.
+
+    A small frame fits the socket's buffer at once; trio's ``send_all`` would
+    spend a pass of the scheduler on it (its checkpoint after a send that did
+    not block), which on a decode step costs more than the send itself. The
+    caller's single-writer rule stands in for trio's conflict detection.
+    """
+    try:
+        return os.write(stream.socket.fileno(), data)
+    except BlockingIOError:
+        return 0
+    except OSError as exc:
+        if exc.errno == errno.EBADF:
+            raise trio.ClosedResourceError("this socket was already closed") from None
+        raise PeerClosed(f"connection broken: {exc}") from exc
