@@ -146,6 +146,8 @@ void skippy_log_setup(int verbose);
 const char * skippy_last_error(void);
 void skippy_clear_last_error(void);
 bool skippy_progress_quiet(float progress, void * user_data);
+int32_t skippy_decode_row(struct llama_context * ctx, struct llama_batch * b, llama_token token,
+                          const float * embd, int32_t n_embd, llama_pos pos, llama_seq_id seq);
 int skippy_fill_token_batch(struct llama_batch * b, const llama_token * tok, int32_t n_tokens,
                             const llama_pos * pos, const llama_seq_id * seq, const int8_t * out);
 int skippy_fill_embd_batch(struct llama_batch * b, const float * embd, int32_t n_tokens, int32_t n_embd,

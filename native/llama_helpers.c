@@ -65,6 +65,25 @@ int skippy_fill_embd_batch(struct llama_batch * b, const float * embd, int32_t n
     return 0;
 }
 
+/* One row for one sequence (a decode step: a token on the first stage, else a hidden state), with output,
+ * decoded: the per-token call, without the arrays a general batch needs built on the Python side. */
+int32_t skippy_decode_row(struct llama_context * ctx, struct llama_batch * b, llama_token token,
+                          const float * embd, int32_t n_embd, llama_pos pos, llama_seq_id seq) {
+    if (embd != NULL) {
+        if (b->embd == NULL) return -100;
+        memcpy(b->embd, embd, sizeof(float) * (size_t) n_embd);
+    } else {
+        if (b->token == NULL) return -100;
+        b->token[0] = token;
+    }
+    b->n_tokens = 1;
+    b->pos[0] = pos;
+    b->n_seq_id[0] = 1;
+    b->seq_id[0][0] = seq;
+    b->logits[0] = 1;
+    return llama_decode(ctx, *b);
+}
+
 /* Sample one token per output row with that row's sampler (a NULL sampler means greedy argmax). */
 int skippy_sample_rows(struct llama_context * ctx, struct llama_sampler ** samplers, const int32_t * rows,
                        int32_t n, llama_token * out_tokens) {

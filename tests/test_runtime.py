@@ -236,6 +236,52 @@ def test_unsupported_architecture_refused(tmp_path, tokenizer_fields):
     assert "notanarch" in str(err.value) or "architecture" in str(err.value)
 
 
+def test_decode_row_matches_decode(smol_splits):
+    """decode_row (a decode step's one row, no arrays built) computes what decode does with one-row arrays:
+    the same hidden states on every stage and the same logits, bit for bit."""
+    with LocalPipeline(smol_splits[3], PARAMS) as pipe:
+        prompt = poem_tokens(pipe.head)
+        for seq in (0, 1):
+            pipe.prefill(prompt, seq=seq)
+        token, pos = pipe.last.sample({1: None})[1], len(prompt)  # the last prefill was seq 1's
+        for _ in range(6):
+            by_array = by_row = None
+            for ctx in pipe.contexts:
+                one = np.array([pos], dtype=np.int32)
+                if ctx.token_input:
+                    ctx.decode(one, np.array([0], dtype=np.int32), tokens=np.array([token], dtype=np.int32))
+                    out_array = ctx.hidden()
+                    ctx.decode_row(pos, 1, token=token)
+                else:
+                    ctx.decode(one, np.array([0], dtype=np.int32), embd=by_array)
+                    out_array = ctx.hidden() if ctx.hidden_output else ctx.logits(0)
+                    ctx.decode_row(pos, 1, embd=by_row)
+                out_row = ctx.hidden() if ctx.hidden_output else ctx.logits(1)
+                np.testing.assert_array_equal(out_row, out_array)
+                by_array, by_row = out_array, out_row
+            token = pipe.last.sample({1: None})[1]
+            pos += 1
+
+
+def test_decode_row_checks_its_arguments(smol, smol_splits):
+    with Context(smol, ContextParams(n_ctx_per_seq=64, n_seq_max=2)) as ctx:
+        with pytest.raises(InvalidArgumentError, match="vocabulary"):
+            ctx.decode_row(0, 0, token=10**7)
+        with pytest.raises(InvalidArgumentError, match="sequence"):
+            ctx.decode_row(0, 2, token=1)
+        with pytest.raises(InvalidArgumentError, match="position"):
+            ctx.decode_row(ctx.n_ctx_seq, 0, token=1)
+        with pytest.raises(InvalidArgumentError, match="token ids"):
+            ctx.decode_row(0, 0, embd=np.zeros((1, smol.n_embd), dtype=np.float32))
+    with Model(smol_splits[2][1]) as tail, Context(tail, ContextParams(n_ctx_per_seq=64, n_seq_max=1)) as ctx:
+        with pytest.raises(InvalidArgumentError, match="hidden states"):
+            ctx.decode_row(0, 0, token=1)
+        with pytest.raises(InvalidArgumentError, match="shape"):
+            ctx.decode_row(0, 0, embd=np.zeros((2, tail.n_embd), dtype=np.float32))
+        ctx.decode_row(0, 0, embd=np.zeros((1, tail.n_embd), dtype=np.float32))
+        assert ctx.logits(0).shape == (tail.n_vocab,)
+
+
 def test_oversized_batch_and_bad_arguments(smol):
     with Context(smol, ContextParams(n_ctx_per_seq=1024, n_seq_max=2, n_batch=64, n_ubatch=64)) as ctx:
         n = 65

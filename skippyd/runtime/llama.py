@@ -289,6 +289,13 @@ class Model(_NativeObject):
             size = n + 1
 
 
+def _check_decode(op: str, rc: int) -> None:
+    if rc == 1:
+        raise KvCacheFullError(op, "no free KV slot for the batch (context full)", rc)
+    if rc != 0:
+        raise DecodeError(op, f"llama_decode returned {rc}", rc)
+
+
 def _bounds(a: np.ndarray) -> tuple[int, int]:
     """(min, max) of a non-empty int array; a decode step's one row without numpy's reductions (~µs each)."""
     if a.shape[0] == 1:
@@ -609,13 +616,41 @@ class Context(_NativeObject):
             raise LlamaError(op, "batch has no room for this input kind")
         self._out_rows = {}
         self._n_last = 0
-        rc = lib.llama_decode(ptr, self._pbatch[0])
-        if rc == 1:
-            raise KvCacheFullError(op, "no free KV slot for the batch (context full)", rc)
-        if rc != 0:
-            raise DecodeError(op, f"llama_decode returned {rc}", rc)
+        _check_decode(op, lib.llama_decode(ptr, self._pbatch[0]))
         self._out_rows = last_rows
         self._n_last = n
+
+    def decode_row(self, pos: int, seq: int, *, token: int | None = None, embd: np.ndarray | None = None) -> None:
+        """:meth:`decode` of one row: a decode step, the per-token call. The same checks and results, with
+        no arrays built for it (its Python time counts against every token)."""
+        op = "decode"
+        ptr = self._live(op)
+        if not 0 <= seq < self.n_seq_max:
+            raise InvalidArgumentError(op, f"sequence id outside [0, {self.n_seq_max})")
+        if not 0 <= pos < self.n_ctx_seq:
+            raise InvalidArgumentError(op, f"position outside the context [0, {self.n_ctx_seq})")
+        if self.token_input:
+            if token is None or embd is not None:
+                raise InvalidArgumentError(op, "a first stage takes token ids, not hidden states")
+            if not 0 <= token < self.model.n_vocab:
+                raise InvalidArgumentError(op, f"token id outside the vocabulary [0, {self.model.n_vocab})")
+            embd_c = ffi.NULL
+        else:
+            if embd is None or token is not None:
+                raise InvalidArgumentError(op, "a later stage takes hidden states, not token ids")
+            embd = np.ascontiguousarray(embd, dtype=np.float32)
+            if embd.shape != (1, self.n_embd_inp):
+                raise InvalidArgumentError(op, f"hidden states have shape {embd.shape}, "
+                                               f"expected (1, {self.n_embd_inp})")
+            embd_c, token = ffi.from_buffer("float[]", embd), 0
+        self._out_rows = {}
+        self._n_last = 0
+        rc = lib.skippy_decode_row(ptr, self._pbatch, token, embd_c, self.n_embd_inp, pos, seq)
+        if rc == -100:
+            raise LlamaError(op, "batch has no room for this input kind")
+        _check_decode(op, rc)
+        self._out_rows = {seq: 0}
+        self._n_last = 1
 
     def hidden(self) -> np.ndarray:
         """Hidden state of every row of the last decode, float32 ``[n, n_embd]`` (a copy)."""
