@@ -54,7 +54,6 @@ import logging
 import secrets
 import time
 from collections import deque
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -85,7 +84,7 @@ from skippyd.wire.messages import (
     SamplingParams as WireSampling,
     StageStats,
     Stop,
-    merge,
+    merge_all,
 )
 
 log = logging.getLogger("skippyd.head")
@@ -94,6 +93,7 @@ STOP_TIMEOUT_S = 2.0
 RESUME_BACKOFF_MIN_S = 0.1  # resume: first try this long after the failure, doubling ...
 RESUME_BACKOFF_MAX_S = 1.0  # ... up to this
 PIECE_SEND_TIMEOUT_S = 10.0
+STAT_FOLD_EVERY = 512  # a generation's stage reports are merged in batches this large (see _Run.stats)
 
 
 class GenerationError(Exception):
@@ -364,7 +364,7 @@ class _Run:
         self.position = 0
         self.ttft_ms = 0.0
         self.first_token_at: float | None = None
-        self.stats = StageStats()
+        self._stat_parts: list[StageStats] = []  # see stats
         self.detok = Detokenizer(engine.model.token_piece)
         self.stops = StopMatcher(req.stop)
         self.lane: Lane | None = None
@@ -380,6 +380,18 @@ class _Run:
         # this generation's prefill chunk, chosen once: a replay (resume) must chunk the prompt the same way,
         # or its logits (and so a greedy replay's tokens) could differ from the first time
         self.chunk: int | None = None
+
+    @property
+    def stats(self) -> StageStats:
+        """Every stage's reports for this generation, merged. Kept as a list and merged when asked (or every
+        STAT_FOLD_EVERY reports): merging on every step would cost every token."""
+        self._stat_parts = [merge_all(self._stat_parts)]
+        return self._stat_parts[0]
+
+    def _note(self, *parts: StageStats) -> None:
+        self._stat_parts.extend(parts)
+        if len(self._stat_parts) >= STAT_FOLD_EVERY:
+            self._stat_parts = [merge_all(self._stat_parts)]
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1e3
@@ -507,34 +519,15 @@ class _Run:
             raise GenerationError(f"stage 1 is unreachable: {exc}", retryable=True, status=503,
                                   stage_failure=True) from exc
 
-    @contextmanager
-    def _watched(self):
+    def _watched(self) -> _PipelineFailures:
         """Around a wait on the pipeline: a lane failure, or stage 1 not answering liveness pings, becomes a
         retryable GenerationError (a stage failure)."""
-        watch = self.engine.watch
-        with self._sending():
-            try:
-                if watch is None:
-                    yield
-                else:
-                    with watch.watching():
-                        yield
-            except StageDown as exc:
-                self.lane.dirty = True  # a Stop would wait for the same silent stage: close the lane instead
-                raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502,
-                                      stage_failure=True) from exc
+        return _PipelineFailures(self, self.engine.watch)
 
-    @contextmanager
-    def _sending(self):
+    def _sending(self) -> _PipelineFailures:
         """Around a send down the lane (which waits on no stage: no liveness watch): a lane failure becomes
         a retryable GenerationError (a stage failure)."""
-        try:
-            yield
-        except DownstreamError as exc:
-            if self.engine.watch is not None:
-                self.engine.watch.suspect()  # dead or cut off? status learns it now, not at the next generation
-            raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502,
-                                  stage_failure=True) from exc
+        return _PipelineFailures(self, None)
 
     async def _compute(self, tokens: np.ndarray, pos: int, *, want_token: bool):
         job = Job(self.session.seq, pos, tokens=tokens, embd=None, sampler=self.sampler, want_token=want_token)
@@ -549,7 +542,7 @@ class _Run:
         self.waited_us += job.lock_wait_us
         self.position = pos + len(tokens)
         self.live.position = self.position
-        self.stats = merge(self.stats, StageStats.single(0, compute_us=job.compute_us, queue_us=job.queue_us))
+        self._note(StageStats.single(0, compute_us=job.compute_us, queue_us=job.queue_us))
         return result
 
     async def _configure(self) -> None:
@@ -595,7 +588,7 @@ class _Run:
             self.engine.chunker.observe_round_trip(wait_us, reply.stats.compute_us + reply.stats.queue_us)
         # the head's own hop (stage_count 0: it is not another stage's report)
         hop = StageStats(forward_write_us=sent.write_us, downstream_wait_us=wait_us, bytes_sent=sent.bytes)
-        self.stats = merge(self.stats, merge(hop, reply.stats))
+        self._note(hop, reply.stats)
         if isinstance(reply, ErrorReply):
             if reply.code == tolerate:
                 return reply
@@ -631,7 +624,7 @@ class _Run:
                                    kind=type(msg).__name__, lane=lane.lane_id, direct=1):
             await lane.link.drain()
         folded, error = lane.link.take_folded()
-        self.stats = merge(self.stats, folded)
+        self._note(folded)
         if error is not None:
             raise _stage_error(error)
         with span("head.token_return_wait", request=self.live.request_id, session=self.live.session_id):
@@ -647,9 +640,8 @@ class _Run:
                 if isinstance(msg, DecodeStep):  # the middle stages' compute: from the acks just folded
                     others = folded.compute_us + folded.queue_us + item.stats.compute_us + item.stats.queue_us
                     self.engine.chunker.observe_round_trip(wait_us, others)
-                self.stats = merge(self.stats, merge(StageStats(forward_write_us=sent.write_us,
-                                                                downstream_wait_us=wait_us,
-                                                                bytes_sent=sent.bytes), item.stats))
+                self._note(StageStats(forward_write_us=sent.write_us, downstream_wait_us=wait_us,
+                                      bytes_sent=sent.bytes), item.stats)
                 if isinstance(item, ErrorReply):
                     raise _stage_error(item)
                 if not isinstance(item, PredictedToken) or item.session_id != self.live.session_id:
@@ -730,7 +722,9 @@ class _Run:
 
     async def _step(self, token: int) -> int:
         if self.lane is None:
-            return int(await self._compute(np.array([token], dtype=np.int32), self.position, want_token=True))
+            token = int(await self._compute(np.array([token], dtype=np.int32), self.position, want_token=True))
+            await trio.lowlevel.checkpoint()  # the compute may not have been one (Scheduler.submit), nor the emit
+            return token
         return await self._predict_finish(await self._step_begin(token))
 
     async def _step_begin(self, token: int) -> _InFlight:
@@ -816,6 +810,40 @@ class _InFlight:
 _RETRYABLE = (ErrorCode.NO_CAPACITY, ErrorCode.SHUTTING_DOWN, ErrorCode.DOWNSTREAM_FAILED)
 # ... of which a stage further down failed (died, hung, cut off)
 _STAGE_FAILED = (ErrorCode.DOWNSTREAM_FAILED,)
+
+
+class _PipelineFailures:
+    """What :meth:`_Run._watched` and :meth:`_Run._sending` return (a class, not a generator: entered two or
+    three times per decode step)."""
+
+    __slots__ = ("run", "waiter")
+
+    def __init__(self, run: _Run, watch: StageWatch | None):
+        self.run = run
+        self.waiter = watch.watching() if watch is not None else None
+
+    def __enter__(self) -> None:
+        if self.waiter is not None:
+            self.waiter.__enter__()
+
+    def __exit__(self, etype, exc, tb) -> bool:
+        if self.waiter is not None:
+            try:
+                if self.waiter.__exit__(etype, exc, tb):
+                    return True
+            except StageDown as down:
+                exc = down
+        if isinstance(exc, StageDown):
+            self.run.lane.dirty = True  # a Stop would wait for the same silent stage: close the lane instead
+            raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502,
+                                  stage_failure=True) from exc
+        if isinstance(exc, DownstreamError):
+            watch = self.run.engine.watch
+            if watch is not None:
+                watch.suspect()  # dead or cut off? status learns it now, not at the next generation
+            raise GenerationError(f"pipeline failed: {exc}", retryable=True, status=502,
+                                  stage_failure=True) from exc
+        return False
 
 
 def _stage_error(reply: ErrorReply) -> GenerationError:

@@ -32,10 +32,7 @@ import itertools
 import logging
 import re
 import time
-from contextlib import contextmanager
-from typing import Iterator
 
-import attrs
 import trio
 
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
@@ -58,11 +55,35 @@ class StageDown(Exception):
     """Stage 1 did not answer a liveness ping (or refused the connection) while a request waited on it."""
 
 
-@attrs.define(eq=False)
 class _Waiter:
-    since: float  # trio time the request started (or the last ping that covered it)
-    scope: trio.CancelScope
-    failure: str | None = None
+    """One wait on the pipeline, as the context manager :meth:`StageWatch.watching` returns (a class, not a
+    generator: it is entered around every decode step's wait)."""
+
+    __slots__ = ("watch", "since", "scope", "failure")
+
+    def __init__(self, watch: StageWatch):
+        self.watch = watch
+        self.since = 0.0  # trio time the request started (or the last ping that covered it)
+        self.scope = trio.CancelScope()
+        self.failure: str | None = None
+
+    def __enter__(self) -> None:
+        watch = self.watch
+        self.since = trio.current_time()
+        if watch._idle:  # a newer request never makes a ping due sooner: only an idle task needs waking
+            watch._idle = False
+            watch._wake.set()
+        watch._waiters.add(self)
+        self.scope.__enter__()
+
+    def __exit__(self, etype, exc, tb) -> bool:
+        try:
+            swallowed = self.scope.__exit__(etype, exc, tb)
+        finally:
+            self.watch._waiters.discard(self)
+        if (etype is None or swallowed) and self.failure is not None:
+            raise StageDown(self.failure)
+        return swallowed
 
 
 class StageWatch:
@@ -106,21 +127,9 @@ class StageWatch:
         return self.name if self.down_stage == self.stage_index else f"stage {self.down_stage}"
 
     # ---------------------------------------------------------------- requests
-    @contextmanager
-    def watching(self) -> Iterator[None]:
+    def watching(self) -> _Waiter:
         """Around a wait on the pipeline: raises StageDown if stage 1 stops answering meanwhile."""
-        waiter = _Waiter(trio.current_time(), trio.CancelScope())
-        if self._idle:  # a newer request never makes a ping due sooner: only an idle task needs waking
-            self._idle = False
-            self._wake.set()
-        self._waiters.add(waiter)
-        try:
-            with waiter.scope:
-                yield
-        finally:
-            self._waiters.discard(waiter)
-        if waiter.failure is not None:
-            raise StageDown(waiter.failure)
+        return _Waiter(self)
 
     def suspect(self) -> None:
         """A request failed in a way that may mean stage 1 is gone: check now rather than at the next due."""

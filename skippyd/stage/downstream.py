@@ -27,7 +27,7 @@ import trio
 from skippyd.stage.conditioning import LinkShape, ShapedSendStream, shaped
 from skippyd.wire.errors import PeerClosed, ProtocolError, WireError
 from skippyd.wire.handshake import handshake_client
-from skippyd.wire.messages import Ack, ErrorReply, Hello, Message, Reply, StageStats, merge
+from skippyd.wire.messages import Ack, ErrorReply, Hello, Message, Reply, StageStats, merge, with_stats
 from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT, ReceiveBuffer, read_reply, write_frame
 
 
@@ -54,7 +54,7 @@ class DownstreamLink:
         self.write_timeout = write_timeout
         self.frame_timeout = DEFAULT_FRAME_TIMEOUT
         self.pending_acks = 0
-        self._folded = StageStats()
+        self._folded = _NOTHING_FOLDED
         self._deferred_error: ErrorReply | None = None
         self.broken = False
         # what an interrupted caller left behind (see settle): a frame half written, a reply not yet read
@@ -145,7 +145,7 @@ class DownstreamLink:
     def take_folded(self) -> tuple[StageStats, ErrorReply | None]:
         """The stats of the acks collected since the last reply, and the first error one of them
         reported (both cleared): to fold into this stage's next reply upstream."""
-        folded, self._folded = self._folded, StageStats()
+        folded, self._folded = self._folded, _NOTHING_FOLDED
         error, self._deferred_error = self._deferred_error, None
         return folded, error
 
@@ -191,7 +191,7 @@ class DownstreamLink:
         if self.awaiting_reply:
             await self._read()
             self.awaiting_reply = False
-        self._folded, self._deferred_error = StageStats(), None
+        self._folded, self._deferred_error = _NOTHING_FOLDED, None
 
     async def request(self, msg: Message) -> tuple[Reply, int, int, int]:
         """Send `msg`, drain outstanding acks, and return (reply, bytes, write_us, wait_us).
@@ -216,13 +216,12 @@ class DownstreamLink:
         reply = await self._read()
         self.awaiting_reply = False
         wait_us = int((time.perf_counter() - self._reply_owed_since) * 1e6)
-        folded, self._folded = self._folded, StageStats()
         if self._deferred_error is not None:
             reply, self._deferred_error = self._deferred_error, None
-        return _with_stats(reply, merge(reply.stats, folded)), wait_us
+        if self._folded is not _NOTHING_FOLDED:  # acks were drained: their stats travel with the reply
+            reply = with_stats(reply, merge(reply.stats, self._folded))
+            self._folded = _NOTHING_FOLDED
+        return reply, wait_us
 
 
-def _with_stats(reply: Reply, stats: StageStats) -> Reply:
-    import attrs
-
-    return attrs.evolve(reply, stats=stats)
+_NOTHING_FOLDED = StageStats()  # merge's identity: a reply with nothing folded in is passed on as it is

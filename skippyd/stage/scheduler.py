@@ -212,14 +212,18 @@ class Scheduler:
 
     # ---------------------------------------------------------------- clients
     async def submit(self, job: Job) -> object:
-        """Queue `job` and wait for its result. Cancelling the caller abandons the job."""
+        """Queue `job` and wait for its result. Cancelling the caller abandons the job.
+
+        Not always a schedule point: a lone session's decode step computes
+        right here and returns (see ``_direct``). A caller whose loop has no
+        other wait must checkpoint itself; a pipeline stage's loop waits on
+        the network every step anyway, and a pass of trio's scheduler right
+        after a compute costs a decode step ~20 us (cold caches).
+        """
         if self._closed:
             raise trio.ClosedResourceError("scheduler stopped")
         job.submitted = time.perf_counter()
         if self._direct(job):
-            # computed already: a schedule point as every await is, but a cancellation now must not lose the
-            # result (the KV cache holds this step)
-            await trio.lowlevel.cancel_shielded_checkpoint()
             if job.error is not None:
                 raise job.error
             return job.result
@@ -430,12 +434,20 @@ class Scheduler:
     def _compute_sync(self, batch: list[Job], locked: bool = False) -> list[object]:
         """Worker thread: one llama_decode for the whole batch, then split the outputs (one per job)."""
         ctx = self.ctx
-        pos = np.concatenate([np.arange(j.pos_start, j.pos_start + j.n, dtype=np.int32) for j in batch])
-        seq = np.concatenate([np.full(j.n, j.seq, dtype=np.int32) for j in batch])
-        if ctx.token_input:
-            inputs = {"tokens": batch[0].tokens if len(batch) == 1 else np.concatenate([j.tokens for j in batch])}
+        row = batch[0] if len(batch) == 1 and batch[0].n == 1 else None  # a lone decode step: decode_row
+        n_tokens = 1
+        if row is None:
+            pos = np.concatenate([np.arange(j.pos_start, j.pos_start + j.n, dtype=np.int32) for j in batch])
+            seq = np.concatenate([np.full(j.n, j.seq, dtype=np.int32) for j in batch])
+            n_tokens = len(pos)
+            if ctx.token_input:
+                inputs = {"tokens": batch[0].tokens if len(batch) == 1 else np.concatenate([j.tokens for j in batch])}
+            else:
+                inputs = {"embd": batch[0].embd if len(batch) == 1 else np.concatenate([j.embd for j in batch])}
+        elif ctx.token_input:
+            inputs = {"token": int(row.tokens[0])}
         else:
-            inputs = {"embd": batch[0].embd if len(batch) == 1 else np.concatenate([j.embd for j in batch])}
+            inputs = {"embd": row.embd}
         waiting = time.perf_counter()
         take_lock = not locked and self.host_lock is not None
         holding = take_lock and self.host_lock.acquire()
@@ -444,7 +456,10 @@ class Scheduler:
         try:
             native = time.perf_counter()
             native_cpu = time.thread_time()
-            ctx.decode(pos, seq, **inputs)
+            if row is None:
+                ctx.decode(pos, seq, **inputs)
+            else:
+                ctx.decode_row(row.pos_start, row.seq, **inputs)
         finally:
             if holding:
                 self.host_lock.release()
@@ -454,7 +469,7 @@ class Scheduler:
         native_cpu = time.thread_time() - native_cpu
         self.stats.batches += 1
         self.stats.jobs += len(batch)
-        self.stats.tokens += len(pos)
+        self.stats.tokens += n_tokens
         self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, len(batch))
         if len(batch) > 1:
             self.stats.multi_seq_batches += 1
