@@ -575,6 +575,31 @@ async def test_frames_that_arrived_together_are_read_one_by_one():
     assert decode.activation.flags.writeable  # as from receive_exactly: its own buffer, not the receive's
 
 
+@pytest.mark.parametrize("read_size", [0, 64 * 1024])
+async def test_reading_frames_that_are_all_there_still_lets_other_tasks_run(read_size):
+    """A peer that keeps the socket full must not starve the reader's neighbours (liveness pings, other
+    connections): every read is a schedule point, also when its frame was already there."""
+    n = 50
+    left, right = socket_streams()
+    await left.send_all(frame_bytes(Ping(1)) * n)
+    buf = ReceiveBuffer(right, read_size=read_size)
+    done, turns = False, 0
+
+    async def neighbour():
+        nonlocal turns
+        while not done:
+            turns += 1
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(neighbour)
+        await trio.lowlevel.checkpoint()
+        for _ in range(n):
+            assert await read_frame(buf, timeout=5, frame_timeout=5, n_embd=N_EMBD) == Ping(1)
+        done = True
+    assert turns >= n // 2
+
+
 async def test_a_frame_the_socket_cannot_take_at_once_is_sent_whole():
     """Bigger than the socket's buffer: what the first send left is written by the general path (waiting
     for the reader), and the frame arrives intact."""

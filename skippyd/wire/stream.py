@@ -199,23 +199,28 @@ class ReceiveBuffer:
     async def _recv_socket(self, max_bytes: int) -> bytes:
         """``receive_some`` on the socket itself: what has arrived, else wait until something does.
 
-        trio's version tries first too, but then spends a pass of the
-        scheduler even when the bytes were there; a reply that is already in
-        the socket is taken here with no schedule point (a wait, when there is
-        one, is the schedule point).
+        As trio's, always a schedule point: the wait, or a pass of the
+        scheduler when the bytes were there already (a peer that keeps the
+        socket full must not keep this task from letting others run), but
+        with none of trio's per-call wrapping, which a decode step pays twice.
         """
         sock = self._socket
         await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
         while True:
             try:
-                return os.read(sock.fileno(), max_bytes)
+                data = os.read(sock.fileno(), max_bytes)
             except BlockingIOError:
-                pass
+                await trio.lowlevel.wait_readable(sock)
+                waited = True
+                continue
             except OSError as exc:  # the same mapping as trio.SocketStream.receive_some
                 if exc.errno == errno.EBADF:
                     raise trio.ClosedResourceError("this socket was already closed") from None
                 raise PeerClosed(f"connection broken: {exc}", mid_frame=True) from exc
-            await trio.lowlevel.wait_readable(sock)
+            if not waited:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            return data
 
 
 # Frames up to this size are joined into one buffer before sending (copying a few KiB is cheaper than
@@ -292,6 +297,7 @@ async def read_frame(
         raise ValueError(f"frame_timeout must be >= 0 and min_rate > 0, got {frame_timeout!r}, {min_rate!r}")
     frame = buf.take_frame(limits, n_embd, accept)  # read ahead already (no deadline to set for it)
     if frame is not None:
+        await trio.lowlevel.cancel_shielded_checkpoint()  # a read is a schedule point, as trio's are
         return frame
     retried = False
     while True:
