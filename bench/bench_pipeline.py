@@ -310,11 +310,13 @@ def main() -> int:
         med(n, "python_ms_per_step_max") for n in ("single", "2-stage", "3-stage"))
     targets[f"max Python ms (CPU) per step per stage <= {PY_BUDGET_MS}"] = max(
         med(n, "python_cpu_ms_per_step_max") for n in ("single", "2-stage", "3-stage"))
+    targets[f"  the same, stages after the head <= {PY_BUDGET_MS}"] = max(
+        med(n, f"python_cpu_ms_per_step_stage{k}") for n, k in (("2-stage", 1), ("3-stage", 1), ("3-stage", 2)))
     targets["2-stage aggregate 4 sessions / 1 >= 1.8"] = med("2-stage", "aggregate_4_over_1")
     if delayed:
         for name in delayed:
-            targets[f"{name} with delay: ms/token - bound <= 0"] = med(name, "ms_per_token", dtab) - med(
-                name, "bound_ms", dtab)
+            # each round against its own bound (its own compute), then the median
+            targets[f"{name} with delay: ms/token - bound <= 0"] = med(name, "excess_ms", dtab) - LOOP_SLACK_MS
     print("\ntargets (issue 7), same-run medians:")
     for label, value in targets.items():
         print(f"  {label:52} {value:.3f}")

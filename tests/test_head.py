@@ -66,6 +66,19 @@ async def test_greedy_parity_across_pipeline_shapes(single, two, three):
         await pipe.wait_all_released()
 
 
+async def test_every_stage_report_reaches_the_result(two, three):
+    """Each decode step's reports (the head's own and every later stage's) are merged into the result's
+    stage_stats: counts, bytes and the slowest stage add up over the whole generation."""
+    for pipe, n_stages in ((two, 2), (three, 3)):
+        got = await pipe.generate(prompt="Count from one to ten:", raw=True, max_tokens=16)
+        stats, steps = got["stage_stats"], len(got["tokens"]) - 1  # the first token comes with the prompt
+        assert steps == 15
+        assert stats["stage_count"] >= n_stages * (steps + 1)
+        assert stats["bytes_sent"] >= (n_stages - 1) * steps * 576 * 4  # a hidden state down each link per step
+        assert stats["compute_us"] >= stats["compute_us_max"] > 0
+        assert 0 <= stats["slowest_stage"] < n_stages
+
+
 async def test_chat_reply_ends_at_end_of_generation(two):
     got = await two.generate(prompt="What is the capital of France?", max_tokens=64)
     assert got["finish_reason"] == "stop"
