@@ -80,9 +80,10 @@ async def test_predictions_reach_the_waiting_session(hub, final_link):
     await wait_until(lambda: hub.stats.unknown == 1)
     assert hub.connections == 1 and final_link.stats.dials == 1
     assert await final_link.ensure() and final_link.stats.dials == 1  # reused, not dialed again
-    # a prediction must not wait for Nagle on either end
+    # a prediction must not wait for Nagle on either end; an idle connection is probed from both
     for stream in [final_link._conn.stream, *hub._streams]:
         assert stream.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        assert stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
 
 
 async def test_a_lane_cannot_dial_the_return_listener(hub):

@@ -35,7 +35,7 @@ from skippyd.wire.messages import (
     SamplingParams,
     Stop,
 )
-from skippyd.wire.stream import ReceiveBuffer, read_message, write_frame
+from skippyd.wire.stream import KEEPALIVE_IDLE_S, ReceiveBuffer, read_message, write_frame
 from tests.procs import split_for_test
 
 
@@ -173,6 +173,26 @@ async def test_deferred_acks_wait_for_credit_then_time_out(split3, nursery, auto
 
 
 # ---------------------------------------------------------------------------- cleanup
+
+
+def keepalive_of(sock) -> tuple[int, int]:
+    return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE))
+
+
+async def test_both_ends_of_a_stage_link_probe_it_when_idle(final_stage):
+    """TCP keepalive on the lane, at the dialer and at the stage that accepted it: a peer that vanished
+    without a FIN (host down, a NAT that forgot the lane) is found by the probes, not by the next request."""
+    link = await connect(final_stage)
+    try:
+        assert keepalive_of(link.stream.socket) == (1, KEEPALIVE_IDLE_S)
+        with trio.fail_after(2):
+            while not final_stage.connections:
+                await trio.sleep(0.01)
+        (accepted,) = final_stage.connections.values()
+        assert keepalive_of(accepted.stream.socket) == (1, KEEPALIVE_IDLE_S)
+    finally:
+        await link.aclose()
 
 
 async def test_stop_releases_and_stop_again_is_harmless(final_stage):

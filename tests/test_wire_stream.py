@@ -51,7 +51,15 @@ from skippyd.wire.messages import (
     TrimSession,
     VerifyWindow,
 )
-from skippyd.wire.stream import ReceiveBuffer, frame_deadline_s, read_frame, read_message, read_reply, write_frame
+from skippyd.wire.stream import (
+    ReceiveBuffer,
+    frame_deadline_s,
+    keep_alive,
+    read_frame,
+    read_message,
+    read_reply,
+    write_frame,
+)
 
 N_EMBD = 8
 FP = bytes(range(32))
@@ -631,6 +639,24 @@ async def test_socket_peer_gone_mid_frame_is_peer_closed():
     with pytest.raises(PeerClosed) as info:
         await read_frame(ReceiveBuffer(right), timeout=1, n_embd=N_EMBD)
     assert info.value.mid_frame
+
+
+async def test_keep_alive_sets_the_probe_schedule():
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    stream = await trio.open_tcp_stream(*listener.getsockname())
+    try:
+        keep_alive(stream)
+        sock = stream.socket
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert (sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)) == (30, 10, 3)
+        await stream.aclose()
+        keep_alive(stream)  # a closed socket: nothing to set, and no error
+    finally:
+        listener.close()
 
 
 READ_AFTER_STOP = """

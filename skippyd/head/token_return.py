@@ -25,7 +25,7 @@ from skippyd.wire.errors import HandshakeRefused, PeerClosed, ProtocolError, Rea
 from skippyd.stage.access import UpstreamAllow
 from skippyd.wire.handshake import handshake_server, refuse_handshake
 from skippyd.wire.messages import Ack, ErrorReply, Hello, PredictedToken, PredictedTokens, Reply, Role
-from skippyd.wire.stream import ReceiveBuffer, read_reply
+from skippyd.wire.stream import ReceiveBuffer, keep_alive, read_reply
 
 log = logging.getLogger("skippyd.head")
 
@@ -118,6 +118,7 @@ class TokenReturnHub:
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         conn = next(self._ids)
+        keep_alive(stream)
         receive = ReceiveBuffer(stream)
         self._streams.add(stream)
         try:

@@ -28,7 +28,7 @@ from skippyd.stage.conditioning import LinkShape, ShapedSendStream, shaped
 from skippyd.wire.errors import PeerClosed, ProtocolError, WireError
 from skippyd.wire.handshake import handshake_client
 from skippyd.wire.messages import Ack, ErrorReply, Hello, Message, Reply, StageStats, merge, with_stats
-from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT, ReceiveBuffer, read_reply, write_frame
+from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT, ReceiveBuffer, keep_alive, read_reply, write_frame
 
 
 class DownstreamError(Exception):
@@ -74,6 +74,7 @@ class DownstreamLink:
                 stream = await trio.open_tcp_stream(host, port)
         except (OSError, trio.TooSlowError) as exc:
             raise DownstreamError(address, f"cannot connect: {exc or 'timed out'}") from exc
+        keep_alive(stream)
         receive = ReceiveBuffer(stream)
         try:
             peer = await handshake_client(stream, hello, timeout=connect_timeout, receive=receive)

@@ -28,7 +28,7 @@ from skippyd.stage.sessions import SessionTable, StageSession
 from skippyd.stage.token_return import TokenReturnLink
 from skippyd.topology import StageSpec, Topology
 from skippyd.wire.messages import Hello
-from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT, DEFAULT_MIN_RATE
+from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT, DEFAULT_MIN_RATE, keep_alive
 
 log = logging.getLogger("skippyd.stage")
 
@@ -171,6 +171,7 @@ class StageServer:
             self._drop_logged = (now, self.dropped_handshakes)
 
     async def _handle(self, stream: trio.SocketStream) -> None:
+        keep_alive(stream)
         await UpstreamConnection(self, stream).serve()
 
     async def release(self, session: StageSession) -> None:

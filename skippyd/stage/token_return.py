@@ -27,7 +27,7 @@ from skippyd.stage.conditioning import LinkShape, ShapedSendStream, shaped
 from skippyd.wire.errors import WireError
 from skippyd.wire.handshake import handshake_client
 from skippyd.wire.messages import Ack, Hello, Reply, Role
-from skippyd.wire.stream import ReceiveBuffer, write_frame
+from skippyd.wire.stream import ReceiveBuffer, keep_alive, write_frame
 
 log = logging.getLogger("skippyd.stage")
 
@@ -134,6 +134,7 @@ class TokenReturnLink:
     async def _dial(self) -> _Connection:
         with trio.fail_after(self.connect_timeout):
             stream = await trio.open_tcp_stream(self.host, self.port)  # TCP_NODELAY
+        keep_alive(stream)
         try:
             receive = ReceiveBuffer(stream, read_size=0)
             peer = await handshake_client(stream, self.hello, timeout=self.connect_timeout, receive=receive)

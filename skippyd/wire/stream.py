@@ -22,6 +22,7 @@ import errno
 import math
 import os
 import select
+import socket
 from collections.abc import Callable, Container
 
 import trio
@@ -48,6 +49,7 @@ __all__ = [
     "DEFAULT_READ_SIZE",
     "ReceiveBuffer",
     "frame_deadline_s",
+    "keep_alive",
     "read_frame",
     "read_message",
     "read_reply",
@@ -398,3 +400,31 @@ def _send_now(stream: trio.SocketStream, data: Buffer) -> int:
         if exc.errno == errno.EBADF:
             raise trio.ClosedResourceError("this socket was already closed") from None
         raise PeerClosed(f"connection broken: {exc}") from exc
+
+
+# An idle stage link is probed after KEEPALIVE_IDLE_S of silence, every KEEPALIVE_INTERVAL_S, and given up
+# after KEEPALIVE_PROBES unanswered probes: a peer gone without a word is known within about a minute.
+KEEPALIVE_IDLE_S = 30
+KEEPALIVE_INTERVAL_S = 10
+KEEPALIVE_PROBES = 3
+
+
+def keep_alive(stream: trio.SocketStream) -> None:
+    """TCP keepalive on a stage link (both ends set it when the connection is made).
+
+    A peer whose host went down, or a NAT or firewall that forgot an idle
+    lane, sends no FIN or RST: without probes such a lane looks alive until
+    something is sent on it and a reply deadline runs out. With them the
+    socket fails after about a minute of silence (the lane is replaced
+    before the next generation needs it), and the probes keep the
+    mappings of idle lanes alive in the first place.
+    """
+    sock = stream.socket
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                            ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+            if hasattr(socket, name):  # Linux; elsewhere the system's defaults
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError:  # a connection already reset: it fails on its first use anyway
+        pass
