@@ -66,21 +66,14 @@ int skippy_fill_embd_batch(struct llama_batch * b, const float * embd, int32_t n
 }
 
 /* One row for one sequence (a decode step: a token on the first stage, else a hidden state), with output,
- * decoded: the per-token call, without the arrays a general batch needs built on the Python side. */
+ * filled as the general batches are and decoded: the per-token call, without the arrays a general batch
+ * needs built on the Python side. -100: the batch has no room for this input kind. */
 int32_t skippy_decode_row(struct llama_context * ctx, struct llama_batch * b, llama_token token,
                           const float * embd, int32_t n_embd, llama_pos pos, llama_seq_id seq) {
-    if (embd != NULL) {
-        if (b->embd == NULL) return -100;
-        memcpy(b->embd, embd, sizeof(float) * (size_t) n_embd);
-    } else {
-        if (b->token == NULL) return -100;
-        b->token[0] = token;
-    }
-    b->n_tokens = 1;
-    b->pos[0] = pos;
-    b->n_seq_id[0] = 1;
-    b->seq_id[0][0] = seq;
-    b->logits[0] = 1;
+    const int8_t out = 1;
+    int rc = embd != NULL ? skippy_fill_embd_batch(b, embd, 1, n_embd, &pos, &seq, &out)
+                          : skippy_fill_token_batch(b, &token, 1, &pos, &seq, &out);
+    if (rc != 0) return -100;
     return llama_decode(ctx, *b);
 }
 
