@@ -574,12 +574,7 @@ class Context(_NativeObject):
             raise InvalidArgumentError(op, f"batch of {n} tokens exceeds n_batch {self.n_batch}")
         if seq.shape != (n,):
             raise InvalidArgumentError(op, f"seq has shape {seq.shape}, expected ({n},)")
-        lo, hi = _bounds(seq)
-        if lo < 0 or hi >= self.n_seq_max:
-            raise InvalidArgumentError(op, f"sequence id outside [0, {self.n_seq_max})")
-        lo, hi = _bounds(pos)
-        if lo < 0 or hi >= self.n_ctx_seq:
-            raise InvalidArgumentError(op, f"position outside the context [0, {self.n_ctx_seq})")
+        self._check_rows(op, _bounds(seq), _bounds(pos), tokens, embd)
         # which rows produce output: all on a hidden stage, the last row of each sequence otherwise
         last_rows: dict[int, int] = {}
         for row, s in enumerate(seq.tolist()):
@@ -593,23 +588,14 @@ class Context(_NativeObject):
         seq_c = ffi.from_buffer("llama_seq_id[]", seq)
         out_c = ffi.from_buffer("int8_t[]", out)
         if self.token_input:
-            if tokens is None or embd is not None:
-                raise InvalidArgumentError(op, "a first stage takes token ids, not hidden states")
             tokens = np.ascontiguousarray(tokens, dtype=np.int32)
             if tokens.shape != (n,):
                 raise InvalidArgumentError(op, f"tokens has shape {tokens.shape}, expected ({n},)")
-            lo, hi = _bounds(tokens)
-            if lo < 0 or hi >= self.model.n_vocab:
-                raise InvalidArgumentError(op, f"token id outside the vocabulary [0, {self.model.n_vocab})")
+            self._check_token_ids(op, *_bounds(tokens))
             rc = lib.skippy_fill_token_batch(self._pbatch, ffi.from_buffer("llama_token[]", tokens), n,
                                              pos_c, seq_c, out_c)
         else:
-            if embd is None or tokens is not None:
-                raise InvalidArgumentError(op, "a later stage takes hidden states, not token ids")
-            embd = np.ascontiguousarray(embd, dtype=np.float32)
-            if embd.shape != (n, self.n_embd_inp):
-                raise InvalidArgumentError(op, f"hidden states have shape {embd.shape}, "
-                                               f"expected ({n}, {self.n_embd_inp})")
+            embd = self._hidden_input(op, embd, n)
             rc = lib.skippy_fill_embd_batch(self._pbatch, ffi.from_buffer("float[]", embd), n, self.n_embd_inp,
                                             pos_c, seq_c, out_c)
         if rc != 0:
@@ -625,24 +611,12 @@ class Context(_NativeObject):
         no arrays built for it (its Python time counts against every token)."""
         op = "decode"
         ptr = self._live(op)
-        if not 0 <= seq < self.n_seq_max:
-            raise InvalidArgumentError(op, f"sequence id outside [0, {self.n_seq_max})")
-        if not 0 <= pos < self.n_ctx_seq:
-            raise InvalidArgumentError(op, f"position outside the context [0, {self.n_ctx_seq})")
+        self._check_rows(op, (seq, seq), (pos, pos), token, embd)
         if self.token_input:
-            if token is None or embd is not None:
-                raise InvalidArgumentError(op, "a first stage takes token ids, not hidden states")
-            if not 0 <= token < self.model.n_vocab:
-                raise InvalidArgumentError(op, f"token id outside the vocabulary [0, {self.model.n_vocab})")
+            self._check_token_ids(op, token, token)
             embd_c = ffi.NULL
         else:
-            if embd is None or token is not None:
-                raise InvalidArgumentError(op, "a later stage takes hidden states, not token ids")
-            embd = np.ascontiguousarray(embd, dtype=np.float32)
-            if embd.shape != (1, self.n_embd_inp):
-                raise InvalidArgumentError(op, f"hidden states have shape {embd.shape}, "
-                                               f"expected (1, {self.n_embd_inp})")
-            embd_c, token = ffi.from_buffer("float[]", embd), 0
+            embd_c, token = ffi.from_buffer("float[]", self._hidden_input(op, embd, 1)), 0
         self._out_rows = {}
         self._n_last = 0
         rc = lib.skippy_decode_row(ptr, self._pbatch, token, embd_c, self.n_embd_inp, pos, seq)
@@ -651,6 +625,30 @@ class Context(_NativeObject):
         _check_decode(op, rc)
         self._out_rows = {seq: 0}
         self._n_last = 1
+
+    def _check_rows(self, op: str, seq: tuple[int, int], pos: tuple[int, int], tokens, embd) -> None:
+        """What decode and decode_row both check: the rows' sequence ids and positions (lowest, highest) are
+        in range, and the input is the kind this stage takes (token ids first, hidden states after)."""
+        if seq[0] < 0 or seq[1] >= self.n_seq_max:
+            raise InvalidArgumentError(op, f"sequence id outside [0, {self.n_seq_max})")
+        if pos[0] < 0 or pos[1] >= self.n_ctx_seq:
+            raise InvalidArgumentError(op, f"position outside the context [0, {self.n_ctx_seq})")
+        if self.token_input:
+            if tokens is None or embd is not None:
+                raise InvalidArgumentError(op, "a first stage takes token ids, not hidden states")
+        elif embd is None or tokens is not None:
+            raise InvalidArgumentError(op, "a later stage takes hidden states, not token ids")
+
+    def _check_token_ids(self, op: str, lowest: int, highest: int) -> None:
+        if lowest < 0 or highest >= self.model.n_vocab:
+            raise InvalidArgumentError(op, f"token id outside the vocabulary [0, {self.model.n_vocab})")
+
+    def _hidden_input(self, op: str, embd, n: int) -> np.ndarray:
+        """`embd` as the float32 [n, n_embd] array llama.cpp reads (InvalidArgumentError if it is not one)."""
+        embd = np.ascontiguousarray(embd, dtype=np.float32)
+        if embd.shape != (n, self.n_embd_inp):
+            raise InvalidArgumentError(op, f"hidden states have shape {embd.shape}, expected ({n}, {self.n_embd_inp})")
+        return embd
 
     def hidden(self) -> np.ndarray:
         """Hidden state of every row of the last decode, float32 ``[n, n_embd]`` (a copy)."""
