@@ -24,6 +24,7 @@ import os
 import select
 import socket
 from collections.abc import Callable, Container
+from typing import NoReturn
 
 import trio
 
@@ -185,10 +186,8 @@ class ReceiveBuffer:
     async def _recv_into(self, view: memoryview) -> int:
         try:
             return await self._socket.recv_into(view)
-        except OSError as exc:  # the same mapping as trio.SocketStream.receive_some
-            if exc.errno == errno.EBADF:
-                raise trio.ClosedResourceError("this socket was already closed") from None
-            raise PeerClosed(f"connection broken: {exc}", mid_frame=True) from exc
+        except OSError as exc:
+            _raise_socket_failure(exc, mid_frame=True)
 
     async def _receive_some(self, max_bytes: int) -> Buffer:
         if self._socket is not None:
@@ -216,10 +215,8 @@ class ReceiveBuffer:
                 await trio.lowlevel.wait_readable(sock)
                 waited = True
                 continue
-            except OSError as exc:  # the same mapping as trio.SocketStream.receive_some
-                if exc.errno == errno.EBADF:
-                    raise trio.ClosedResourceError("this socket was already closed") from None
-                raise PeerClosed(f"connection broken: {exc}", mid_frame=True) from exc
+            except OSError as exc:
+                _raise_socket_failure(exc, mid_frame=True)
             if not waited:
                 await trio.lowlevel.cancel_shielded_checkpoint()
             return data
@@ -228,6 +225,14 @@ class ReceiveBuffer:
 # Frames up to this size are joined into one buffer before sending (copying a few KiB is cheaper than
 # a send and a trio checkpoint per part); bigger ones (prefill activations) go part by part, uncopied.
 JOIN_BELOW = 64 * 1024
+
+
+def _raise_socket_failure(exc: OSError, *, mid_frame: bool = False) -> NoReturn:
+    """A failed call on the socket itself, mapped as trio.SocketStream maps it: a closed socket is
+    trio.ClosedResourceError, anything else a broken connection (PeerClosed)."""
+    if exc.errno == errno.EBADF:
+        raise trio.ClosedResourceError("this socket was already closed") from None
+    raise PeerClosed(f"connection broken: {exc}", mid_frame=mid_frame) from exc
 
 
 def _raise_eof(filled: int, n: int, frame_started: bool):
@@ -397,9 +402,7 @@ def _send_now(stream: trio.SocketStream, data: Buffer) -> int:
     except BlockingIOError:
         return 0
     except OSError as exc:
-        if exc.errno == errno.EBADF:
-            raise trio.ClosedResourceError("this socket was already closed") from None
-        raise PeerClosed(f"connection broken: {exc}") from exc
+        _raise_socket_failure(exc)
 
 
 # An idle stage link is probed after KEEPALIVE_IDLE_S of silence, every KEEPALIVE_INTERVAL_S, and given up
