@@ -377,6 +377,7 @@ class _Run:
         self.native_us = 0
         self.waited_us = 0
         self.loop_native_cpu_us = 0
+        self.batched = False  # the last compute was one llama_decode with other sessions' steps
         # this generation's prefill chunk, chosen once: a replay (resume) must chunk the prompt the same way,
         # or its logits (and so a greedy replay's tokens) could differ from the first time
         self.chunk: int | None = None
@@ -540,6 +541,7 @@ class _Run:
         self.native_us += job.native_us
         self.loop_native_cpu_us += job.loop_native_cpu_us
         self.waited_us += job.lock_wait_us
+        self.batched = job.batch_jobs > 1
         self.position = pos + len(tokens)
         self.live.position = self.position
         self._note(StageStats.single(0, compute_us=job.compute_us, queue_us=job.queue_us))
@@ -732,8 +734,15 @@ class _Run:
         tokens = np.array([token], dtype=np.int32)
         pos = self.position
         hidden = await self._compute(tokens, pos, want_token=False)
-        return await self._predict_begin(DecodeStep(self.live.request_id, self.live.session_id, pos, tokens,
+        sent = await self._predict_begin(DecodeStep(self.live.request_id, self.live.session_id, pos, tokens,
                                                     hidden))
+        if self.batched:
+            # the other sessions of this batch send their steps before any of them goes on (streams its
+            # text): back to back, they reach the next stage within its gather window and are decoded there
+            # as one batch too. One by one, with each one's text in between, they could take longer, and a
+            # group split on stage 1 comes back to the head split too.
+            await trio.lowlevel.checkpoint()
+        return sent
 
     async def _emit(self, text: str, *, final: bool = False) -> None:
         if final:

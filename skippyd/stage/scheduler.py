@@ -60,6 +60,7 @@ class Job:
     native_us: int = 0  # inside llama.cpp only (decode and sampling)
     lock_wait_us: int = 0  # waiting for the host compute lock
     loop_native_cpu_us: int = 0  # CPU time the event loop's thread spent in llama.cpp (inline computes)
+    batch_jobs: int = 0  # jobs in the llama_decode this job was part of
 
     def __attrs_post_init__(self) -> None:
         self.n = len(self.tokens) if self.tokens is not None else len(self.embd)
@@ -429,6 +430,7 @@ class Scheduler:
             job.loop_native_cpu_us = self._native_cpu_us if inline else 0
             job.queue_us = int((started - job.submitted) * 1e6)
             job.compute_us = compute_us
+            job.batch_jobs = len(batch)
             job.done.set()
 
     def _compute_sync(self, batch: list[Job], locked: bool = False) -> list[object]:
