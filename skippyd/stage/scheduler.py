@@ -75,6 +75,8 @@ class SchedulerStats:
     tokens: int = 0
     max_batch_seqs: int = 0
     multi_seq_batches: int = 0
+    decode_batches: int = 0  # batches of decode steps only (no prefill chunk): how well sessions decode together
+    decode_jobs: int = 0  # ... and the steps they held
     compute_s: float = 0.0
     lock_wait_s: float = 0.0  # waiting for the host compute lock (other stages computing)
     inline_batches: int = 0  # computed on the event loop's thread (small decode batches)
@@ -475,6 +477,9 @@ class Scheduler:
         self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, len(batch))
         if len(batch) > 1:
             self.stats.multi_seq_batches += 1
+        if n_tokens == len(batch):
+            self.stats.decode_batches += 1
+            self.stats.decode_jobs += len(batch)
         if ctx.hidden_output:
             hidden = ctx.hidden()
             out, row = [], 0
