@@ -25,6 +25,9 @@ import time
 import attrs
 import trio
 
+from skippyd.wire.errors import PeerClosed
+from skippyd.wire.stream import send_buffer
+
 __all__ = ["LinkShape", "ShapedSendStream", "shaped"]
 
 
@@ -99,7 +102,8 @@ class ShapedSendStream(trio.abc.SendStream):
         self._send.send_nowait((self._release_time(len(chunk)), chunk))
         self._queued += 1
         self._empty = trio.Event() if self._empty.is_set() else self._empty
-        await trio.lowlevel.cancel_shielded_checkpoint()
+        # no schedule point after queueing (as write_frame's direct send): every sender's loop waits on the
+        # network next, and a pass of the scheduler here would delay each conditioned hop for nothing
 
     async def wait_send_all_might_not_block(self) -> None:
         await trio.lowlevel.checkpoint()
@@ -140,9 +144,9 @@ class ShapedSendStream(trio.abc.SendStream):
                     async for release_at, chunk in self._receive:
                         await _wait_until(release_at)
                         try:
-                            await self.stream.send_all(chunk)
+                            await send_buffer(self.stream, chunk)
                         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError,
-                                OSError) as exc:
+                                OSError, PeerClosed) as exc:
                             self._error = exc
                             return
                         self.bytes_sent += len(chunk)
@@ -166,7 +170,8 @@ async def _wait_until(when: float) -> None:
     spin_until = time.perf_counter() + 2 * TIMER_GRAIN
     while trio.current_time() < when and time.perf_counter() < spin_until:
         await trio.lowlevel.checkpoint()  # other tasks run meanwhile
-    await trio.sleep_until(when)  # at once, unless the clock does not follow real time (tests' MockClock)
+    if trio.current_time() < when:  # the clock does not follow real time (tests' MockClock)
+        await trio.sleep_until(when)
 
 
 def shaped(stream: trio.abc.SendStream, shape: LinkShape | None,

@@ -389,6 +389,14 @@ async def write_frame(stream: trio.abc.SendStream, obj: Frame, *, timeout: float
     raise WriteTimeout(f"frame not written within {timeout:g} s", timeout=timeout)
 
 
+async def send_buffer(stream: trio.abc.SendStream, data: Buffer) -> None:
+    """Send all of ``data``: straight to the socket when it takes it at once (no schedule point, as in
+    :func:`write_frame`), the rest through ``send_all``. Raises as ``send_all`` does, or PeerClosed."""
+    sent = _send_now(stream, data) if isinstance(stream, trio.SocketStream) else 0
+    if sent < len(data):
+        await stream.send_all(memoryview(data)[sent:])
+
+
 def _send_now(stream: trio.SocketStream, data: Buffer) -> int:
     """Write what the socket takes right now, without a wait or a schedule point; the bytes written.
 
