@@ -58,6 +58,7 @@ from skippyd.wire.stream import (
     read_frame,
     read_message,
     read_reply,
+    send_buffer,
     write_frame,
 )
 
@@ -620,6 +621,29 @@ async def test_a_frame_the_socket_cannot_take_at_once_is_sent_whole():
         nursery.start_soon(lambda: write_frame(left, msg, timeout=5))
         await trio.sleep(0.05)  # the writer is blocked on a full socket by now
         assert await read_message(buf, timeout=5, frame_timeout=5, n_embd=N_EMBD) == msg
+
+
+async def test_send_buffer_sends_everything_at_once_or_in_pieces():
+    """send_buffer (the conditioned link's transmit task): what the socket takes at once goes straight in,
+    the rest waits for the reader; the bytes arrive whole and in order."""
+    left, right = socket_streams()
+    left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    right.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    small, big = b"hello", bytes(range(256)) * 256  # 64 KB: more than both buffers hold
+    got = bytearray()
+
+    async def read_all():
+        while len(got) < len(small) + len(big):
+            got.extend(await right.receive_some(8192))
+
+    async with trio.open_nursery() as nursery:
+        await send_buffer(left, small)
+        nursery.start_soon(read_all)
+        await send_buffer(left, big)
+    assert bytes(got) == small + big
+    await right.aclose()
+    with pytest.raises(PeerClosed):
+        await send_buffer(left, small * 100_000)
 
 
 async def test_socket_writes_to_a_closed_peer_or_socket_fail_clearly():
