@@ -1,7 +1,7 @@
 """Resume after a stage restart (`--resume`), against real skippyd processes.
 
-A stage is killed (SIGKILL) in the middle of a streamed greedy generation
-and started again; the generation pauses, is replayed on the restored
+A stage is killed (SIGKILL) in the middle of a streamed generation (greedy,
+or seeded sampling) and started again; the generation pauses, is replayed on the restored
 pipeline from the head's record (prompt + tokens so far) and completes with
 exactly the tokens of an uninterrupted run, and the stream repeats nothing.
 A stage that does not come back within the window fails the generation
@@ -26,6 +26,9 @@ from tests.test_faults import COUNT, LONG, wait_prefilling
 # other skippy process of this user on the host (other test runs) until SIGCONT
 FLAGS = ["--prefill-chunk", "32", "--lanes", "2", "--ctx", "512", "--compute-lock", "off"]
 DECODE = dict(prompt=COUNT, raw=True, max_tokens=96)
+# seeded sampling: the final stage's sampler is new after the replay, and the replayed steps draw from it
+# exactly as the first time (same logits, same seed), so the continuation is the uninterrupted run's too
+SEEDED = dict(DECODE, prompt="Once upon a time", temperature=0.9, top_k=40, top_p=0.95, seed=1234)
 PREFILL = dict(prompt=LONG + COUNT, raw=True, max_tokens=24)  # ~200 prompt tokens: 7 chunks of 32
 
 
@@ -91,6 +94,8 @@ async def kill_and_restart(pipe: Pipeline, victim: int, *, down_for: float = 0.5
 
 async def check_resumed(pipe: Pipeline, victim: int, kw: dict, *, when: str) -> None:
     reference = await pipe.generate(**kw)
+    if "seed" in kw:  # the sampling is live: another seed gives other tokens
+        assert (await pipe.generate(**dict(kw, seed=kw["seed"] + 1)))["tokens"] != reference["tokens"]
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             s = await stream(pipe, nursery, **kw)
@@ -118,15 +123,17 @@ async def check_resumed(pipe: Pipeline, victim: int, kw: dict, *, when: str) -> 
     await pipe.wait_all_released()
 
 
-@pytest.mark.parametrize("n_stages, victim, when", [
-    (2, 1, "decode"),
-    (3, 2, "decode"),  # the final stage of three: direct token return, the prediction is lost on that connection
-    (2, 1, "prefill"),
-], ids=["2stage-kill1-mid-decode", "3stage-kill2-mid-decode", "2stage-kill1-mid-prefill"])
-async def test_killed_stage_restarted_resumes_with_the_same_tokens(splits, tmp_path, n_stages, victim, when):
+@pytest.mark.parametrize("n_stages, victim, when, kw", [
+    (2, 1, "decode", DECODE),
+    (3, 2, "decode", DECODE),  # the final stage of three: direct token return, the prediction is lost there
+    (2, 1, "prefill", PREFILL),
+    (3, 2, "decode", SEEDED),  # the sampler is on the killed stage
+], ids=["2stage-kill1-mid-decode", "3stage-kill2-mid-decode", "2stage-kill1-mid-prefill",
+        "3stage-kill2-mid-decode-seeded"])
+async def test_killed_stage_restarted_resumes_with_the_same_tokens(splits, tmp_path, n_stages, victim, when, kw):
     pipe = await start(splits[n_stages], tmp_path, "--resume", "--resume-window", "30")
     try:
-        await check_resumed(pipe, victim, DECODE if when == "decode" else PREFILL, when=when)
+        await check_resumed(pipe, victim, kw, when=when)
     finally:
         await trio.to_thread.run_sync(pipe.stop)
 

@@ -41,8 +41,9 @@ window), the generation is replayed from the head's record: the head
 recomputes its own KV from scratch and sends the prompt in the same chunks,
 then every token generated so far as the same decode steps, so each stage
 computes exactly what it computed the first time (greedy output equals an
-uninterrupted run); the replayed predictions are not emitted again, so a
-stream only pauses.
+uninterrupted run; so does seeded sampling, as the final stage's new sampler
+draws for the replayed steps as the first one did); the replayed predictions
+are not emitted again, so a stream only pauses.
 """
 
 from __future__ import annotations
