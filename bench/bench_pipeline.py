@@ -22,7 +22,10 @@ of 1, 2, 4 and 8 concurrent sessions (the streamed tokens that arrive while
 all of them decode, over that window; also end-to-end: completion tokens of
 all / wall time, prefill included), and each stage's Python time per decode
 step (its own ``hot_path`` counters: wall time handling a step, less waits
-on other stages and for the host compute lock, less native compute).
+on other stages and for the host compute lock, less native compute). Then,
+once per round, one session's decode again with the skippyd configurations'
+generations interleaved one by one (4 each), and each one's ratio to
+single-stage in that round: the 2-stage/single target is read both ways.
 
 With ``--delay-ms D`` (default 10; 0 skips it) the 2- and 3-stage pipelines
 run again with D ms one-way delay on every link and the time per output
@@ -42,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import trio
@@ -61,6 +65,7 @@ LONG_PROMPT = LONG * 9  # ~500 tokens
 DECODE_PROMPT = "Write a long story about a dragon who learns to sail."
 DECODE_TOKENS = 65  # the first token, then 64 decode steps
 AGGREGATE_TOKENS = 64  # per session, concurrent sessions
+INTERLEAVED_REPEATS = 4  # one session's decode, configurations in turn: generations of each per round
 DECODE_REPEATS = 3  # one session's decode: the median of this many generations per round (the VM drifts)
 LONG_DECODE_TOKENS = 33  # after the ~500-token prompt: its first token, then 32 decode steps
 CONCURRENCY = (1, 2, 4, 8)
@@ -165,6 +170,21 @@ async def measure(pipe: Pipeline, *, concurrency: tuple[int, ...] = CONCURRENCY)
     return out
 
 
+async def interleaved_decode(configs: dict[str, Pipeline]) -> dict[str, float]:
+    """One session's decode tokens/s of every configuration, generation by generation in turn (A, B, C, A,
+    B, C, ...; INTERLEAVED_REPEATS each): the median of each. Ratios between these are not moved by the
+    VM's drift over the half minute between one configuration's measure() and the next one's."""
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    async with AsyncExitStack() as stack:
+        clients = {name: await stack.enter_async_context(open_control(pipe.head.url, pipe.head.token_file))
+                   for name, pipe in configs.items()}
+        for _ in range(INTERLEAVED_REPEATS):
+            for name, client in clients.items():
+                r = await generate(client, prompt=DECODE_PROMPT, max_tokens=DECODE_TOKENS)
+                rates[name].append(r["timings"]["decode_tokens_per_s"])
+    return {name: statistics.median(v) for name, v in rates.items()}
+
+
 def measure_reference(model: Path, threads: int, long_prompt_file: Path) -> dict:
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "llama_cpp_reference.py"), str(model),
                            "--threads", str(threads), "--decode-prompt", DECODE_PROMPT,
@@ -247,6 +267,10 @@ def main() -> int:
                     results["llama-cpp-python"].append(measure_reference(model, args.threads, long_file))
                 for name, pipe in configs.items():
                     results[name].append(trio.run(measure, pipe))
+                paired = trio.run(interleaved_decode, configs)
+                for name, tps in paired.items():
+                    results[name][-1]["decode_tps_interleaved"] = tps
+                    results[name][-1]["decode_over_single_interleaved"] = tps / paired["single"]
                 print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         finally:
             for pipe in configs.values():
@@ -279,7 +303,9 @@ def main() -> int:
     cores = os.cpu_count()
     print(f"model {model.name}, {cores} cores, {args.threads} threads per stage, {args.rounds} interleaved rounds; "
           f"medians (min-max), xratio to single-stage skippyd")
-    rows = [("decode_tps", "decode tok/s (1 session)"), ("ms_per_token", "ms / token"),
+    rows = [("decode_tps", "decode tok/s (1 session)"),
+            ("decode_tps_interleaved", "  the same, configs interleaved"),
+            ("decode_over_single_interleaved", "  ... / single, per round"), ("ms_per_token", "ms / token"),
             ("prefill_tps_500", "prefill tok/s (~500 tokens)"), ("ttft_ms_500", "TTFT ms (~500 tokens)"),
             ("decode_tps_500", "decode tok/s after ~500 tokens")]
     rows += [(f"aggregate_tps_{c}", f"aggregate decode tok/s, {c} sessions") for c in CONCURRENCY]
@@ -308,6 +334,7 @@ def main() -> int:
         targets["single prefill / llama-cpp-python >= 0.95"] = med("single", "prefill_tps_500") / med(
             "llama-cpp-python", "prefill_tps_500")
     targets["2-stage decode / single >= 0.92"] = med("2-stage", "decode_tps") / med("single", "decode_tps")
+    targets["  the same, generations interleaved (per round)"] = med("2-stage", "decode_over_single_interleaved")
     targets["2-stage TTFT / single <= 1.10"] = med("2-stage", "ttft_ms_500") / med("single", "ttft_ms_500")
     targets[f"max Python ms (wall) per step per stage <= {PY_BUDGET_MS}"] = max(
         med(n, "python_ms_per_step_max") for n in ("single", "2-stage", "3-stage"))
