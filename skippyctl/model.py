@@ -8,16 +8,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
+import enum
+
 import typer
 from rich.table import Table
 
 from skippyctl.render import EXIT_USAGE, byte_progress, emit, fail
 from skippyd.runtime.gguf_info import ModelFileError
 from skippyd.runtime.models import DEFAULT_MODEL_SHA256, FetchError, fetch_default_model, inspect_gguf
-from skippyd.runtime.slicing import TOPOLOGY_FILE, RangeError, SliceError, parse_ranges, split_model
+from skippyd.runtime.slicing import BALANCE_MODES, TOPOLOGY_FILE, RangeError, SliceError, parse_ranges, split_model
 from skippyd.topology import TopologyError
 
 app = typer.Typer(help="Split, inspect and fetch GGUF models (local files, no daemon).", no_args_is_help=True)
+
+Balance = enum.Enum("Balance", {mode: mode for mode in BALANCE_MODES}, type=str)  # --balance's choices
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print plain JSON on stdout instead of a table.")]
 
@@ -31,8 +35,14 @@ def split(
     model: Annotated[Path, typer.Argument(metavar="MODEL.gguf", help="The GGUF model to split.", show_default=False)],
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the stage files and topology.toml.")],
     stages: Annotated[
-        Optional[int], typer.Option("--stages", "-n", help="Split into N stages of (nearly) equal layer counts.")
+        Optional[int], typer.Option("--stages", "-n", help="Split into N stages (see --balance).")
     ] = None,
+    balance: Annotated[
+        Balance,
+        typer.Option("--balance", help="How --stages divides the layers: 'layers' (equal layer counts) or "
+                     "'compute' (equal work per token: the last stage, which also runs the LM head, gets fewer "
+                     "layers; the table's 'compute' column shows each stage's share)."),
+    ] = Balance.layers,
     ranges: Annotated[
         Optional[str], typer.Option("--ranges", help="Explicit layer ranges, e.g. 0:10,10:20,20:30.")
     ] = None,
@@ -45,12 +55,16 @@ def split(
     """Cut MODEL into contiguous layer ranges: one stage-K.gguf per stage, plus topology.toml."""
     if (stages is None) == (ranges is None):
         fail("give exactly one of --stages N or --ranges START:END,...", EXIT_USAGE)
+    if ranges is not None and balance is not Balance.layers:
+        fail("--balance chooses the ranges of --stages N; it does not apply to --ranges", EXIT_USAGE)
     host_list = [h.strip() for h in hosts.split(",")] if hosts is not None else None
+    shares: list[float] = []
     try:
         if ranges is not None:
             parse_ranges(ranges)  # syntax errors before the model is read
         with byte_progress("splitting") as update:
-            topology = split_model(model, ranges, out, stages=stages, hosts=host_list, progress=update)
+            topology = split_model(model, ranges, out, stages=stages, hosts=host_list, progress=update,
+                                   balance=balance.value, on_plan=lambda _ranges, got: shares.extend(got))
     except (RangeError, TopologyError) as exc:
         fail(str(exc), EXIT_USAGE)
     except (ModelFileError, SliceError) as exc:
@@ -58,8 +72,9 @@ def split(
 
     data = topology.as_dict()
     data["topology"] = str((out / TOPOLOGY_FILE).resolve())
-    for stage in data["stages"]:
+    for stage, share in zip(data["stages"], shares):
         stage["size"] = Path(stage["file"]).stat().st_size
+        stage["compute_share"] = round(share, 4)
     emit(data, json_mode, _split_table)
 
 
@@ -69,14 +84,15 @@ def _split_table(data: dict[str, Any]) -> Table:
         f"{len(data['stages'])} stages",
         caption=f"topology: {data['topology']}",
     )
-    for column in ("stage", "layers", "output", "address", "size", "file"):
-        table.add_column(column, justify="right" if column in ("stage", "size") else "left")
+    for column in ("stage", "layers", "output", "compute", "address", "size", "file"):
+        table.add_column(column, justify="right" if column in ("stage", "compute", "size") else "left")
     for s in data["stages"]:
         host = f"[{s['host']}]" if ":" in s["host"] else s["host"]
         table.add_row(
             str(s["index"]),
             f"{s['layer_start']}:{s['layer_end']}",
             s["output"],
+            f"{100 * s['compute_share']:.0f}%",
             f"{host}:{s['port']}",
             _mb(s["size"]),
             Path(s["file"]).name,

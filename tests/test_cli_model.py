@@ -50,8 +50,23 @@ def test_split_json(run, tiny_model_small_vocab_path, tmp_path):
     assert all(s["size"] > 0 for s in data["stages"])
     topology = Topology.load(data["topology"])
     assert topology.as_dict() == {k: v for k, v in data.items() if k != "topology"} | {
-        "stages": [{k: v for k, v in s.items() if k != "size"} for s in data["stages"]]
+        "stages": [{k: v for k, v in s.items() if k not in ("size", "compute_share")} for s in data["stages"]]
     }
+    shares = [s["compute_share"] for s in data["stages"]]
+    assert abs(sum(shares) - 1) < 1e-3 and shares[1] > 3 * shares[0]  # 3 layers and the LM head against 1
+
+
+def test_split_balanced_by_compute(run, default_model_path, tmp_path):
+    """The default model's LM head weighs as much as 8 of its layers: an even split leaves 60% of the work
+    on the last stage, a compute-balanced one gives it 11 layers of 30 and half the work."""
+    even = json.loads(run("model", "split", default_model_path, "-n", "2", "--out", tmp_path / "a", "--json").stdout)
+    assert [(s["layer_start"], s["layer_end"]) for s in even["stages"]] == [(0, 15), (15, 30)]
+    assert [s["compute_share"] for s in even["stages"]] == pytest.approx([0.395, 0.605], abs=1e-3)
+    result = run("model", "split", default_model_path, "-n", "2", "--balance", "compute", "--out", tmp_path / "b")
+    assert result.exit_code == 0, result.output
+    for text in ("0:19", "19:30", "50%"):
+        assert text in result.stdout
+    assert Topology.load(tmp_path / "b" / "topology.toml").ranges == [(0, 19), (19, 30)]
 
 
 def test_split_table(run, tiny_model_small_vocab_path, tmp_path):
@@ -73,12 +88,19 @@ def test_split_table(run, tiny_model_small_vocab_path, tmp_path):
         (("--stages", "9"), "cannot split 4 layers into 9 stages"),
         (("--stages", "2", "--hosts", "a:1"), "1 addresses given for 2 stages"),
         (("--stages", "2", "--hosts", "a:1,b"), "bad address 'b'"),
+        (("--ranges", "0:2,2:4", "--balance", "compute"), "does not apply to --ranges"),
     ],
 )
 def test_split_usage_errors(run, tiny_model_small_vocab_path, tmp_path, args, fragment):
     result = run("model", "split", tiny_model_small_vocab_path, "--out", tmp_path / "out", *args)
     assert_clean_error(result, 2, fragment)
     assert not (tmp_path / "out" / "topology.toml").exists()
+
+
+def test_split_unknown_balance_is_refused_by_the_option_parser(run, tiny_model_small_vocab_path, tmp_path):
+    result = run("model", "split", tiny_model_small_vocab_path, "-n", "2", "--balance", "cost", "--out", tmp_path)
+    assert result.exit_code == 2 and "'layers'" in result.stderr and "'compute'" in result.stderr
+    assert not (tmp_path / "topology.toml").exists()
 
 
 def test_split_refuses_gemma(run, gemma_model_path, tmp_path):

@@ -34,6 +34,9 @@ def smol_splits(default_model_path, tmp_path_factory):
     for n in (2, 3):
         topo = split_model(default_model_path, None, tmp_path_factory.mktemp(f"smol{n}"), stages=n)
         out[n] = [s.file for s in topo.stages]
+    # balanced by compute: 0:19 + 19:30
+    topo = split_model(default_model_path, None, tmp_path_factory.mktemp("smol2c"), stages=2, balance="compute")
+    out["2-compute"] = [s.file for s in topo.stages]
     return out
 
 
@@ -76,7 +79,7 @@ def test_unsplit_matches_reference(default_model_path):
         assert pipe.generate(poem_tokens(pipe.head), 32) == POEM_REFERENCE
 
 
-@pytest.mark.parametrize("n_stages", [2, 3])
+@pytest.mark.parametrize("n_stages", [2, 3, "2-compute"])
 def test_split_greedy_tokens_identical(default_model_path, smol_splits, n_stages):
     with LocalPipeline([default_model_path], PARAMS) as full, LocalPipeline(smol_splits[n_stages], PARAMS) as split:
         prompt = full.head.tokenize("The capital of France is")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -16,9 +17,12 @@ from skippyd.runtime.slicing import (
     TOPOLOGY_FILE,
     RangeError,
     SliceError,
+    balanced_ranges,
     check_splittable,
+    compute_costs,
     plan_ranges,
     split_model,
+    stage_shares,
 )
 from skippyd.topology import StageSpec, Topology, TopologyError, parse_address, stage_addresses
 from tests.tiny_model import MetadataField, write_tiny_llama
@@ -287,6 +291,71 @@ def test_split_hosts_and_bad_requests(tiny_source, tmp_path):
 
 
 # --- splitting the default model -------------------------------------------
+
+
+# --- balancing by compute ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "costs, head, stages, expected",
+    [
+        ([1] * 30, 8, 2, [(0, 19), (19, 30)]),  # the default model's proportions (LM head ~ 8 layers)
+        ([1] * 30, 0, 3, [(0, 10), (10, 20), (20, 30)]),  # no head: the even split
+        ([1] * 6, 100, 3, [(0, 2), (2, 5), (5, 6)]),  # the head dominates: the final stage keeps one layer
+        ([5, 1, 1, 1], 0, 2, [(0, 1), (1, 4)]),
+        ([3], 2, 1, [(0, 1)]),
+        ([1, 1, 1, 1], 9, 4, [(0, 1), (1, 2), (2, 3), (3, 4)]),
+    ],
+)
+def test_balanced_ranges(costs, head, stages, expected):
+    assert balanced_ranges(costs, head, stages) == expected
+
+
+@given(costs=st.lists(st.integers(0, 50), min_size=1, max_size=12), head=st.integers(0, 200), data=st.data())
+def test_balanced_ranges_are_a_best_split(costs, head, data):
+    stages = data.draw(st.integers(1, len(costs)))
+    ranges = balanced_ranges(costs, head, stages)
+    assert len(ranges) == stages and ranges[0][0] == 0 and ranges[-1][1] == len(costs)
+    assert all(a < b for a, b in ranges) and all(x[1] == y[0] for x, y in zip(ranges, ranges[1:]))
+
+    def worst(rs):
+        loads = [sum(costs[a:b]) for a, b in rs]
+        loads[-1] += head
+        return max(loads)
+
+    # no split into the same number of stages does better (all of them, by brute force)
+    best = min(worst(list(zip((0, *cuts), (*cuts, len(costs)))))
+               for cuts in itertools.combinations(range(1, len(costs)), stages - 1))
+    assert worst(ranges) == best
+
+
+def test_balanced_ranges_refuse_impossible_counts():
+    with pytest.raises(RangeError, match="every stage needs at least one layer"):
+        balanced_ranges([1, 1], 0, 3)
+    with pytest.raises(RangeError):
+        balanced_ranges([1, 1], 0, 0)
+
+
+def test_compute_costs_and_shares_of_the_default_model(default_model_path):
+    layers, head = compute_costs(gguf.GGUFReader(default_model_path), 30)
+    # q, o 576x576; k, v 576x192; gate, up, down 576x1536 (the norms are not matrices)
+    assert layers == [2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536] * 30
+    assert head == 49152 * 576  # tied: the token embedding is the LM head
+    assert stage_shares(layers, head, [(0, 15), (15, 30)]) == pytest.approx([0.395, 0.605], abs=1e-3)
+
+
+def test_split_balanced_by_compute_and_its_bad_requests(tiny_source, tmp_path):
+    planned = []
+    topology = split_model(tiny_source, None, tmp_path / "a", stages=2, balance="compute",
+                           on_plan=lambda ranges, shares: planned.append((ranges, shares)))
+    (ranges, shares), = planned
+    assert topology.ranges == ranges and abs(sum(shares) - 1) < 1e-9
+    layers, head = compute_costs(gguf.GGUFReader(tiny_source), 5)
+    assert ranges == balanced_ranges(layers, head, 2)
+    with pytest.raises(RangeError, match="give a number of stages"):
+        split_model(tiny_source, "0:4,4:5", tmp_path / "b", balance="compute")
+    with pytest.raises(RangeError, match="balance must be one of"):
+        split_model(tiny_source, None, tmp_path / "c", stages=2, balance="cost")
 
 
 @pytest.fixture(scope="module")
