@@ -112,6 +112,8 @@ class RuntimeSection:
     compute_lock: str = attrs.field(default="auto", validator=_one_of(("auto", "on", "off")))
     # llama.cpp's flash attention; off: on this CPU build it halves decode at a few hundred tokens of context
     flash_attn: str = attrs.field(default="off", validator=_one_of(("off", "on", "auto")))
+    # sessions decoding at once kept in this many groups, one in flight per stage; 0: one per host
+    decode_groups: int = attrs.field(default=0, validator=_at_least(0))
     batch: int = attrs.field(default=512, validator=_at_least(1))
     prefill_chunk: int = attrs.field(default=256, validator=_at_least(1))
     credit: int = attrs.field(default=2, validator=_at_least(1))
@@ -191,6 +193,7 @@ FLAG_KEYS = {
     "thread_poll": "runtime.thread_poll",
     "compute_lock": "runtime.compute_lock",
     "flash_attn": "runtime.flash_attn",
+    "decode_groups": "runtime.decode_groups",
     "batch": "runtime.batch",
     "prefill_chunk": "runtime.prefill_chunk",
     "credit": "runtime.credit",

@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--flash-attn", choices=("off", "on", "auto"), default=None,
                      help="llama.cpp's flash attention (default off: on this CPU build it halves decode speed "
                           "once a session holds a few hundred tokens; auto lets llama.cpp decide)")
+    run.add_argument("--decode-groups", type=int, default=None, metavar="N",
+                     help="keep the sessions decoding at once in N groups, one in flight on each stage, so that "
+                          "stages on hosts of their own compute at the same time (default 0: the number of "
+                          "hosts of the topology; 1 with --stage all or --model). Give every stage the same N")
     run.add_argument("--batch", type=int, default=None, help="max tokens per llama_decode (default 512)")
     run.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill chunk (default 256)")
     run.add_argument("--credit", type=int, default=None, help="outstanding prefill acks per link (default 2)")
@@ -224,6 +228,16 @@ class Daemon:
         ours = self.topology.stage(self._stage_indices()[0]).host
         return sum(1 for s in self.topology.stages if s.host in mine or s.host == ours)
 
+    def _decode_groups(self) -> int:
+        """--decode-groups, or (0) one group per host of the topology: stages on one host take turns at its
+        cores, stages on hosts of their own compute at the same time, each on another group's steps."""
+        a = self.args
+        if a.decode_groups:
+            return a.decode_groups
+        if self.topology is None or a.stage in (None, "all"):
+            return 1  # a whole model, or every stage in this process
+        return self.topology.n_hosts
+
     def _config(self, n_local: int) -> StageConfig:
         a = self.args
         cores = os.cpu_count() or 2
@@ -240,7 +254,7 @@ class Daemon:
             threads = a.threads or cores
             lock = a.compute_lock == "on" or threads > 1
         cfg = StageConfig(n_ctx_per_seq=a.ctx, lanes=a.lanes, n_batch=a.batch, n_threads=threads, thread_poll=poll,
-                          compute_lock=lock, flash_attn=a.flash_attn,
+                          compute_lock=lock, flash_attn=a.flash_attn, decode_groups=self._decode_groups(),
                           credit_limit=a.credit, reply_timeout_s=a.reply_timeout,
                           direct_return=getattr(a, "direct_return", None) is not False,
                           link_delay_ms=getattr(a, "link_delay_ms", None) or 0.0,

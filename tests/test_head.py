@@ -156,6 +156,41 @@ async def test_concurrent_generations_batch_and_match_alone(two):
     await two.wait_all_released()
 
 
+async def test_decode_groups_keep_sessions_in_groups_one_in_flight_per_stage(default_model_path, tmp_path):
+    """Stages on hosts of their own, emulated on this one (a thread each, no compute lock): with
+    --decode-groups 2 the 4 sessions decode as groups of 2, each in flight on a different stage, and every
+    session's tokens are still its tokens alone."""
+    split_for_test(default_model_path, 2, tmp_path)
+    pipe = Pipeline(tmp_path / "topology.toml", tmp_path,
+                    extra=[*COMMON, "--threads", "1", "--compute-lock", "off", "--decode-groups", "2"])
+    await trio.to_thread.run_sync(pipe.start)
+    try:
+        assert (await pipe.head.astatus())["head"]["compute"]["decode_groups"] == 2
+        prompts = [f"Write one sentence about the number {i}." for i in range(4)]
+        alone = [(await pipe.generate(prompt=p, max_tokens=24))["tokens"] for p in prompts]
+        before = await pipe.stage_sessions()
+        results: list = [None] * 4
+
+        async def run(i: int) -> None:
+            results[i] = (await pipe.generate(prompt=prompts[i], max_tokens=24))["tokens"]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(run, i)
+        assert results == alone
+        after = await pipe.stage_sessions()
+        for k in (0, 1):
+            b, a = before[k]["scheduler"], after[k]["scheduler"]
+            per_batch = (a["decode_jobs"] - b["decode_jobs"]) / (a["decode_batches"] - b["decode_batches"])
+            print(f"stage {k}: {per_batch:.2f} decode steps per batch")
+            # the head caps a batch at a group (2); stage 1 takes what is there, now and then two groups
+            assert per_batch <= (2 if k == 0 else 3), f"stage {k} decoded {per_batch:.2f} steps per batch"
+            assert per_batch > 1.2, f"stage {k} decoded {per_batch:.2f} steps per batch: the groups never formed"
+        await pipe.wait_all_released()
+    finally:
+        await trio.to_thread.run_sync(pipe.stop)
+
+
 async def test_kill_mid_decode_ends_within_a_token_and_frees_everything(two):
     with trio.fail_after(60):
         await _kill_mid_decode(two)

@@ -69,9 +69,10 @@ async def test_every_stage_counts_its_decode_steps_and_python_time(two):
 async def test_stages_sharing_a_host_use_every_core_and_take_turns(two):
     import os
 
+    # one host (loopback): one group of decoding sessions, the stages take turns at the cores
     for snap in await _snapshots(two):
         assert snap["compute"] == {"threads": os.cpu_count(), "thread_poll": 0, "compute_lock": os.cpu_count() > 1,
-                               "flash_attn": "off"}
+                               "flash_attn": "off", "decode_groups": 1}
 
 
 def test_chunk_grows_to_cover_the_link_round_trip_and_no_further():

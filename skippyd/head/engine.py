@@ -615,6 +615,11 @@ class _Run:
 
     async def _predict_finish(self, sent: _InFlight) -> int:
         """The waiting half of :meth:`_predict`: the predicted token."""
+        token = await self._await_prediction(sent)
+        self.engine.scheduler.back(self.session.seq)  # its next step follows (decode groups: see Scheduler)
+        return token
+
+    async def _await_prediction(self, sent: _InFlight) -> int:
         msg = sent.msg
         if self.returns is None:
             reply = await self._request_finish(sent)

@@ -13,6 +13,10 @@ session's step right in the task that submits it (``_direct``).
 KV operations (trim, release) are queued too and run between two computes,
 since llama.cpp allows one thread at a time per context.
 
+Stages on hosts of their own compute at the same time: then the sessions
+decoding at once are kept in groups, one in flight on each stage
+(``Scheduler.decode_groups``).
+
 Stages that share a host may take turns at the cores (``HostComputeLock``):
 ggml's workers spin at every barrier inside a graph, so two stages computing
 at once with all cores each would take each other's time slices; taking turns,
@@ -92,6 +96,7 @@ INLINE_MAX_US = 20_000
 GATHER_MAX_S = 0.002  # a decode batch waits at most this long for the last batch's other sessions ...
 GATHER_SHARE = 0.2  # ... and at most this share of that batch's compute
 GATHER_MAX_LOCKED_S = 0.02  # the head with the host lock: this long (see _gather)
+GATHER_GROUP_S = 0.0005  # a later stage with decode groups: the head sends a group's steps back to back
 LOCK_MAX_WAIT_S = 1.0  # longer than any other stage's one compute should hold the host lock ...
 LOCK_BYPASS_S = 5.0  # ... past that the holder is taken to be stuck: go without the lock this long
 
@@ -194,8 +199,21 @@ class HotPath:
 
 
 class Scheduler:
+    """See the module docstring.
+
+    ``decode_groups`` > 1: the stages of the pipeline compute at the same
+    time (hosts of their own), so the sessions decoding at once are kept in
+    that many groups, each in flight on a different stage: the head computes
+    one group's steps while the next stage computes another's. The head
+    (``token_input``) caps a decode batch at ceil(decoding sessions /
+    decode_groups); every stage's gather waits only for the sessions of the
+    queued ones' own last batch, never for another group. With 1 (stages
+    sharing cores, or a single stage) all the sessions decode as one batch,
+    which costs less than several when the stages take turns at the cores.
+    """
+
     def __init__(self, ctx: Context, *, max_batch_tokens: int | None = None,
-                 host_lock: HostComputeLock | None = None):
+                 host_lock: HostComputeLock | None = None, decode_groups: int = 1):
         self.ctx = ctx
         self.host_lock = host_lock  # owned: closed when serve() ends
         self.max_batch_tokens = max_batch_tokens or ctx.n_batch
@@ -210,6 +228,11 @@ class Scheduler:
         self._decode_native_us = 0  # the last decode-only batch's
         self._expected: set[int] = set()  # sequences of the last two batches' decode steps (see _gather)
         self._previous: set[int] = set()
+        self.decode_groups = max(1, decode_groups)  # see the class docstring
+        self._decoding: set[int] = set()  # decode_groups > 1: sequences that decoded and have not ended (forget)
+        self._away: set[int] = set()  # ... the head: those whose step is down the pipeline (see back())
+        self._batch_no: dict[int, int] = {}  # ... the head: each one's last decode batch (a group), numbered
+        self._batches_done = 0
         self._arrived: trio.Event | None = None  # set by submit() while _gather waits
         self._busy = False  # the serve task is between its wake-up and its next wait
 
@@ -261,7 +284,7 @@ class Scheduler:
         """One session decoding alone, the scheduler idle: compute `job` right here (inline), without the
         hand-off to the scheduler's task and back (two task switches per step). True if it did."""
         if (self._busy or self._closed or self._jobs or self._kv_ops or job.n != 1
-                or not self._expected <= {job.seq} or not self._inline([job])):
+                or not self._gathered({job.seq}) or not self._inline([job])):
             return False
         self._compute_inline([job], time.perf_counter())  # awaits nothing: no other job can slip in
         return True
@@ -270,8 +293,15 @@ class Scheduler:
         """`seq` ended: a gather waits for it no more."""
         self._expected.discard(seq)
         self._previous.discard(seq)
+        self._decoding.discard(seq)
+        self._away.discard(seq)
+        self._batch_no.pop(seq, None)
         if self._arrived is not None:
             self._arrived.set()
+
+    def back(self, seq: int) -> None:
+        """The head: `seq`'s prediction came back from the pipeline; its next step follows at once."""
+        self._away.discard(seq)
 
     @property
     def queued(self) -> int:
@@ -303,8 +333,8 @@ class Scheduler:
             self._jobs.clear()
 
     async def _gather(self) -> None:
-        """Before a decode batch: give the sessions of the last two decode batches a moment to send their
-        next step.
+        """Before a decode batch: give the sessions of the last two decode batches (with decode_groups > 1:
+        of the queued sessions' own last batch) a moment to send their next step.
 
         Sessions decoding together come back at slightly different times (each
         has its own bookkeeping, frames arrive one after the other); starting
@@ -316,9 +346,14 @@ class Scheduler:
         session is back or has ended (``forget``).
         """
         queued = {j.seq for j in self._jobs if j.n == 1}
-        if not queued or self._expected <= queued:
+        if not queued or self._gathered(queued):
             return
-        if self.host_lock is not None and self.ctx.token_input:
+        if self.decode_groups > 1 and not self.ctx.token_input:
+            # the head keeps groups apart and sends each group's steps back to back: wait for those only
+            window = min(GATHER_GROUP_S, GATHER_SHARE * self._decode_native_us / 1e6)
+        elif self.decode_groups > 1:
+            window = GATHER_MAX_LOCKED_S  # the head merging groups: the next one is a stage's compute away
+        elif self.host_lock is not None and self.ctx.token_input and self.decode_groups == 1:
             # the head, taking turns at the cores (the host lock): a group that is not here is on another stage,
             # using the cores, so waiting for it costs no compute, and one batch of both groups costs much less
             # than two (here a batch of 8 ~1.2 of 4). Only the head waits this long: groups form here, and a
@@ -328,7 +363,7 @@ class Scheduler:
             window = min(GATHER_MAX_S, GATHER_SHARE * self._decode_native_us / 1e6)
         self._arrived = trio.Event()
         with trio.move_on_after(window):
-            while not self._expected <= queued:
+            while not self._gathered(queued):
                 await self._arrived.wait()
                 self._arrived = trio.Event()
                 queued = {j.seq for j in self._jobs if j.n == 1}
@@ -336,6 +371,23 @@ class Scheduler:
         self._expected &= queued  # one that did not come back is not waited for again
         self._previous &= queued
         self.stats.gathers += 1
+
+    def _gathered(self, queued: set[int]) -> bool:
+        """Whether a decode batch may start with the sessions `queued`: every session of the last two decode
+        batches is here (a group split by chance gets together again), or, at the head with decode_groups
+        > 1, a group's worth is here or every session not down the pipeline is."""
+        if self.decode_groups > 1 and self.ctx.token_input:
+            if len(queued) >= self._group_size(queued):
+                return True
+            if not (self._decoding - self._away) <= queued:
+                return False  # back from the pipeline, about to send its step
+            # more groups in flight than stages (sessions that started apart): wait for the next one to merge
+            in_flight = {self._batch_no[seq] for seq in self._away if seq in self._batch_no}
+            return len(in_flight) < self.decode_groups
+        return self._expected <= queued
+
+    def _group_size(self, queued: set[int]) -> int:
+        return -(-len(self._decoding | queued) // self.decode_groups)
 
     def _run_kv_ops(self) -> None:
         while self._kv_ops:
@@ -351,9 +403,16 @@ class Scheduler:
         budget = self.max_batch_tokens
         batch: list[Job] = []
         seqs: set[int] = set()
+        steps_left = len(self._jobs)
+        if self.decode_groups > 1 and self.ctx.token_input:  # the head: this group; the rest go next
+            steps_left = self._group_size({j.seq for j in self._jobs if j.n == 1})
         for job in sorted(self._jobs, key=lambda j: j.n):
             if job.seq in seqs or job.n > budget:
                 continue
+            if job.n == 1:
+                if steps_left == 0:
+                    continue
+                steps_left -= 1
             if batch and job.n > 1 and batch[0].n > 1:
                 continue  # at most one prefill chunk per batch keeps decode latency low
             batch.append(job)
@@ -426,6 +485,13 @@ class Scheduler:
             self._decode_native_us = self._native_us
         if decoded:  # the sessions of the last two decode batches: a split group is gathered again
             self._expected, self._previous = decoded | self._previous, decoded
+            if self.decode_groups > 1:
+                self._decoding |= decoded
+                if self.ctx.token_input:
+                    self._away |= decoded  # their steps go down the pipeline now
+                    self._batches_done += 1
+                    for seq in decoded:
+                        self._batch_no[seq] = self._batches_done
         for job, result in zip(batch, results):
             job.result = result
             job.native_us, job.lock_wait_us = self._native_us, self._lock_wait_us

@@ -63,6 +63,9 @@ class StageConfig:
     thread_poll: int | None = 0
     compute_lock: bool = False  # take turns at the cores with the other stages on this host (HostComputeLock)
     flash_attn: str = "off"  # llama.cpp's flash attention: off | on | auto (see ContextParams)
+    # the stages compute at the same time (hosts of their own): keep this many groups of sessions in flight
+    # (Scheduler.decode_groups; the daemon resolves 0, auto, from the topology's hosts)
+    decode_groups: int = 1
 
     def context_params(self) -> ContextParams:
         return ContextParams(n_ctx_per_seq=self.n_ctx_per_seq, n_seq_max=self.lanes, n_batch=self.n_batch,
@@ -71,10 +74,11 @@ class StageConfig:
 
     def describe_compute(self) -> dict:
         return {"threads": self.n_threads, "thread_poll": self.thread_poll, "compute_lock": self.compute_lock,
-                "flash_attn": self.flash_attn}
+                "flash_attn": self.flash_attn, "decode_groups": self.decode_groups}
 
     def scheduler(self, context: Context) -> Scheduler:
-        return Scheduler(context, host_lock=HostComputeLock() if self.compute_lock else None)
+        return Scheduler(context, host_lock=HostComputeLock() if self.compute_lock else None,
+                         decode_groups=self.decode_groups)
 
     @property
     def link_shape(self) -> LinkShape:
