@@ -27,6 +27,13 @@ once per round, one session's decode again with the skippyd configurations'
 generations interleaved one by one (4 each), and each one's ratio to
 single-stage in that round: the 2-stage/single target is read both ways.
 
+Stages on hosts of their own (default on; ``--no-overlap`` skips it),
+emulated here: a 2-stage pipeline split by compute (``--balance compute``)
+whose stages have one thread each and no compute lock, so each computes on
+its own core, with ``--decode-groups 1`` (every session in one batch, the
+stages taking turns) and ``2`` (two groups, one in flight on each stage):
+aggregate decode of 1, 2, 4 and 8 sessions, in interleaved rounds.
+
 With ``--delay-ms D`` (default 10; 0 skips it) the 2- and 3-stage pipelines
 run again with D ms one-way delay on every link and the time per output
 token is set against compute + the one-way delays around the loop + 1.5 ms
@@ -185,6 +192,38 @@ async def interleaved_decode(configs: dict[str, Pipeline]) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in rates.items()}
 
 
+async def aggregates(pipe: Pipeline) -> dict:
+    """Aggregate decode tokens/s of 1, 2, 4 and 8 concurrent sessions (see concurrent_decode)."""
+    out = {}
+    for conc in CONCURRENCY:
+        out[f"aggregate_tps_{conc}"], out[f"e2e_tps_{conc}"] = await concurrent_decode(pipe.head, conc)
+    out["aggregate_4_over_1"] = out["aggregate_tps_4"] / out["aggregate_tps_1"]
+    return out
+
+
+def measure_overlap(model: Path, tmp: Path, common: list[str], rounds: int) -> dict[str, list[dict]]:
+    """The own-cores section: 2 stages, one thread each, no compute lock, decode groups 1 and 2."""
+    base = [*common, "--threads", "1", "--compute-lock", "off"]
+    configs = {}
+    for g in (1, 2):
+        work = tmp / f"overlap{g}"
+        work.mkdir()
+        split_for_test(model, 2, work, balance="compute")  # ports of its own: both pipelines run at once
+        configs[f"decode groups {g}"] = Pipeline(work / "topology.toml", work, extra=[*base, "--decode-groups", str(g)])
+    results: dict[str, list[dict]] = {name: [] for name in configs}
+    try:
+        for pipe in configs.values():
+            pipe.start()
+            trio.run(concurrent_decode, pipe.head, 2)  # warm-up
+        for _ in range(rounds):
+            for name, pipe in configs.items():
+                results[name].append(trio.run(aggregates, pipe))
+    finally:
+        for pipe in configs.values():
+            pipe.stop()
+    return results
+
+
 def measure_reference(model: Path, threads: int, long_prompt_file: Path) -> dict:
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "llama_cpp_reference.py"), str(model),
                            "--threads", str(threads), "--decode-prompt", DECODE_PROMPT,
@@ -234,6 +273,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="compute threads of every stage and of the reference")
     ap.add_argument("--delay-ms", type=float, default=10.0, help="one-way link delay for the WAN section (0: skip)")
     ap.add_argument("--no-reference", action="store_true", help="skip llama-cpp-python")
+    ap.add_argument("--no-overlap", action="store_true", help="skip the stages-on-their-own-cores section")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     model = fetch_default_model()
@@ -275,6 +315,7 @@ def main() -> int:
         finally:
             for pipe in configs.values():
                 pipe.stop()
+        overlap = {} if args.no_overlap else measure_overlap(model, tmp, common, args.rounds)
         if args.delay_ms > 0:
             configs = {}
             try:
@@ -324,6 +365,13 @@ def main() -> int:
                      ("bound_ms", f"target: compute + delays + {LOOP_SLACK_MS}")], None)
         report["delayed"] = {"delay_ms": args.delay_ms, "results": dtab}
 
+    if overlap:
+        otab = table(overlap)
+        print_table("2 stages on cores of their own (1 thread each, no compute lock, split by compute)", otab,
+                    [(f"aggregate_tps_{c}", f"aggregate decode tok/s, {c} sessions") for c in CONCURRENCY]
+                    + [("aggregate_4_over_1", "aggregate 4 / 1 session")], "decode groups 1")
+        report["overlap"] = {"results": otab}
+
     def med(name: str, key: str, where: dict = tab) -> float:
         return where[name][key]["median"]
 
@@ -347,6 +395,8 @@ def main() -> int:
         # what batching gives plain llama.cpp here, no pipeline: the stages on one host take turns at the cores,
         # so this bounds the ratio above
         targets["  ceiling: llama-cpp-python batched, 4 seqs / 1"] = med("llama-cpp-python", "aggregate_4_over_1")
+    if overlap:
+        targets["  2 stages on their own cores, decode groups 2"] = med("decode groups 2", "aggregate_4_over_1", otab)
     if delayed:
         for name in delayed:
             # each round against its own bound (its own compute), then the median

@@ -49,9 +49,10 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def split_for_test(model: Path, n_stages: int, out_dir: Path) -> Topology:
+def split_for_test(model: Path, n_stages: int, out_dir: Path, *, balance: str = "layers") -> Topology:
     ports = free_ports(n_stages)
-    return split_model(model, None, out_dir, stages=n_stages, hosts=[f"127.0.0.1:{p}" for p in ports])
+    return split_model(model, None, out_dir, stages=n_stages, hosts=[f"127.0.0.1:{p}" for p in ports],
+                       balance=balance)
 
 
 def retarget(topology_path: Path, out_dir: Path) -> Path:
