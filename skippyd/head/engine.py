@@ -768,6 +768,8 @@ class _Run:
         """Runs shielded. Stop the session down the lane (bounded), then free the head's own sequence."""
         engine = self.engine
         self._close_returns()
+        if self.session is not None:
+            engine.scheduler.forget(self.session.seq)  # now: the other sessions' batches wait for it no more
         if self.lane is not None:
             lane, self.lane = self.lane, None
             stopped = False
@@ -786,7 +788,6 @@ class _Run:
             self.sampler.close()
         if self.session is not None:
             seq = self.session.seq
-            engine.scheduler.forget(seq)
             try:
                 with trio.move_on_after(STOP_TIMEOUT_S):
                     await engine.scheduler.run_kv(lambda: engine.context.kv_clear_seq(seq))

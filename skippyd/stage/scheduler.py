@@ -206,10 +206,13 @@ class Scheduler:
     that many groups, each in flight on a different stage: the head computes
     one group's steps while the next stage computes another's. The head
     (``token_input``) caps a decode batch at ceil(decoding sessions /
-    decode_groups); every stage's gather waits only for the sessions of the
-    queued ones' own last batch, never for another group. With 1 (stages
-    sharing cores, or a single stage) all the sessions decode as one batch,
-    which costs less than several when the stages take turns at the cores.
+    decode_groups), waits for the sessions back from the pipeline (not for
+    those whose step is down it, see ``back``), and merges groups while
+    more than decode_groups are in flight (sessions that started apart).
+    Later stages wait at most GATHER_GROUP_S for a group's steps, which the
+    head sends back to back. With 1 (stages sharing cores, or a single
+    stage) all the sessions decode as one batch, which costs less than
+    several when the stages take turns at the cores.
     """
 
     def __init__(self, ctx: Context, *, max_batch_tokens: int | None = None,
@@ -229,7 +232,7 @@ class Scheduler:
         self._expected: set[int] = set()  # sequences of the last two batches' decode steps (see _gather)
         self._previous: set[int] = set()
         self.decode_groups = max(1, decode_groups)  # see the class docstring
-        self._decoding: set[int] = set()  # decode_groups > 1: sequences that decoded and have not ended (forget)
+        self._decoding: set[int] = set()  # decode_groups > 1, the head: sequences decoding, not ended (forget)
         self._away: set[int] = set()  # ... the head: those whose step is down the pipeline (see back())
         self._batch_no: dict[int, int] = {}  # ... the head: each one's last decode batch (a group), numbered
         self._batches_done = 0
@@ -333,8 +336,8 @@ class Scheduler:
             self._jobs.clear()
 
     async def _gather(self) -> None:
-        """Before a decode batch: give the sessions of the last two decode batches (with decode_groups > 1:
-        of the queued sessions' own last batch) a moment to send their next step.
+        """Before a decode batch: give the sessions of the last two decode batches a moment to send their
+        next step (with decode_groups > 1 at the head: see ``_gathered``).
 
         Sessions decoding together come back at slightly different times (each
         has its own bookkeeping, frames arrive one after the other); starting
@@ -485,13 +488,12 @@ class Scheduler:
             self._decode_native_us = self._native_us
         if decoded:  # the sessions of the last two decode batches: a split group is gathered again
             self._expected, self._previous = decoded | self._previous, decoded
-            if self.decode_groups > 1:
+            if self.decode_groups > 1 and self.ctx.token_input:
                 self._decoding |= decoded
-                if self.ctx.token_input:
-                    self._away |= decoded  # their steps go down the pipeline now
-                    self._batches_done += 1
-                    for seq in decoded:
-                        self._batch_no[seq] = self._batches_done
+                self._away |= decoded  # their steps go down the pipeline now
+                self._batches_done += 1
+                for seq in decoded:
+                    self._batch_no[seq] = self._batches_done
         for job, result in zip(batch, results):
             job.result = result
             job.native_us, job.lock_wait_us = self._native_us, self._lock_wait_us
