@@ -128,29 +128,37 @@ async def test_seeded_sampling_reproducible_across_runs_and_shapes(single, two, 
     assert other["tokens"] != first["tokens"]
 
 
-async def test_concurrent_generations_batch_and_match_alone(two):
-    prompts = [f"Write one sentence about the number {i}." for i in range(8)]
-    alone = [(await two.generate(prompt=p, max_tokens=16))["tokens"] for p in prompts]
-    before_all = await two.stage_sessions()
-    before = before_all[1]["scheduler"]
-    results: list = [None] * 8
+async def alone_then_together(pipe: Pipeline, n: int, max_tokens: int) -> tuple[dict, dict]:
+    """n prompts generated one by one, then all at once: the tokens must be the same. Returns each stage's
+    scheduler counters before and after the concurrent run."""
+    prompts = [f"Write one sentence about the number {i}." for i in range(n)]
+    alone = [(await pipe.generate(prompt=p, max_tokens=max_tokens))["tokens"] for p in prompts]
+    before = await pipe.stage_sessions()
+    together: list = [None] * n
 
     async def run(i: int) -> None:
-        results[i] = (await two.generate(prompt=prompts[i], max_tokens=16))["tokens"]
+        together[i] = (await pipe.generate(prompt=prompts[i], max_tokens=max_tokens))["tokens"]
 
     async with trio.open_nursery() as nursery:
-        for i in range(8):
+        for i in range(n):
             nursery.start_soon(run, i)
-    assert results == alone
-    stages = await two.stage_sessions()
-    after = stages[1]["scheduler"]
-    assert after["multi_seq_batches"] > before["multi_seq_batches"]
-    assert after["max_batch_seqs"] >= 2
+    assert together == alone
+    after = await pipe.stage_sessions()
+    return ({k: s["scheduler"] for k, s in before.items()}, {k: s["scheduler"] for k, s in after.items()})
+
+
+def decode_steps_per_batch(before: dict, after: dict) -> float:
+    """Decode steps per batch of decode steps only (prompts are prefilled one chunk per batch)."""
+    return (after["decode_jobs"] - before["decode_jobs"]) / (after["decode_batches"] - before["decode_batches"])
+
+
+async def test_concurrent_generations_batch_and_match_alone(two):
+    before, after = await alone_then_together(two, 8, 16)
+    assert after[1]["multi_seq_batches"] > before[1]["multi_seq_batches"]
+    assert after[1]["max_batch_seqs"] >= 2
     # the head waits for a group of sessions still on stage 1, so the 8 decode as one batch, not two of 4
-    # (the sessions start decoding one prefill apart and end apart, so fewer than 8 per batch on average;
-    # batches with a prefill chunk are not counted: prompts are prefilled one chunk per batch)
-    h0, h1 = before_all[0]["scheduler"], stages[0]["scheduler"]
-    per_batch = (h1["decode_jobs"] - h0["decode_jobs"]) / (h1["decode_batches"] - h0["decode_batches"])
+    # (the sessions start decoding one prefill apart and end apart, so fewer than 8 per batch on average)
+    per_batch = decode_steps_per_batch(before[0], after[0])
     print(f"decode steps per decode batch at the head: {per_batch:.2f}")
     assert per_batch >= 5, f"the head decoded {per_batch:.1f} steps per batch: the sessions did not merge"
     await two.wait_all_released()
@@ -166,22 +174,9 @@ async def test_decode_groups_keep_sessions_in_groups_one_in_flight_per_stage(def
     await trio.to_thread.run_sync(pipe.start)
     try:
         assert (await pipe.head.astatus())["head"]["compute"]["decode_groups"] == 2
-        prompts = [f"Write one sentence about the number {i}." for i in range(4)]
-        alone = [(await pipe.generate(prompt=p, max_tokens=24))["tokens"] for p in prompts]
-        before = await pipe.stage_sessions()
-        results: list = [None] * 4
-
-        async def run(i: int) -> None:
-            results[i] = (await pipe.generate(prompt=prompts[i], max_tokens=24))["tokens"]
-
-        async with trio.open_nursery() as nursery:
-            for i in range(4):
-                nursery.start_soon(run, i)
-        assert results == alone
-        after = await pipe.stage_sessions()
+        before, after = await alone_then_together(pipe, 4, 24)
         for k in (0, 1):
-            b, a = before[k]["scheduler"], after[k]["scheduler"]
-            per_batch = (a["decode_jobs"] - b["decode_jobs"]) / (a["decode_batches"] - b["decode_batches"])
+            per_batch = decode_steps_per_batch(before[k], after[k])
             print(f"stage {k}: {per_batch:.2f} decode steps per batch")
             # the head caps a batch at a group (2); stage 1 takes what is there, now and then two groups
             assert per_batch <= (2 if k == 0 else 3), f"stage {k} decoded {per_batch:.2f} steps per batch"
