@@ -356,7 +356,7 @@ class Scheduler:
             window = min(GATHER_GROUP_S, GATHER_SHARE * self._decode_native_us / 1e6)
         elif self.decode_groups > 1:
             window = GATHER_MAX_LOCKED_S  # the head merging groups: the next one is a stage's compute away
-        elif self.host_lock is not None and self.ctx.token_input and self.decode_groups == 1:
+        elif self.host_lock is not None and self.ctx.token_input:
             # the head, taking turns at the cores (the host lock): a group that is not here is on another stage,
             # using the cores, so waiting for it costs no compute, and one batch of both groups costs much less
             # than two (here a batch of 8 ~1.2 of 4). Only the head waits this long: groups form here, and a
@@ -402,7 +402,8 @@ class Scheduler:
             done.set()
 
     def _take_batch(self) -> list[Job]:
-        """Decode steps first (all of them), then prefill chunks while they fit; one job per sequence."""
+        """Decode steps first (all of them; at the head with decode groups, a group's worth), then prefill
+        chunks while they fit; one job per sequence."""
         budget = self.max_batch_tokens
         batch: list[Job] = []
         seqs: set[int] = set()
