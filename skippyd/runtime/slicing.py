@@ -208,9 +208,6 @@ def plan_ranges(
     return parsed
 
 
-# --- architecture policy -----------------------------------------------------
-
-
 BALANCE_MODES = ("layers", "compute")
 
 
@@ -247,8 +244,7 @@ def balanced_ranges(layer_costs: Sequence[int], head_cost: int, stages: int) -> 
     Exact (dynamic programming over boundaries): O(stages x layers^2), a fraction of a second for any real
     model."""
     n = len(layer_costs)
-    if not 1 <= stages <= n:
-        raise RangeError(f"cannot split {n} layers into {stages} stages: every stage needs at least one layer")
+    plan_ranges(n, stages=stages)  # the checks of an even split: 1 <= stages <= layers
     prefix = [0]
     for c in layer_costs:
         prefix.append(prefix[-1] + c)
@@ -284,6 +280,9 @@ def stage_shares(layer_costs: Sequence[int], head_cost: int, ranges: Sequence[tu
     costs[-1] += head_cost
     total = sum(costs) or 1
     return [c / total for c in costs]
+
+
+# --- architecture policy -----------------------------------------------------
 
 
 def check_splittable(source: gguf.GGUFReader | Mapping[str, Any]) -> str:
