@@ -374,11 +374,11 @@ async def write_frame(stream: trio.abc.SendStream, obj: Frame, *, timeout: float
     total = sum(len(part) for part in parts)
     if len(parts) > 1 and total <= JOIN_BELOW:
         parts = [b"".join(parts)]  # one send: a decode step's frame costs one syscall, not three
-    if len(parts) == 1 and isinstance(stream, trio.SocketStream):
-        sent = _send_now(stream, parts[0])
-        if sent == total:
+    if len(parts) == 1:
+        rest = _unsent(stream, parts[0])
+        if rest is None:
             return total
-        parts = [memoryview(parts[0])[sent:]]
+        parts = [rest]
     try:
         with trio.CancelScope(deadline=_deadline(timeout)):
             for part in parts:
@@ -392,9 +392,17 @@ async def write_frame(stream: trio.abc.SendStream, obj: Frame, *, timeout: float
 async def send_buffer(stream: trio.abc.SendStream, data: Buffer) -> None:
     """Send all of ``data``: straight to the socket when it takes it at once (no schedule point, as in
     :func:`write_frame`), the rest through ``send_all``. Raises as ``send_all`` does, or PeerClosed."""
-    sent = _send_now(stream, data) if isinstance(stream, trio.SocketStream) else 0
-    if sent < len(data):
-        await stream.send_all(memoryview(data)[sent:])
+    rest = _unsent(stream, data)
+    if rest is not None:
+        await stream.send_all(rest)
+
+
+def _unsent(stream: trio.abc.SendStream, data: Buffer) -> Buffer | None:
+    """Write what a socket stream takes of ``data`` right now (see _send_now); what is left, or None."""
+    if not isinstance(stream, trio.SocketStream):
+        return data
+    sent = _send_now(stream, data)
+    return None if sent == len(data) else memoryview(data)[sent:]
 
 
 def _send_now(stream: trio.SocketStream, data: Buffer) -> int:
