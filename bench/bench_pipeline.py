@@ -171,9 +171,7 @@ async def measure(pipe: Pipeline, *, concurrency: tuple[int, ...] = CONCURRENCY)
         out["decode_tps_500"] = r["timings"]["decode_tokens_per_s"]
         out["prompt_tokens"] = r["usage"]["prompt_tokens"]
         out["prefill_tps_500"] = out["prompt_tokens"] / (out["ttft_ms_500"] / 1e3)
-    for conc in concurrency:
-        out[f"aggregate_tps_{conc}"], out[f"e2e_tps_{conc}"] = await concurrent_decode(head, conc)
-    out["aggregate_4_over_1"] = out["aggregate_tps_4"] / out["aggregate_tps_1"] if 4 in concurrency else 0.0
+    out.update(await aggregates(pipe, concurrency))
     return out
 
 
@@ -192,12 +190,14 @@ async def interleaved_decode(configs: dict[str, Pipeline]) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in rates.items()}
 
 
-async def aggregates(pipe: Pipeline) -> dict:
-    """Aggregate decode tokens/s of 1, 2, 4 and 8 concurrent sessions (see concurrent_decode)."""
+async def aggregates(pipe: Pipeline, concurrency: tuple[int, ...] = CONCURRENCY) -> dict:
+    """Aggregate (and end-to-end) decode tokens/s of each number of concurrent sessions (see
+    concurrent_decode), and 4 sessions' over 1's (0 unless both were measured)."""
     out = {}
-    for conc in CONCURRENCY:
+    for conc in concurrency:
         out[f"aggregate_tps_{conc}"], out[f"e2e_tps_{conc}"] = await concurrent_decode(pipe.head, conc)
-    out["aggregate_4_over_1"] = out["aggregate_tps_4"] / out["aggregate_tps_1"]
+    out["aggregate_4_over_1"] = (out["aggregate_tps_4"] / out["aggregate_tps_1"]
+                                 if {1, 4} <= set(concurrency) else 0.0)
     return out
 
 
