@@ -118,10 +118,10 @@ class ControlServer:
             frequency_penalty=req.frequency_penalty, seed=req.seed, stop=tuple(req.stop))
 
         async def on_piece(text: str) -> None:
-            if req.stream:
-                await send(m.Piece(req.id, text))
+            await send(m.Piece(req.id, text))
 
-        result = await self.engine.generate(greq, on_piece)
+        # no callback without streaming: each token would pay the head's shielded send scope for nothing
+        result = await self.engine.generate(greq, on_piece if req.stream else None)
         metrics = getattr(self.daemon, "metrics", None)
         if metrics is not None:
             metrics.record_generation(result, source="control")
