@@ -171,6 +171,9 @@ _TOKEN_RANGE = {
 }
 
 
+_MESSAGE_KIND = {int(k): k for k in MessageKind}
+
+
 class FramePrefix(NamedTuple):
     kind: int
     flags: int
@@ -471,11 +474,10 @@ def parse_message_header(prefix: FramePrefix, data: Buffer, limits: Limits, n_em
     """Validate a message's fixed 32-byte header against the prefix and limits."""
     _need(data, MESSAGE_HEADER_SIZE, "message header")
     request_id, session_id, pos_start, n_tokens, act_bytes, bias_count, reserved = _MSG_HEADER.unpack_from(data)
-    kind = MessageKind(prefix.kind)
-    ids = {"request_id": request_id, "session_id": session_id}
+    kind = _MESSAGE_KIND[prefix.kind]  # a dict, not MessageKind(...): this runs for every frame
 
     def fail(code: ErrorCode, text: str) -> ProtocolError:
-        return ProtocolError(code, f"{kind.name}: {text}", **ids)
+        return ProtocolError(code, f"{kind.name}: {text}", request_id=request_id, session_id=session_id)
 
     if reserved:
         raise fail(ErrorCode.BAD_VALUE, "reserved header field is not zero")
