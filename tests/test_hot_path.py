@@ -64,6 +64,12 @@ async def test_every_stage_counts_its_decode_steps_and_python_time(two):
         python = (ha["wall_s"] - hb["wall_s"]) - native
         assert native > 0 and python > 0
         assert native < result["timings"]["elapsed_ms"] / 1e3  # a share of the generation, not more
+        # the event loop thread's own CPU: lone decode steps compute inline, on that thread, so part of it is
+        # llama.cpp's; what is left is the loop's Python, trio and kernel time, at least the steps' handling
+        loop = ha["loop_cpu_s"] - hb["loop_cpu_s"]
+        loop_native = ha["loop_native_cpu_s"] - hb["loop_native_cpu_s"]
+        assert 0 < loop_native < loop
+        assert loop - loop_native >= 0.9 * (ha["cpu_s"] - hb["cpu_s"]) > 0
 
 
 async def test_stages_sharing_a_host_use_every_core_and_take_turns(two):

@@ -175,12 +175,22 @@ class HotPath:
     wall time also holds the time the process waited for a core, so the
     event loop thread's CPU time outside llama.cpp is kept too (``cpu_s``):
     Python's own cost, whatever the load.
+
+    Those windows leave out what a step costs before its handler runs (the
+    wait in trio's event loop, reading and decoding the frame) on a stage
+    after the head, whose window starts with the message in hand. For a
+    figure comparable between stages, ``describe`` also gives the event loop
+    thread's whole CPU time so far (``loop_cpu_s``, read on that thread) and
+    its CPU time in llama.cpp (``loop_native_cpu_s``, computes run inline):
+    between two reads, their difference over the decode steps is all the
+    Python, trio and kernel time of the process's event loop per step.
     """
 
     steps: int = 0
     wall_s: float = 0.0
     native_s: float = 0.0
     cpu_s: float = 0.0
+    loop_native_cpu_s: float = 0.0
 
     def note(self, wall_s: float, native_us: int, cpu_s: float = 0.0) -> None:
         """One step: its wall time less waits (on other stages, for the host lock), its native time, and the
@@ -191,8 +201,10 @@ class HotPath:
         self.cpu_s += cpu_s
 
     def describe(self) -> dict:
+        """The counters; call it on the event loop thread (``loop_cpu_s`` is the calling thread's CPU time)."""
         n = max(1, self.steps)
         return {"decode_steps": self.steps, "wall_s": self.wall_s, "native_s": self.native_s, "cpu_s": self.cpu_s,
+                "loop_cpu_s": time.thread_time(), "loop_native_cpu_s": self.loop_native_cpu_s,
                 "python_ms_per_step": (self.wall_s - self.native_s) * 1e3 / n,
                 "python_cpu_ms_per_step": self.cpu_s * 1e3 / n,
                 "native_ms_per_step": self.native_s * 1e3 / n}
@@ -482,6 +494,8 @@ class Scheduler:
 
     def _finish(self, batch: list[Job], results: list[object], started: float, *, inline: bool) -> None:
         now = time.perf_counter()
+        if inline:
+            self.hot_path.loop_native_cpu_s += self._native_cpu_us / 1e6
         self.stats.compute_s += now - started
         compute_us = int((now - started) * 1e6)
         decoded = {j.seq for j in batch if j.n == 1}
