@@ -51,10 +51,12 @@ from skippyd.wire.messages import (
     Role,
     SamplingParams,
     StageStats,
+    StatsTotal,
     Stop,
     TrimSession,
     VerifyWindow,
     merge,
+    merge_all,
 )
 
 FP = bytes(range(32))
@@ -486,6 +488,20 @@ def test_merge_properties(a, b, c):
     assert ab.compute_us_max == max(a.compute_us_max, b.compute_us_max)
     assert ab.downstream_wait_us == max(a.downstream_wait_us, b.downstream_wait_us)
     assert ab.compute_us == min(a.compute_us + b.compute_us, U64)
+
+
+@given(st.lists(stage_stats, max_size=8), st.integers(0, 7), st.integers(0, 2**40), st.integers(0, 2**40),
+       st.integers(0, 2**40), st.integers(0, 2**40), st.integers(0, 2**40))
+def test_a_running_total_equals_merging_the_reports(reports, stage, compute, queue, write, wait, sent):
+    # the head's running total: the same as merge_all of the same reports (the ones it builds itself too)
+    total = StatsTotal()
+    for report in reports:
+        total.add(report)
+    total.add_compute(stage, compute, queue)
+    total.add_hop(write, wait, sent)
+    own = [StageStats.single(stage, compute_us=compute, queue_us=queue),
+           StageStats(forward_write_us=write, downstream_wait_us=wait, bytes_sent=sent)]
+    assert total.total() == merge_all([*reports, *own])
 
 
 def attrs_without_slowest(s: StageStats) -> tuple:

@@ -84,8 +84,8 @@ from skippyd.wire.messages import (
     PrefillChunk,
     SamplingParams as WireSampling,
     StageStats,
+    StatsTotal,
     Stop,
-    merge_all,
 )
 
 log = logging.getLogger("skippyd.head")
@@ -94,7 +94,6 @@ STOP_TIMEOUT_S = 2.0
 RESUME_BACKOFF_MIN_S = 0.1  # resume: first try this long after the failure, doubling ...
 RESUME_BACKOFF_MAX_S = 1.0  # ... up to this
 PIECE_SEND_TIMEOUT_S = 10.0
-STAT_FOLD_EVERY = 512  # a generation's stage reports are merged in batches this large (see _Run.stats)
 
 
 class GenerationError(Exception):
@@ -365,7 +364,7 @@ class _Run:
         self.position = 0
         self.ttft_ms = 0.0
         self.first_token_at: float | None = None
-        self._stat_parts: list[StageStats] = []  # see stats
+        self._stats = StatsTotal()  # every stage's reports for this generation, merged as they come
         self.detok = Detokenizer(engine.model.token_piece)
         self.stops = StopMatcher(req.stop)
         self.lane: Lane | None = None
@@ -385,15 +384,8 @@ class _Run:
 
     @property
     def stats(self) -> StageStats:
-        """Every stage's reports for this generation, merged. Kept as a list and merged when asked (or every
-        STAT_FOLD_EVERY reports): merging on every step would cost every token."""
-        self._stat_parts = [merge_all(self._stat_parts)]
-        return self._stat_parts[0]
-
-    def _note(self, *parts: StageStats) -> None:
-        self._stat_parts.extend(parts)
-        if len(self._stat_parts) >= STAT_FOLD_EVERY:
-            self._stat_parts = [merge_all(self._stat_parts)]
+        """Every stage's reports for this generation, merged."""
+        return self._stats.total()
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1e3
@@ -545,7 +537,7 @@ class _Run:
         self.batched = job.batch_jobs > 1
         self.position = pos + len(tokens)
         self.live.position = self.position
-        self._note(StageStats.single(0, compute_us=job.compute_us, queue_us=job.queue_us))
+        self._stats.add_compute(0, job.compute_us, job.queue_us)
         return result
 
     async def _configure(self) -> None:
@@ -590,8 +582,8 @@ class _Run:
         if isinstance(msg, DecodeStep):
             self.engine.chunker.observe_round_trip(wait_us, reply.stats.compute_us + reply.stats.queue_us)
         # the head's own hop (stage_count 0: it is not another stage's report)
-        hop = StageStats(forward_write_us=sent.write_us, downstream_wait_us=wait_us, bytes_sent=sent.bytes)
-        self._note(hop, reply.stats)
+        self._stats.add_hop(sent.write_us, wait_us, sent.bytes)
+        self._stats.add(reply.stats)
         if isinstance(reply, ErrorReply):
             if reply.code == tolerate:
                 return reply
@@ -632,7 +624,7 @@ class _Run:
                                    kind=type(msg).__name__, lane=lane.lane_id, direct=1):
             await lane.link.drain()
         folded, error = lane.link.take_folded()
-        self._note(folded)
+        self._stats.add(folded)
         if error is not None:
             raise _stage_error(error)
         with span("head.token_return_wait", request=self.live.request_id, session=self.live.session_id):
@@ -648,8 +640,8 @@ class _Run:
                 if isinstance(msg, DecodeStep):  # the middle stages' compute: from the acks just folded
                     others = folded.compute_us + folded.queue_us + item.stats.compute_us + item.stats.queue_us
                     self.engine.chunker.observe_round_trip(wait_us, others)
-                self._note(StageStats(forward_write_us=sent.write_us, downstream_wait_us=wait_us,
-                                      bytes_sent=sent.bytes), item.stats)
+                self._stats.add_hop(sent.write_us, wait_us, sent.bytes)
+                self._stats.add(item.stats)
                 if isinstance(item, ErrorReply):
                     raise _stage_error(item)
                 if not isinstance(item, PredictedToken) or item.session_id != self.live.session_id:

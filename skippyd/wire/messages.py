@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
-from typing import ClassVar, TypeAlias
+from typing import ClassVar, TypeAlias, TypeVar
 
 import attrs
 import numpy as np
@@ -63,6 +63,7 @@ __all__ = [
     "Role",
     "SamplingParams",
     "StageStats",
+    "StatsTotal",
     "Stop",
     "TrimSession",
     "VerifyWindow",
@@ -444,6 +445,51 @@ def merge_all(reports: list[StageStats]) -> StageStats:
     return total
 
 
+@attrs.define
+class StatsTotal:
+    """A running :func:`merge` of reports, kept in place: the head folds two or three into it per token, and
+    a new StageStats per report (as merge makes) would cost every token. :meth:`total` is what merge_all of
+    the same reports, in the same order, gives."""
+
+    compute_us: int = 0
+    compute_us_max: int = 0
+    queue_us: int = 0
+    forward_write_us: int = 0
+    downstream_wait_us: int = 0
+    bytes_sent: int = 0
+    stage_count: int = 0
+    slowest_stage: int = 0
+
+    def add(self, s: StageStats) -> None:
+        """Fold in one report."""
+        if s.compute_us_max > self.compute_us_max:  # merge keeps the left one on ties: the total so far
+            self.compute_us_max, self.slowest_stage = s.compute_us_max, s.slowest_stage
+        self.compute_us = min(self.compute_us + s.compute_us, _U64)
+        self.queue_us = min(self.queue_us + s.queue_us, _U64)
+        self.forward_write_us = min(self.forward_write_us + s.forward_write_us, _U64)
+        self.downstream_wait_us = max(self.downstream_wait_us, s.downstream_wait_us)
+        self.bytes_sent = min(self.bytes_sent + s.bytes_sent, _U64)
+        self.stage_count = min(self.stage_count + s.stage_count, _U32)
+
+    def add_compute(self, stage_index: int, compute_us: int, queue_us: int) -> None:
+        """Fold in ``StageStats.single(stage_index, compute_us=..., queue_us=...)`` without building it."""
+        if compute_us > self.compute_us_max:
+            self.compute_us_max, self.slowest_stage = compute_us, stage_index
+        self.compute_us = min(self.compute_us + compute_us, _U64)
+        self.queue_us = min(self.queue_us + queue_us, _U64)
+        self.stage_count = min(self.stage_count + 1, _U32)
+
+    def add_hop(self, forward_write_us: int, downstream_wait_us: int, bytes_sent: int) -> None:
+        """Fold in a hop's report (``StageStats(forward_write_us=..., downstream_wait_us=..., bytes_sent=...)``)."""
+        self.forward_write_us = min(self.forward_write_us + forward_write_us, _U64)
+        self.downstream_wait_us = max(self.downstream_wait_us, downstream_wait_us)
+        self.bytes_sent = min(self.bytes_sent + bytes_sent, _U64)
+
+    def total(self) -> StageStats:
+        return StageStats(self.compute_us, self.compute_us_max, self.queue_us, self.forward_write_us,
+                          self.downstream_wait_us, self.bytes_sent, self.stage_count, self.slowest_stage)
+
+
 _NO_STATS = StageStats()
 _NO_TOKENS = np.zeros(0, dtype="<i4")
 _NO_TOKENS.flags.writeable = False
@@ -637,6 +683,20 @@ def with_stats(reply: Reply, stats: StageStats) -> Reply:
     return attrs.evolve(reply, stats=stats)
 
 
+T = TypeVar("T")
+
+
+def trusted(cls: type[T], *values: object) -> T:
+    """An instance of the message or reply class `cls` from `values`, one per field in order, neither
+    converted nor validated: for the codec, whose decode checked every field of the frame already (the
+    per-token frames are decoded on every stage for every token; the class's checks would repeat its own).
+    """
+    inst = object.__new__(cls)
+    for name, value in zip(_FIELDS[cls], values, strict=True):
+        object.__setattr__(inst, name, value)  # as attrs' own __init__ sets a frozen class's fields
+    return inst
+
+
 # --------------------------------------------------------------------------
 # handshake
 
@@ -695,3 +755,7 @@ class HelloReply:
 
 
 Frame: TypeAlias = Message | Reply | Hello | HelloReply
+
+
+_FIELDS = {cls: tuple(f.name for f in attrs.fields(cls))
+           for cls in (PrefillChunk, DecodeStep, VerifyWindow, Ack, PredictedToken)}
