@@ -89,6 +89,7 @@ from skippyd.wire.messages import (
     Stop,
     TrimSession,
     VerifyWindow,
+    trusted,
 )
 
 __all__ = [
@@ -154,10 +155,10 @@ _ALL_KINDS = MESSAGE_KINDS | REPLY_KINDS | HANDSHAKE_KINDS
 
 # flags each kind may carry / must carry
 _ALLOWED_FLAGS = {int(k): 0 for k in _ALL_KINDS}
-_ALLOWED_FLAGS[MessageKind.PREFILL] = Flags.FINAL
-_ALLOWED_FLAGS[MessageKind.CONFIGURE_GENERATION] = Flags.SAMPLING | Flags.DIRECT_RETURN
+_ALLOWED_FLAGS[MessageKind.PREFILL] = int(Flags.FINAL)  # ints (see _FINAL_FLAG)
+_ALLOWED_FLAGS[MessageKind.CONFIGURE_GENERATION] = int(Flags.SAMPLING | Flags.DIRECT_RETURN)
 _REQUIRED_FLAGS = {int(k): 0 for k in _ALL_KINDS}
-_REQUIRED_FLAGS[MessageKind.CONFIGURE_GENERATION] = Flags.SAMPLING
+_REQUIRED_FLAGS[MessageKind.CONFIGURE_GENERATION] = int(Flags.SAMPLING)
 
 # (min, max) token_count per message kind; None: tokens forbidden
 _TOKEN_RANGE = {
@@ -172,6 +173,12 @@ _TOKEN_RANGE = {
 
 
 _MESSAGE_KIND = {int(k): k for k in MessageKind}
+_REPLY_KIND = {int(k): k for k in ReplyKind}
+_TOKEN = struct.Struct("<i")
+
+
+# plain ints: an IntFlag operand makes every ``&`` a call into the enum module, and these run for every frame
+_FINAL_FLAG, _SAMPLING_FLAG, _DIRECT_RETURN_FLAG = int(Flags.FINAL), int(Flags.SAMPLING), int(Flags.DIRECT_RETURN)
 
 
 class FramePrefix(NamedTuple):
@@ -226,7 +233,7 @@ def encode_message(msg: Message) -> list[Buffer]:
     bias_count = 0
     match msg:
         case PrefillChunk():
-            flags = Flags.FINAL if msg.final else 0
+            flags = _FINAL_FLAG if msg.final else 0
             pos_start, tokens, activation = msg.pos_start, msg.tokens, msg.activation
         case DecodeStep() | VerifyWindow():
             pos_start, tokens, activation = msg.pos_start, msg.tokens, msg.activation
@@ -497,7 +504,7 @@ def parse_message_header(prefix: FramePrefix, data: Buffer, limits: Limits, n_em
         )
     if bias_count > limits.max_logit_bias:
         raise fail(ErrorCode.LIMIT_EXCEEDED, f"{bias_count} logit-bias entries, at most {limits.max_logit_bias}")
-    sampling = bool(prefix.flags & Flags.SAMPLING)
+    sampling = bool(prefix.flags & _SAMPLING_FLAG)
     if bias_count and not sampling:
         raise fail(ErrorCode.BAD_VALUE, "logit-bias entries without a sampling block")
     if pos_start < 0 or (kind in (MessageKind.STOP, MessageKind.PING, MessageKind.CONFIGURE_GENERATION) and pos_start):
@@ -535,7 +542,7 @@ def decode_message(header: MessageHeader, tail: Buffer, activation: Buffer | Non
                 header.request_id,
                 header.session_id,
                 _decode_sampling(tail, header.bias_count),
-                direct_return=bool(header.flags & Flags.DIRECT_RETURN),
+                direct_return=bool(header.flags & _DIRECT_RETURN_FLAG),
             )
         if kind == MessageKind.TRIM_SESSION:
             return TrimSession(header.request_id, header.session_id, header.pos_start)
@@ -548,18 +555,13 @@ def decode_message(header: MessageHeader, tail: Buffer, activation: Buffer | Non
         act = None
         if header.activation_bytes:
             act = np.frombuffer(activation, dtype="<f4").reshape(header.token_count, n_embd)
+        # parse_message_header checked the ids, positions, token count and activation size: built as trusted
         if kind == MessageKind.PREFILL:
-            return PrefillChunk(
-                header.request_id,
-                header.session_id,
-                header.pos_start,
-                tokens,
-                act,
-                final=bool(header.flags & Flags.FINAL),
-            )
+            return trusted(PrefillChunk, header.request_id, header.session_id, header.pos_start, tokens, act,
+                           bool(header.flags & _FINAL_FLAG))
         if kind == MessageKind.DECODE:
-            return DecodeStep(header.request_id, header.session_id, header.pos_start, tokens, act)
-        return VerifyWindow(header.request_id, header.session_id, header.pos_start, tokens, act)
+            return trusted(DecodeStep, header.request_id, header.session_id, header.pos_start, tokens, act)
+        return trusted(VerifyWindow, header.request_id, header.session_id, header.pos_start, tokens, act)
     except ProtocolError as exc:
         exc.request_id, exc.session_id = header.request_id, header.session_id
         raise
@@ -598,7 +600,7 @@ def decode_reply(prefix: FramePrefix, body: Buffer) -> Reply:
     """Decode a reply body (its size was bounded by :func:`parse_prefix`)."""
     _need(body, REPLY_HEADER_SIZE, "reply")
     (request_id, session_id, count, code, reserved, *stats) = _REPLY_HEADER.unpack_from(body)
-    kind = ReplyKind(prefix.kind)
+    kind = _REPLY_KIND[prefix.kind]  # a dict, not ReplyKind(...): this runs for every reply
     ids = {"request_id": request_id, "session_id": session_id}
     if reserved or (code and kind != ReplyKind.ERROR):
         raise ProtocolError(ErrorCode.BAD_VALUE, f"{kind.name}: reserved field or code set", **ids)
@@ -611,11 +613,12 @@ def decode_reply(prefix: FramePrefix, body: Buffer) -> Reply:
         )
     stage_stats = StageStats(*stats)
     try:
+        # the ids are u64 and the token an i32 by their struct formats: built as trusted
         if kind == ReplyKind.ACK:
-            return Ack(request_id, session_id, stage_stats)
+            return trusted(Ack, request_id, session_id, stage_stats)
         if kind == ReplyKind.PREDICTED_TOKEN:
-            (token,) = struct.unpack_from("<i", body, REPLY_HEADER_SIZE)
-            return PredictedToken(request_id, session_id, token, stage_stats)
+            (token,) = _TOKEN.unpack_from(body, REPLY_HEADER_SIZE)
+            return trusted(PredictedToken, request_id, session_id, token, stage_stats)
         if kind == ReplyKind.PREDICTED_TOKENS:
             tokens = np.frombuffer(body, dtype="<i4", count=count, offset=REPLY_HEADER_SIZE)
             return PredictedTokens(request_id, session_id, tokens, stage_stats)
