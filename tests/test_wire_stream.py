@@ -53,6 +53,7 @@ from skippyd.wire.messages import (
 )
 from skippyd.wire.stream import (
     ReceiveBuffer,
+    WaitWatch,
     frame_deadline_s,
     keep_alive,
     read_frame,
@@ -683,30 +684,106 @@ async def test_keep_alive_sets_the_probe_schedule():
         listener.close()
 
 
+# --------------------------------------------------------------------------
+# WaitWatch: the wait for a frame's first byte bounded by a task, not by a cancel scope per read
+
+
+async def test_watched_reads_time_out_after_one_wait_of_the_timeout_and_not_before(autojump_clock):
+    left, right = socket_streams()
+    buf = ReceiveBuffer(right)
+    watch = WaitWatch(buf, 60)
+
+    async def sender():
+        for n in range(3):
+            await trio.sleep(50)
+            await write_frame(left, Ping(n), timeout=1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch.run)
+        nursery.start_soon(sender)
+        for n in range(3):  # three waits of 50 s: 150 s in all, none as long as the timeout
+            assert await read_message(buf, timeout=60, watch=watch, frame_timeout=2, n_embd=N_EMBD) == Ping(n)
+        start = trio.current_time()
+        with pytest.raises(ReadTimeout) as info:
+            await read_message(buf, timeout=60, watch=watch, frame_timeout=2, n_embd=N_EMBD)
+    assert not info.value.mid_frame and watch.expired
+    assert trio.current_time() - start == pytest.approx(60)
+
+
+async def test_watched_read_keeps_the_started_frame_deadline(autojump_clock):
+    """The watch bounds the wait for the first byte; a frame that then stalls fails on frame_timeout."""
+    left, right = socket_streams()
+    buf = ReceiveBuffer(right)
+    watch = WaitWatch(buf, 600)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch.run)
+        await left.send_all(frame_bytes(Ping(1))[:5])
+        start = trio.current_time()
+        with pytest.raises(ReadTimeout) as info:
+            await read_message(buf, timeout=600, watch=watch, frame_timeout=3, n_embd=N_EMBD)
+        watch.close()
+    assert info.value.mid_frame and not watch.expired
+    assert trio.current_time() - start == pytest.approx(3)
+
+
+async def test_closed_watch_and_closed_socket_end_the_watch_task(autojump_clock):
+    left, right = socket_streams()
+    buf = ReceiveBuffer(right)
+    with trio.fail_after(1):  # run returns: the nursery would otherwise wait 60 s for it
+        async with trio.open_nursery() as nursery:
+            watch = WaitWatch(buf, 3600)
+            nursery.start_soon(watch.run)
+            await trio.sleep(0)
+            watch.close()
+    closed = WaitWatch(buf, 0.5)
+    await right.aclose()
+    with trio.fail_after(1):
+        await closed.run()
+    with pytest.raises(TypeError):
+        WaitWatch(ReceiveBuffer(trio.testing.memory_stream_one_way_pair()[1]), 1)
+    with pytest.raises(ValueError):
+        WaitWatch(ReceiveBuffer(left), 0)
+    with pytest.raises(ValueError):
+        await read_message(ReceiveBuffer(left), timeout=1, watch=WaitWatch(ReceiveBuffer(left), 1), n_embd=N_EMBD)
+
+
 READ_AFTER_STOP = """
 import sys, socket, trio
 from skippyd.wire.errors import ReadTimeout
-from skippyd.wire.stream import ReceiveBuffer, read_reply
+from skippyd.wire.stream import ReceiveBuffer, WaitWatch, read_reply
 
 async def main():
     sock = trio.socket.from_stdlib_socket(socket.socket(fileno=int(sys.argv[1])))
     reader = ReceiveBuffer(trio.SocketStream(sock))
-    print("waiting", flush=True)
-    print(type(await read_reply(reader, timeout=0.3, frame_timeout=1.0)).__name__, flush=True)
-    try:
-        await read_reply(reader, timeout=0.05, frame_timeout=1.0)
-    except ReadTimeout:
-        print("silent peer: ReadTimeout", flush=True)
+    async with trio.open_nursery() as nursery:
+        async def read(timeout):
+            watch = WaitWatch(reader, timeout) if sys.argv[2] == "watched" else None
+            if watch is not None:
+                nursery.start_soon(watch.run)
+            try:
+                return await read_reply(reader, timeout=timeout, frame_timeout=1.0, watch=watch)
+            finally:
+                if watch is not None:
+                    watch.close()
+
+        print("waiting", flush=True)
+        print(type(await read(0.3)).__name__, flush=True)
+        try:
+            await read(0.05)
+        except ReadTimeout:
+            print("silent peer: ReadTimeout", flush=True)
 
 trio.run(main)
 """
 
 
-def test_frame_that_arrived_while_the_reader_was_stopped_is_read():
+@pytest.mark.parametrize("mode", ["scoped", "watched"])
+def test_frame_that_arrived_while_the_reader_was_stopped_is_read(mode):
     """SIGSTOP while waiting for a reply, the reply arriving meanwhile, SIGCONT after the read's deadline: the
-    interrupted epoll returns no event once its timeout is over, yet the peer was not late; the reply is read."""
+    interrupted epoll returns no event once its timeout is over, yet the peer was not late; the reply is read.
+    The same with the deadline kept by a WaitWatch, whose task wakes before the reader hears of the reply."""
     a, b = socket.socketpair()
-    child = subprocess.Popen([sys.executable, "-c", READ_AFTER_STOP, str(a.fileno())], pass_fds=[a.fileno()],
+    child = subprocess.Popen([sys.executable, "-c", READ_AFTER_STOP, str(a.fileno()), mode], pass_fds=[a.fileno()],
                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
     try:
         a.close()

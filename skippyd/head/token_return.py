@@ -25,7 +25,7 @@ from skippyd.wire.errors import HandshakeRefused, PeerClosed, ProtocolError, Rea
 from skippyd.stage.access import UpstreamAllow
 from skippyd.wire.handshake import handshake_server, refuse_handshake
 from skippyd.wire.messages import Ack, ErrorReply, Hello, PredictedToken, PredictedTokens, Reply, Role
-from skippyd.wire.stream import ReceiveBuffer, keep_alive, read_reply
+from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT, ReceiveBuffer, WaitWatch, keep_alive, read_reply
 
 log = logging.getLogger("skippyd.head")
 
@@ -141,25 +141,31 @@ class TokenReturnHub:
             self.connections += 1
             log.info("head: token-return connection %d from stage %d (%s)", conn, peer.stage_index, peer.node)
             why = "closed by the final stage"
-            try:
-                while True:
-                    reply = await read_reply(receive, timeout=self.read_deadline)
-                    if isinstance(reply, Ack):
-                        continue  # keepalive
-                    if isinstance(reply, (PredictedToken, PredictedTokens, ErrorReply)):
-                        self._deliver(reply)
-            except ReadTimeout:
-                why = f"silent for {self.read_deadline:g} s"
-            except ProtocolError as exc:
-                why = f"protocol error: {exc}"
-            except PeerClosed:
-                pass
-            except trio.ClosedResourceError:
-                why = "closed by the head"
-            except (WireError, trio.BrokenResourceError) as exc:
-                why = str(exc)
-            finally:
-                self.connections -= 1
+            async with trio.open_nursery() as nursery:
+                # the read deadline, kept by a task (no cancel scope per token); see WaitWatch
+                watch = WaitWatch(receive, self.read_deadline)
+                nursery.start_soon(watch.run)
+                try:
+                    while True:
+                        reply = await read_reply(receive, timeout=self.read_deadline, watch=watch,
+                                                 frame_timeout=DEFAULT_FRAME_TIMEOUT)
+                        if isinstance(reply, Ack):
+                            continue  # keepalive
+                        if isinstance(reply, (PredictedToken, PredictedTokens, ErrorReply)):
+                            self._deliver(reply)
+                except ReadTimeout:
+                    why = f"silent for {self.read_deadline:g} s"
+                except ProtocolError as exc:
+                    why = f"protocol error: {exc}"
+                except PeerClosed:
+                    pass
+                except trio.ClosedResourceError:
+                    why = "closed by the head"
+                except (WireError, trio.BrokenResourceError) as exc:
+                    why = str(exc)
+                finally:
+                    watch.close()
+                    self.connections -= 1
             log.warning("head: token-return connection %d lost (%s); waiting generations fail", conn, why)
             self._fail_all(f"the token-return connection was lost ({why})")
         finally:

@@ -57,7 +57,7 @@ from skippyd.wire.messages import (
     merge,
     with_stats,
 )
-from skippyd.wire.stream import ReceiveBuffer, read_message, write_frame
+from skippyd.wire.stream import ReceiveBuffer, WaitWatch, read_message, write_frame
 
 if TYPE_CHECKING:
     from skippyd.stage.server import StageServer
@@ -117,6 +117,7 @@ class UpstreamConnection:
     async def _serve(self) -> None:
         cfg = self.server.config
         receive = ReceiveBuffer(self.stream)
+        idle: WaitWatch | None = None
         try:
             if self.server.handshaking >= cfg.max_handshakes:
                 # a flood of connections that never finish their handshake must not use up this stage's
@@ -148,13 +149,16 @@ class UpstreamConnection:
             min_rate = cfg.frame_min_rate
             if cfg.link_mbps > 0:  # conditioned links (given to every daemon) may be slower than the default rate
                 min_rate = min(min_rate, cfg.link_mbps * 1e6 / 8 / 2)
+            # idle_timeout_s bounds the wait for a frame's first byte only (kept by a task: no cancel scope per
+            # read); a frame once started must be complete within frame_timeout_s (plus its size at
+            # frame_min_rate): a peer that starts a frame and trickles it is dropped in seconds, with its
+            # sessions, not after the idle deadline
+            idle = WaitWatch(receive, cfg.idle_timeout_s)
+            self._nursery.start_soon(idle.run)
+            n_embd = self.server.model.n_embd_inp
             while True:
-                # idle_timeout_s bounds the wait for a frame's first byte only; a frame once started must be
-                # complete within frame_timeout_s (plus its size at frame_min_rate): a peer that starts a
-                # frame and trickles it is dropped in seconds, with its sessions, not after the idle deadline
-                msg = await read_message(receive, limits, timeout=cfg.idle_timeout_s,
-                                         frame_timeout=cfg.frame_timeout_s, min_rate=min_rate,
-                                         n_embd=self.server.model.n_embd_inp)
+                msg = await read_message(receive, limits, timeout=cfg.idle_timeout_s, watch=idle,
+                                         frame_timeout=cfg.frame_timeout_s, min_rate=min_rate, n_embd=n_embd)
                 await self.dispatch(msg)
         except ProtocolError as exc:
             log.warning("stage %d: protocol error from %s: %s", self.server.index, self.peer_desc, exc)
@@ -171,6 +175,8 @@ class UpstreamConnection:
         except Exception:  # a bug must cost one connection, never the daemon
             log.exception("stage %d: connection from %s failed", self.server.index, self.peer_desc)
         finally:
+            if idle is not None:
+                idle.close()
             self.server.connections.pop(self.conn_id, None)
             with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
                 await self._release_all()

@@ -28,7 +28,14 @@ from skippyd.stage.conditioning import LinkShape, ShapedSendStream, shaped
 from skippyd.wire.errors import PeerClosed, ProtocolError, WireError
 from skippyd.wire.handshake import handshake_client
 from skippyd.wire.messages import Ack, ErrorReply, Hello, Message, Reply, StageStats, merge, with_stats
-from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT, ReceiveBuffer, keep_alive, read_reply, write_frame
+from skippyd.wire.stream import (
+    DEFAULT_FRAME_TIMEOUT,
+    ReceiveBuffer,
+    WaitWatch,
+    keep_alive,
+    read_reply,
+    write_frame,
+)
 
 
 class DownstreamError(Exception):
@@ -43,7 +50,7 @@ class DownstreamError(Exception):
 class DownstreamLink:
     def __init__(self, stream: trio.SocketStream, peer: Hello, address: str, receive: ReceiveBuffer, *,
                  credit_limit: int, reply_timeout: float, write_timeout: float,
-                 out: trio.abc.SendStream | None = None):
+                 out: trio.abc.SendStream | None = None, nursery: trio.Nursery | None = None):
         self.stream = stream
         self._out = out if out is not None else stream  # the send side: the stream, or a conditioned link over it
         self.peer = peer
@@ -61,13 +68,19 @@ class DownstreamLink:
         self.writing = False
         self.awaiting_reply = False
         self._reply_owed_since = 0.0
+        # the reply deadline, kept by a task in `nursery` (no cancel scope per read); without one, per read
+        self._watch: WaitWatch | None = None
+        if nursery is not None and isinstance(stream, trio.SocketStream):
+            self._watch = WaitWatch(receive, reply_timeout)
+            nursery.start_soon(self._watch.run)
 
     @classmethod
     async def connect(cls, host: str, port: int, hello: Hello, *, connect_timeout: float = 5.0,
                       credit_limit: int = 2, reply_timeout: float = 30.0, write_timeout: float = 10.0,
                       shape: LinkShape | None = None, nursery: trio.Nursery | None = None) -> DownstreamLink:
         """Dial and handshake. With an active ``shape``, frames after the handshake are conditioned
-        (their transmit task runs in ``nursery``)."""
+        (their transmit task runs in ``nursery``). With a ``nursery``, the reply deadline is kept by a task
+        there (see WaitWatch), not by a cancel scope per read."""
         address = f"{host}:{port}"
         try:
             with trio.fail_after(connect_timeout):
@@ -82,7 +95,7 @@ class DownstreamLink:
             await trio.aclose_forcefully(stream)
             raise DownstreamError(address, f"handshake failed: {exc}") from exc
         return cls(stream, peer, address, receive, credit_limit=credit_limit, reply_timeout=reply_timeout,
-                   write_timeout=write_timeout, out=shaped(stream, shape, nursery))
+                   write_timeout=write_timeout, out=shaped(stream, shape, nursery), nursery=nursery)
 
     def looks_alive(self) -> bool:
         """Non-blocking check between requests: False once the next stage closed or reset the connection.
@@ -109,6 +122,8 @@ class DownstreamLink:
 
     async def aclose(self) -> None:
         self.broken = True
+        if self._watch is not None:
+            self._watch.close()
         if isinstance(self._out, ShapedSendStream):
             self._out.close()
         await trio.aclose_forcefully(self.stream)
@@ -154,7 +169,8 @@ class DownstreamLink:
         try:
             # reply_timeout covers the next stage's compute; a reply once started must be whole within
             # frame_timeout (a stalled or trickling next stage is detected in seconds, not reply_timeout)
-            return await read_reply(self._receive, timeout=self.reply_timeout, frame_timeout=self.frame_timeout)
+            return await read_reply(self._receive, timeout=self.reply_timeout, frame_timeout=self.frame_timeout,
+                                    watch=self._watch)
         except (ProtocolError, PeerClosed) as exc:
             self.broken = True
             raise DownstreamError(self.address, str(exc)) from exc

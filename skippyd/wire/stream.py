@@ -49,6 +49,7 @@ __all__ = [
     "DEFAULT_MIN_RATE",
     "DEFAULT_READ_SIZE",
     "ReceiveBuffer",
+    "WaitWatch",
     "frame_deadline_s",
     "keep_alive",
     "read_frame",
@@ -222,6 +223,58 @@ class ReceiveBuffer:
             return data
 
 
+class WaitWatch:
+    """The deadline of one connection's waits for a frame's first byte, kept by a task of its own rather
+    than by a cancel scope around every read.
+
+    Entering and leaving a trio cancel scope runs some 700 interpreted
+    instructions (about 50 µs here), and a decode step reads one frame on
+    every connection it crosses, while the deadlines of those waits (an idle
+    lane: minutes; a reply: ``--reply-timeout``) almost never run out. So a
+    watched read (:func:`read_frame` with ``watch=``) only notes when its
+    wait began, and :meth:`run` sleeps until the current wait would be due;
+    a wait that lasted ``timeout`` is woken with
+    ``trio.lowlevel.notify_closing`` on the socket and raises ReadTimeout.
+    As after any ReadTimeout, close the connection. A frame that is in the
+    socket when its wait is due is not timed out (this process was not
+    running; see read_frame's retry).
+
+    Run :meth:`run` in a nursery that outlives the reads; :meth:`close`
+    (or closing the socket) ends it.
+    """
+
+    __slots__ = ("timeout", "since", "waits", "expired", "_buf", "_scope")
+
+    def __init__(self, buf: ReceiveBuffer, timeout: float):
+        if buf._socket is None:
+            raise TypeError("a WaitWatch needs a ReceiveBuffer over a trio.SocketStream")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {timeout!r}")
+        self.timeout = timeout
+        self.since: float | None = None  # trio time the current wait began; None while no read waits
+        self.waits = 0  # waits begun so far: tells a new wait from the one the task saw
+        self.expired = False
+        self._buf = buf
+        self._scope = trio.CancelScope()
+
+    async def run(self) -> None:
+        sock = self._buf._socket
+        with self._scope:
+            while sock.fileno() >= 0:
+                if self.since is None:
+                    await trio.sleep(self.timeout)  # a wait that begins now is due after this at the earliest
+                    continue
+                since, waits = self.since, self.waits
+                await trio.sleep_until(since + self.timeout)
+                if self.waits == waits and self.since is not None and not self._buf.arrived():
+                    self.expired = True
+                    trio.lowlevel.notify_closing(sock)
+                    return
+
+    def close(self) -> None:
+        self._scope.cancel()
+
+
 # Frames up to this size are joined into one buffer before sending (copying a few KiB is cheaper than
 # a send and a trio checkpoint per part); bigger ones (prefill activations) go part by part, uncopied.
 JOIN_BELOW = 64 * 1024
@@ -283,6 +336,7 @@ async def read_frame(
     min_rate: float = DEFAULT_MIN_RATE,
     n_embd: int | None = None,
     accept: Container[int] | None = None,
+    watch: WaitWatch | None = None,
 ) -> Frame:
     """Read and decode one frame.
 
@@ -293,6 +347,10 @@ async def read_frame(
     a peer that starts a frame and then stalls or trickles it is dropped in
     seconds whatever the idle deadline, while a large activation still gets
     time to arrive at ``min_rate`` bytes/s.
+
+    With ``watch`` (a :class:`WaitWatch` of this connection, whose task
+    runs), the watch bounds the wait for the first byte instead of
+    ``timeout``, which is then ignored, and ``frame_timeout`` is required.
 
     ``n_embd`` (from the handshake) is needed to accept message frames;
     ``accept`` restricts the frame kinds (checked on the prefix, before the
@@ -306,33 +364,51 @@ async def read_frame(
     if frame is not None:
         await trio.lowlevel.cancel_shielded_checkpoint()  # a read is a schedule point, as trio's are
         return frame
-    retried = False
-    while True:
-        started: float | None = None
-        with trio.CancelScope(deadline=_deadline(timeout)) as scope:  # trio.fail_after, minus contextlib
-            if frame_timeout is None:
-                return await _read_frame(buf, limits, n_embd, accept)
-            await buf.wait_first_byte()
-            frame = buf.take_frame(limits, n_embd, accept)  # usually all of a small frame came at once
-            if frame is not None:
-                return frame
-            started = trio.current_time()
-            scope.deadline = started + frame_timeout  # replaces the idle deadline, earlier or later
+    if watch is not None:
+        if frame_timeout is None:
+            raise ValueError("a watched read needs a frame_timeout (the watch bounds the first byte only)")
+        await _wait_watched(buf, watch)
+    else:
+        retried = False
+        while True:
+            with trio.CancelScope(deadline=_deadline(timeout)):  # trio.fail_after, minus contextlib
+                if frame_timeout is None:
+                    return await _read_frame(buf, limits, n_embd, accept)
+                await buf.wait_first_byte()
+                break
+            if not retried and buf.arrived():
+                # the frame is here, its wait ran out all the same: this process was not running (SIGSTOP, a
+                # suspended VM, a starved host), the peer was not late. Read it, with fresh deadlines.
+                retried = True
+                continue
+            raise ReadTimeout(f"no complete frame within {timeout:g} s", timeout=timeout)
+    frame = buf.take_frame(limits, n_embd, accept)  # usually all of a small frame came at once
+    if frame is not None:
+        return frame
+    started = trio.current_time()
+    with trio.CancelScope(deadline=started + frame_timeout) as scope:
 
-            def on_length(body_len: int) -> None:
-                scope.deadline = started + frame_deadline_s(body_len, frame_timeout, min_rate)
+        def on_length(body_len: int) -> None:
+            scope.deadline = started + frame_deadline_s(body_len, frame_timeout, min_rate)
 
-            return await _read_frame(buf, limits, n_embd, accept, on_length)
-        if started is None and not retried and buf.arrived():
-            # the frame is here, its wait ran out all the same: this process was not running (SIGSTOP, a
-            # suspended VM, a starved host), the peer was not late. Read it, with fresh deadlines.
-            retried = True
-            continue
-        if started is not None:
-            took = trio.current_time() - started
-            raise ReadTimeout(f"frame started but not complete {took:.1f} s later (a stalled or too slow peer)",
-                              timeout=took, mid_frame=True)
-        raise ReadTimeout(f"no complete frame within {timeout:g} s", timeout=timeout)
+        return await _read_frame(buf, limits, n_embd, accept, on_length)
+    took = trio.current_time() - started
+    raise ReadTimeout(f"frame started but not complete {took:.1f} s later (a stalled or too slow peer)",
+                      timeout=took, mid_frame=True)
+
+
+async def _wait_watched(buf: ReceiveBuffer, watch: WaitWatch) -> None:
+    """Wait for the next frame's first byte, bounded by ``watch`` (no cancel scope of its own)."""
+    watch.waits += 1
+    watch.since = trio.current_time()
+    try:
+        await buf.wait_first_byte()
+    except trio.ClosedResourceError:
+        if not watch.expired:
+            raise
+        raise ReadTimeout(f"no complete frame within {watch.timeout:g} s", timeout=watch.timeout) from None
+    finally:
+        watch.since = None
 
 
 async def read_message(
@@ -343,10 +419,11 @@ async def read_message(
     n_embd: int,
     frame_timeout: float | None = None,
     min_rate: float = DEFAULT_MIN_RATE,
+    watch: WaitWatch | None = None,
 ) -> Message:
     """Read one upstream → downstream message (anything else is UNEXPECTED_KIND); deadlines as read_frame."""
     frame = await read_frame(source, limits, timeout=timeout, frame_timeout=frame_timeout, min_rate=min_rate,
-                             n_embd=n_embd, accept=MESSAGE_KINDS)
+                             n_embd=n_embd, accept=MESSAGE_KINDS, watch=watch)
     return frame  # type: ignore[return-value]
 
 
@@ -356,10 +433,11 @@ async def read_reply(
     *,
     timeout: float,
     frame_timeout: float | None = None,
+    watch: WaitWatch | None = None,
 ) -> Reply:
     """Read one downstream → upstream reply (anything else is UNEXPECTED_KIND); deadlines as read_frame."""
     return await read_frame(source, limits, timeout=timeout, frame_timeout=frame_timeout,  # type: ignore[return-value]
-                            accept=REPLY_KINDS)
+                            accept=REPLY_KINDS, watch=watch)
 
 
 async def write_frame(stream: trio.abc.SendStream, obj: Frame, *, timeout: float = math.inf) -> int:
