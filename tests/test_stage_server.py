@@ -136,15 +136,41 @@ async def silent_peer(hello: Hello, *, handshake: bool, task_status=trio.TASK_ST
         await trio.sleep_forever()
 
 
-async def test_downstream_reply_deadline_against_a_silent_peer(split3, nursery, autojump_clock):
+@pytest.mark.parametrize("watched", [False, True], ids=["scoped", "watched"])
+async def test_downstream_reply_deadline_against_a_silent_peer(split3, nursery, autojump_clock, watched):
+    """The reply deadline, by a cancel scope per read, or (given a nursery) kept by the link's WaitWatch."""
     port = await nursery.start(lambda task_status: silent_peer(stage_hello(split3, 2), handshake=True,
                                                                task_status=task_status))
-    link = await DownstreamLink.connect("127.0.0.1", port, stage_hello(split3, 1), reply_timeout=30)
+    link = await DownstreamLink.connect("127.0.0.1", port, stage_hello(split3, 1), reply_timeout=30,
+                                        nursery=nursery if watched else None)
+    assert link.interruptible == watched
     start = trio.current_time()
     with pytest.raises(DownstreamError, match="no reply"):
         await link.request(Ping(1))
     assert 30 <= trio.current_time() - start < 31
     assert link.broken and not link.looks_alive()
+    await link.aclose()
+
+
+async def test_interrupted_link_fails_its_wait_at_once_and_every_later_use(split3, nursery, autojump_clock):
+    """What the head's liveness watch does to a lane when stage 1 stops answering pings."""
+    port = await nursery.start(lambda task_status: silent_peer(stage_hello(split3, 2), handshake=True,
+                                                               task_status=task_status))
+    link = await DownstreamLink.connect("127.0.0.1", port, stage_hello(split3, 1), reply_timeout=30,
+                                        nursery=nursery)
+
+    async def interrupt_later():
+        await trio.sleep(2)
+        link.interrupt("stage 1 is not responding")
+
+    nursery.start_soon(interrupt_later)
+    start = trio.current_time()
+    with pytest.raises(DownstreamError, match="no reply: stage 1 is not responding"):
+        await link.request(Ping(1))
+    assert trio.current_time() - start == pytest.approx(2)
+    assert link.broken
+    with pytest.raises(DownstreamError, match="link given up: stage 1 is not responding"):
+        await link.request(Ping(2))
     await link.aclose()
 
 

@@ -514,8 +514,15 @@ class _Run:
                                   stage_failure=True) from exc
 
     def _watched(self) -> _PipelineFailures:
-        """Around a wait on the pipeline: a lane failure, or stage 1 not answering liveness pings, becomes a
-        retryable GenerationError (a stage failure)."""
+        """Around a wait on the lane: a lane failure, or stage 1 not answering liveness pings, becomes a
+        retryable GenerationError (a stage failure). A failed ping gives the lane up (its link's
+        ``interrupt``), which wakes the wait without a cancel scope per wait."""
+        link = self.lane.link
+        return _PipelineFailures(self, self.engine.watch, link.interrupt if link.interruptible else None)
+
+    def _watched_returns(self) -> _PipelineFailures:
+        """Around the wait for a prediction on the token-return connection: as :meth:`_watched`, the wait
+        being woken by cancelling a scope around it."""
         return _PipelineFailures(self, self.engine.watch)
 
     def _sending(self) -> _PipelineFailures:
@@ -629,7 +636,7 @@ class _Run:
             raise _stage_error(error)
         with span("head.token_return_wait", request=self.live.request_id, session=self.live.session_id):
             with trio.move_on_after(self.engine.reply_timeout):
-                with self._watched():
+                with self._watched_returns():
                     item = await self.returns.receive()
                 wait_us = int((time.perf_counter() - sent.started) * 1e6) - sent.write_us
                 self.waited_us += wait_us
@@ -826,9 +833,9 @@ class _PipelineFailures:
 
     __slots__ = ("run", "waiter")
 
-    def __init__(self, run: _Run, watch: StageWatch | None):
+    def __init__(self, run: _Run, watch: StageWatch | None, interrupt: Callable[[str], None] | None = None):
         self.run = run
-        self.waiter = watch.watching() if watch is not None else None
+        self.waiter = watch.watching(interrupt) if watch is not None else None
 
     def __enter__(self) -> None:
         if self.waiter is not None:

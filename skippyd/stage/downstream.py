@@ -120,6 +120,19 @@ class DownstreamLink:
         poller.register(fd, select.POLLIN | select.POLLPRI)
         return not poller.poll(0)
 
+    @property
+    def interruptible(self) -> bool:
+        """Whether :meth:`interrupt` can wake a wait on this link (its reply deadline is kept by a watch)."""
+        return self._watch is not None
+
+    def interrupt(self, reason: str) -> None:
+        """Give the link up from another task: a read waiting on it now, and any later read or send, fails
+        with DownstreamError(reason); a send blocked now is woken too. For the head's liveness watch, which
+        has found the next stage dead: no cancel scope around every wait needed. Close the link after."""
+        self.broken = True
+        self._watch.expire(reason)
+        trio.lowlevel.notify_closing(self.stream.socket)  # a send blocked on a full socket
+
     async def aclose(self) -> None:
         self.broken = True
         if self._watch is not None:
@@ -134,6 +147,8 @@ class DownstreamLink:
         # a cancellation already pending (a kill while this task computed) lands here, before the first
         # byte, rather than at write_frame's first checkpoint, where the frame would count as half written
         await trio.lowlevel.checkpoint_if_cancelled()
+        if self._watch is not None and self._watch.expired is not None:
+            raise DownstreamError(self.address, f"link given up: {self._watch.expired}")
         self.writing = True
         try:
             n = await write_frame(self._out, msg, timeout=self.write_timeout)

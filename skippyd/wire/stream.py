@@ -240,7 +240,8 @@ class WaitWatch:
     running; see read_frame's retry).
 
     Run :meth:`run` in a nursery that outlives the reads; :meth:`close`
-    (or closing the socket) ends it.
+    (or closing the socket) ends it. :meth:`expire` gives the reads up at
+    once, from any task.
     """
 
     __slots__ = ("timeout", "since", "waits", "expired", "_buf", "_scope")
@@ -253,23 +254,29 @@ class WaitWatch:
         self.timeout = timeout
         self.since: float | None = None  # trio time the current wait began; None while no read waits
         self.waits = 0  # waits begun so far: tells a new wait from the one the task saw
-        self.expired = False
+        self.expired: str | None = None  # why the reads were given up (see expire)
         self._buf = buf
         self._scope = trio.CancelScope()
 
     async def run(self) -> None:
         sock = self._buf._socket
         with self._scope:
-            while sock.fileno() >= 0:
+            while self.expired is None and sock.fileno() >= 0:
                 if self.since is None:
                     await trio.sleep(self.timeout)  # a wait that begins now is due after this at the earliest
                     continue
                 since, waits = self.since, self.waits
                 await trio.sleep_until(since + self.timeout)
                 if self.waits == waits and self.since is not None and not self._buf.arrived():
-                    self.expired = True
-                    trio.lowlevel.notify_closing(sock)
-                    return
+                    self.expire(f"no complete frame within {self.timeout:g} s")
+
+    def expire(self, reason: str) -> None:
+        """Give the connection's reads up now: the current wait and every later one raise ReadTimeout(reason)
+        (a connection that some other watch found dead, say; close it)."""
+        if self.expired is None:
+            self.expired = reason
+        if self.since is not None:
+            trio.lowlevel.notify_closing(self._buf._socket)
 
     def close(self) -> None:
         self._scope.cancel()
@@ -399,14 +406,16 @@ async def read_frame(
 
 async def _wait_watched(buf: ReceiveBuffer, watch: WaitWatch) -> None:
     """Wait for the next frame's first byte, bounded by ``watch`` (no cancel scope of its own)."""
+    if watch.expired is not None:
+        raise ReadTimeout(watch.expired, timeout=watch.timeout)
     watch.waits += 1
     watch.since = trio.current_time()
     try:
         await buf.wait_first_byte()
     except trio.ClosedResourceError:
-        if not watch.expired:
+        if watch.expired is None:
             raise
-        raise ReadTimeout(f"no complete frame within {watch.timeout:g} s", timeout=watch.timeout) from None
+        raise ReadTimeout(watch.expired, timeout=watch.timeout) from None
     finally:
         watch.since = None
 
