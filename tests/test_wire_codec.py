@@ -269,6 +269,41 @@ def test_mutated_frames_raise_protocol_error_or_decode(data):
 
 
 # --------------------------------------------------------------------------
+# the one-unpack decode of a decode step (every stage after the head, every token)
+
+
+@settings(max_examples=1000, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_one_unpack_decode_step_is_the_general_decode_or_declines(data):
+    """decode_step_at either declines (None) or returns exactly what decode_frame makes of the frame."""
+    n_embd = data.draw(st.integers(1, 8))
+    limits = data.draw(st.sampled_from([DEFAULT_LIMITS, Limits(max_tokens=1), Limits(max_activation_bytes=16),
+                                        Limits(max_frame_bytes=64)]))
+    step = DecodeStep(data.draw(ids), data.draw(ids), data.draw(positions), data.draw(token_arrays(1, 1)),
+                      data.draw(activations(1, n_embd)))
+    frame = bytearray(frame_bytes(data.draw(st.one_of(st.just(step), messages(n_embd)))))
+    mutations = data.draw(st.integers(0, 4))
+    for _ in range(mutations):
+        frame[data.draw(st.integers(0, len(frame) - 1))] = data.draw(st.integers(0, 255))
+    lead, rest = data.draw(st.binary(max_size=3)), data.draw(st.binary(max_size=8))
+    cut = data.draw(st.integers(0, len(frame)))
+    buf = lead + bytes(frame[:cut]) + (rest if cut == len(frame) else b"")
+    fast = codec.decode_step_at(buf, len(lead), n_embd, limits)
+    if fast is None:
+        # it declines only what it may: a valid, whole decode step within the limits is always its own
+        assert mutations or cut < len(frame) or frame != frame_bytes(step) or limits is not DEFAULT_LIMITS
+        return
+    got, end = fast
+    assert end == len(lead) + len(frame) and cut == len(frame)
+    want = decode_frame(buf[len(lead):end], n_embd=n_embd, limits=limits)
+    assert type(got) is type(want) is DecodeStep
+    assert (got.request_id, got.session_id, got.pos_start) == (want.request_id, want.session_id, want.pos_start)
+    for a, b in ((got.tokens, want.tokens), (got.activation, want.activation)):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+        assert a.flags.writeable
+
+
+# --------------------------------------------------------------------------
 # limits, checked on the prefix / header before anything is allocated
 
 

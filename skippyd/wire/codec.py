@@ -720,6 +720,36 @@ def decode_frame(
     return decode_parsed(prefix, view[PREFIX_SIZE:], n_embd=n_embd, limits=limits)
 
 
+# A one-token decode step with its activation: the frame every stage after the head reads for every token.
+_DECODE_STEP = struct.Struct("<2sBBI" "QQiIIHH" "i")  # the prefix, the message header and the token
+DECODE_KIND = int(MessageKind.DECODE)
+
+
+def decode_step_at(data: Buffer, pos: int, n_embd: int, limits: Limits) -> tuple[DecodeStep, int] | None:
+    """The frame starting at ``data[pos]``, decoded in one unpack if it is a valid one-token decode step
+    with its activation, all of it in ``data``: (the step, where its frame ends). None for any other
+    frame, which the general path (:func:`parse_prefix`, :func:`decode_parsed`) decodes or refuses with
+    the reason. The step is the general path's (a property test checks it): the body is copied out, the
+    token and the activation are views of the copy.
+    """
+    if len(data) - pos < _DECODE_STEP.size:
+        return None
+    (magic, kind, flags, body_len, request_id, session_id, pos_start, n_tokens, act_bytes, bias_count, reserved,
+     _token) = _DECODE_STEP.unpack_from(data, pos)
+    act = 4 * n_embd
+    end = pos + PREFIX_SIZE + body_len
+    if (kind != DECODE_KIND or flags or n_tokens != 1 or act_bytes != act or not act or bias_count or reserved
+            or body_len != MESSAGE_HEADER_SIZE + 4 + act or magic != FRAME_MAGIC
+            or not 0 <= pos_start < MAX_POSITION or end > len(data)
+            or PREFIX_SIZE + body_len > limits.max_frame_bytes or act > limits.max_activation_bytes
+            or limits.max_tokens < 1):
+        return None
+    body = bytearray(memoryview(data)[pos + PREFIX_SIZE:end])
+    tokens = np.frombuffer(body, dtype="<i4", count=1, offset=MESSAGE_HEADER_SIZE)
+    activation = np.frombuffer(body, dtype="<f4", offset=MESSAGE_HEADER_SIZE + 4).reshape(1, n_embd)
+    return trusted(DecodeStep, request_id, session_id, pos_start, tokens, activation), end
+
+
 def decode_parsed(prefix: FramePrefix, body: Buffer, *, n_embd: int | None, limits: Limits = DEFAULT_LIMITS) -> Frame:
     """Decode a frame whose prefix :func:`parse_prefix` accepted, from its whole body (views into it)."""
     body = memoryview(body)

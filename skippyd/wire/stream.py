@@ -29,6 +29,7 @@ from typing import NoReturn
 import trio
 
 from skippyd.wire.codec import (
+    DECODE_KIND,
     MESSAGE_HEADER_SIZE,
     MESSAGE_KINDS,
     PREFIX_SIZE,
@@ -37,6 +38,7 @@ from skippyd.wire.codec import (
     decode_body,
     decode_message,
     decode_parsed,
+    decode_step_at,
     encode_frame,
     parse_message_header,
     parse_prefix,
@@ -121,17 +123,26 @@ class ReceiveBuffer:
         avail = len(self._pending) - pos
         if avail < PREFIX_SIZE:
             return None
+        if n_embd is not None and (accept is None or DECODE_KIND in accept):
+            step = decode_step_at(self._pending, pos, n_embd, limits)  # the per-token frame, in one unpack
+            if step is not None:
+                self._consumed(step[1])
+                return step[0]
         view = memoryview(self._pending)
         prefix = parse_prefix(view[pos:pos + PREFIX_SIZE], limits, n_embd=n_embd, accept=accept)
         end = pos + PREFIX_SIZE + prefix.body_len
         if end > len(self._pending):
             return None
         body = bytearray(view[pos + PREFIX_SIZE:end])
+        self._consumed(end)
+        return decode_parsed(prefix, body, n_embd=n_embd, limits=limits)
+
+    def _consumed(self, end: int) -> None:
+        """The buffered bytes up to ``end`` are handed out."""
         if end == len(self._pending):
             self._pending, self._pos = b"", 0
         else:
             self._pos = end
-        return decode_parsed(prefix, body, n_embd=n_embd, limits=limits)
 
     def arrived(self) -> bool:
         """Whether the next frame's first byte (or EOF) is here now: buffered, or waiting in the socket."""
