@@ -266,6 +266,29 @@ def test_decode_row_matches_decode(smol_splits):
             pos += 1
 
 
+def test_sample_row_is_sample_of_one_sequence(smol):
+    """sample_row (a lone session's per-token call) draws what sample does: greedy, and a seeded sampler
+    whose twin goes through sample, step for step; and it checks what sample checks."""
+    prompt = smol.tokenize("The sea was calm and", add_special=True)
+    params = SamplingParams(temperature=0.9, top_k=40, seed=7)
+    by_row, by_dict = Sampler(smol, params), Sampler(smol, params)
+    with Context(smol, ContextParams(n_ctx_per_seq=128, n_seq_max=2)) as ctx:
+        ctx.decode(np.arange(len(prompt)), np.zeros(len(prompt)), tokens=np.array(prompt, dtype=np.int32))
+        with pytest.raises(InvalidArgumentError, match="not in the last decode"):
+            ctx.sample_row(1, None)
+        drawn = []
+        for pos in range(len(prompt), len(prompt) + 8):
+            greedy = ctx.sample_row(0, None)
+            assert greedy == ctx.sample({0: None})[0]
+            token = ctx.sample_row(0, by_row)
+            assert token == ctx.sample({0: by_dict})[0]
+            drawn.append(token)
+            ctx.decode_row(pos, 0, token=token)
+        assert drawn != [drawn[0]] * len(drawn)  # a sampler at 0.9 that always repeats would test nothing
+    by_row.close()
+    by_dict.close()
+
+
 def test_decode_row_checks_its_arguments(smol, smol_splits):
     with Context(smol, ContextParams(n_ctx_per_seq=64, n_seq_max=2)) as ctx:
         with pytest.raises(InvalidArgumentError, match="vocabulary"):

@@ -526,6 +526,9 @@ class Context(_NativeObject):
         self.n_embd_inp = model.n_embd_inp
         self._batch = lib.llama_batch_init(self.n_batch, 0 if self.token_input else self.n_embd_inp, 1)
         self._pbatch = ffi.new("llama_batch *", self._batch)
+        # sample_row's arguments, allocated once (it runs for every token)
+        self._row1, self._smpl1, self._token1 = (ffi.new("int32_t[1]"), ffi.new("struct llama_sampler *[1]"),
+                                                 ffi.new("llama_token[1]"))
         self._out_rows: dict[int, int] = {}
         self._n_last = 0
         model._contexts.add(self)
@@ -688,6 +691,16 @@ class Context(_NativeObject):
         if rc != 0:
             raise LlamaError(op, "logits missing for a sampled row")
         return dict(zip(seqs, out.tolist()))
+
+    def sample_row(self, seq: int, sampler: Sampler | None) -> int:
+        """:meth:`sample` of one sequence: the same token, with no arrays built for it (the per-token call
+        of a session decoding alone)."""
+        op = "sample"
+        self._row1[0] = self._output_row(seq, op)
+        self._smpl1[0] = ffi.NULL if sampler is None else sampler._live()
+        if lib.skippy_sample_rows(self._live(op), self._smpl1, self._row1, 1, self._token1) != 0:
+            raise LlamaError(op, "logits missing for a sampled row")
+        return self._token1[0]
 
     def _output_row(self, seq: int, op: str) -> int:
         if self.hidden_output:

@@ -56,7 +56,7 @@ class Job:
     n: int = 0
     result: object = None
     error: BaseException | None = None
-    done: trio.Event = attrs.field(factory=trio.Event)
+    done: trio.Event | None = None  # set by submit when the job is queued (a job computed at once needs none)
     abandoned: bool = False
     submitted: float = 0.0
     queue_us: int = 0  # waiting for the scheduler
@@ -268,6 +268,7 @@ class Scheduler:
             if job.error is not None:
                 raise job.error
             return job.result
+        job.done = trio.Event()
         self._jobs.append(job)
         self._wakeup.set()
         if self._arrived is not None:
@@ -301,8 +302,49 @@ class Scheduler:
         if (self._busy or self._closed or self._jobs or self._kv_ops or job.n != 1
                 or not self._gathered({job.seq}) or not self._inline([job])):
             return False
-        self._compute_inline([job], time.perf_counter())  # awaits nothing: no other job can slip in
+        self._compute_row(job)  # awaits nothing: no other job can slip in
         return True
+
+    def _compute_row(self, job: Job) -> None:
+        """Compute one decode step on this thread (``_inline`` took the host lock, if any): what
+        _compute_inline, _compute_sync and _finish do for a batch, without their loops over it (a session
+        decoding alone comes here for every token, on every stage)."""
+        ctx, stats = self.ctx, self.stats
+        started = time.perf_counter()
+        stats.inline_batches += 1
+        try:
+            with span("scheduler.decode", seqs=1, tokens=1):
+                try:
+                    native, native_cpu = time.perf_counter(), time.thread_time()
+                    if ctx.token_input:
+                        ctx.decode_row(job.pos_start, job.seq, token=int(job.tokens[0]))
+                    else:
+                        ctx.decode_row(job.pos_start, job.seq, embd=job.embd)
+                    if ctx.hidden_output:
+                        native_us = int((time.perf_counter() - native) * 1e6)
+                        result = ctx.hidden()
+                    else:
+                        result = ctx.sample_row(job.seq, job.sampler) if job.want_token else None
+                        native_us = int((time.perf_counter() - native) * 1e6)
+                    native_cpu_us = int((time.thread_time() - native_cpu) * 1e6)
+                finally:
+                    if self.host_lock is not None:
+                        self.host_lock.release()
+        except Exception as exc:  # noqa: BLE001 - as _compute_inline
+            self._fail([job], exc, started)
+            return
+        self._native_us, self._native_cpu_us, self._lock_wait_us = native_us, native_cpu_us, 0
+        self._count_batch(1, 1)
+        now = time.perf_counter()
+        self.hot_path.loop_native_cpu_s += native_cpu_us / 1e6
+        stats.compute_s += now - started
+        self._decode_native_us = native_us
+        self._decoded({job.seq})
+        job.result = result
+        job.native_us, job.lock_wait_us, job.loop_native_cpu_us = native_us, 0, native_cpu_us
+        job.queue_us = int((started - job.submitted) * 1e6)
+        job.compute_us = int((now - started) * 1e6)
+        job.batch_jobs = 1
 
     def forget(self, seq: int) -> None:
         """`seq` ended: a gather waits for it no more."""
@@ -490,7 +532,8 @@ class Scheduler:
         self.stats.compute_s += time.perf_counter() - started
         for job in batch:
             job.error = exc if isinstance(exc, Exception) else trio.ClosedResourceError("scheduler stopped")
-            job.done.set()
+            if job.done is not None:
+                job.done.set()
 
     def _finish(self, batch: list[Job], results: list[object], started: float, *, inline: bool) -> None:
         now = time.perf_counter()
@@ -501,14 +544,8 @@ class Scheduler:
         decoded = {j.seq for j in batch if j.n == 1}
         if len(decoded) == len(batch):  # decode steps only (one job per sequence): its time decides _inline
             self._decode_native_us = self._native_us
-        if decoded:  # the sessions of the last two decode batches: a split group is gathered again
-            self._expected, self._previous = decoded | self._previous, decoded
-            if self.decode_groups > 1 and self.ctx.token_input:
-                self._decoding |= decoded
-                self._away |= decoded  # their steps go down the pipeline now
-                self._batches_done += 1
-                for seq in decoded:
-                    self._batch_no[seq] = self._batches_done
+        if decoded:
+            self._decoded(decoded)
         for job, result in zip(batch, results):
             job.result = result
             job.native_us, job.lock_wait_us = self._native_us, self._lock_wait_us
@@ -516,7 +553,31 @@ class Scheduler:
             job.queue_us = int((started - job.submitted) * 1e6)
             job.compute_us = compute_us
             job.batch_jobs = len(batch)
-            job.done.set()
+            if job.done is not None:
+                job.done.set()
+
+    def _decoded(self, decoded: set[int]) -> None:
+        """The sequences of a decode batch just computed: the sessions of the last two decode batches (a
+        split group is gathered again), and at the head with decode groups, which group each one is in."""
+        self._expected, self._previous = decoded | self._previous, decoded
+        if self.decode_groups > 1 and self.ctx.token_input:
+            self._decoding |= decoded
+            self._away |= decoded  # their steps go down the pipeline now
+            self._batches_done += 1
+            for seq in decoded:
+                self._batch_no[seq] = self._batches_done
+
+    def _count_batch(self, n_jobs: int, n_tokens: int) -> None:
+        stats = self.stats
+        stats.batches += 1
+        stats.jobs += n_jobs
+        stats.tokens += n_tokens
+        stats.max_batch_seqs = max(stats.max_batch_seqs, n_jobs)
+        if n_jobs > 1:
+            stats.multi_seq_batches += 1
+        if n_tokens == n_jobs:
+            stats.decode_batches += 1
+            stats.decode_jobs += n_jobs
 
     def _compute_sync(self, batch: list[Job], locked: bool = False) -> list[object]:
         """Worker thread: one llama_decode for the whole batch, then split the outputs (one per job)."""
@@ -554,15 +615,7 @@ class Scheduler:
         self.stats.lock_wait_s += native - waiting
         native = time.perf_counter() - native
         native_cpu = time.thread_time() - native_cpu
-        self.stats.batches += 1
-        self.stats.jobs += len(batch)
-        self.stats.tokens += n_tokens
-        self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, len(batch))
-        if len(batch) > 1:
-            self.stats.multi_seq_batches += 1
-        if n_tokens == len(batch):
-            self.stats.decode_batches += 1
-            self.stats.decode_jobs += len(batch)
+        self._count_batch(len(batch), n_tokens)
         if ctx.hidden_output:
             hidden = ctx.hidden()
             out, row = [], 0
