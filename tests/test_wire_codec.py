@@ -303,6 +303,36 @@ def test_one_unpack_decode_step_is_the_general_decode_or_declines(data):
         assert a.flags.writeable
 
 
+@settings(max_examples=1000, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_one_unpack_reply_is_the_general_decode_or_declines(data):
+    """decode_reply_at either declines (None) or returns exactly what decode_frame makes of the frame."""
+    limits = data.draw(st.sampled_from([DEFAULT_LIMITS, Limits(max_frame_bytes=64)]))
+    accept = data.draw(st.sampled_from([None, codec.REPLY_KINDS, frozenset({ReplyKind.ACK}),
+                                        frozenset({ReplyKind.PREDICTED_TOKEN})]))
+    reply = data.draw(st.one_of(st.builds(Ack, ids, ids, stage_stats),
+                                st.builds(PredictedToken, ids, ids, token_ids, stage_stats), replies))
+    wire = frame_bytes(reply)
+    frame = bytearray(wire)
+    mutations = data.draw(st.integers(0, 4))
+    for _ in range(mutations):
+        frame[data.draw(st.integers(0, len(frame) - 1))] = data.draw(st.integers(0, 255))
+    lead, rest = data.draw(st.binary(max_size=3)), data.draw(st.binary(max_size=8))
+    cut = data.draw(st.integers(0, len(frame)))
+    buf = lead + bytes(frame[:cut]) + (rest if cut == len(frame) else b"")
+    fast = codec.decode_reply_at(buf, len(lead), limits, accept)
+    if fast is None:
+        # it declines only what it may: a whole, valid ack or prediction that is accepted is always its own
+        assert (mutations or cut < len(frame) or type(reply) not in (Ack, PredictedToken) or limits is not DEFAULT_LIMITS
+                or accept is not None and reply.kind not in accept)
+        return
+    got, end = fast
+    assert end == len(lead) + len(frame) and cut == len(frame)
+    want = decode_frame(buf[len(lead):end], limits=limits, accept=accept)
+    assert type(got) is type(want) and type(got) in (Ack, PredictedToken)
+    assert got == want
+
+
 # --------------------------------------------------------------------------
 # limits, checked on the prefix / header before anything is allocated
 

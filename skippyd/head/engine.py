@@ -84,11 +84,14 @@ from skippyd.wire.messages import (
     PrefillChunk,
     SamplingParams as WireSampling,
     StageStats,
+    TRUSTED,
     StatsTotal,
     Stop,
 )
 
 log = logging.getLogger("skippyd.head")
+
+_trusted_step = TRUSTED[DecodeStep]
 
 STOP_TIMEOUT_S = 2.0
 RESUME_BACKOFF_MIN_S = 0.1  # resume: first try this long after the failure, doubling ...
@@ -739,8 +742,11 @@ class _Run:
         tokens = np.array([token], dtype=np.int32)
         pos = self.position
         hidden = await self._compute(tokens, pos, want_token=False)
-        sent = await self._predict_begin(DecodeStep(self.live.request_id, self.live.session_id, pos, tokens,
-                                                    hidden))
+        # built without the class's checks: the head made every value (its ids, its position, an int32 array of
+        # its token, the context's float32 rows of the hidden state), and the checks would cost as much again
+        # as building and sending the frame
+        sent = await self._predict_begin(_trusted_step(self.live.request_id, self.live.session_id, pos, tokens,
+                                                       hidden))
         if self.batched:
             # the other sessions of this batch send their steps before any of them goes on (streams its
             # text): back to back, they reach the next stage within its gather window and are decoded there

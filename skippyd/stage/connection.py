@@ -52,6 +52,7 @@ from skippyd.wire.messages import (
     SamplingParams as WireSampling,
     StageStats,
     Stop,
+    TRUSTED,
     TrimSession,
     VerifyWindow,
     merge,
@@ -282,6 +283,11 @@ class UpstreamConnection:
                                  queue_us=job.queue_us if job else 0, forward_write_us=write_us,
                                  downstream_wait_us=wait_us, bytes_sent=sent)
 
+    def _prediction(self, msg, job: Job) -> PredictedToken:
+        # the final stage's reply to every token: its ids were decoded from a frame (u64 by its format) and the
+        # token is the sampler's (a vocabulary id), so attrs' checks are spared
+        return TRUSTED[PredictedToken](msg.request_id, msg.session_id, int(job.result), self._own_stats(job))
+
     async def _relay(self, msg, job: Job | None) -> Reply:
         """Forward `msg` and answer upstream with the downstream reply plus our own stats; returns that reply."""
         with span("stage.downstream_wait", stage=self.server.index, request=msg.request_id,
@@ -310,7 +316,7 @@ class UpstreamConnection:
     async def _return_direct(self, session: StageSession, msg, job: Job) -> None:
         """The final stage, direct-return session: the prediction goes to the head on the token-return
         connection (with this stage's report); the lane gets a plain Ack."""
-        token = PredictedToken(msg.request_id, msg.session_id, int(job.result), stats=self._own_stats(job))
+        token = self._prediction(msg, job)
         try:
             await self.server.token_return.send(token)
         except TokenReturnLost as exc:
@@ -476,8 +482,7 @@ class UpstreamConnection:
             if session.direct_return:
                 await self._return_direct(session, msg, job)
             else:
-                await self.reply(PredictedToken(msg.request_id, msg.session_id, int(job.result),
-                                                stats=self._own_stats(job)))
+                await self.reply(self._prediction(msg, job))
         elif session.direct_return:
             await self._forward_direct(msg, job)
         else:

@@ -89,6 +89,7 @@ from skippyd.wire.messages import (
     Stop,
     TrimSession,
     VerifyWindow,
+    TRUSTED,
     trusted,
 )
 
@@ -611,7 +612,7 @@ def decode_reply(prefix: FramePrefix, body: Buffer) -> Reply:
         raise ProtocolError(
             ErrorCode.LENGTH_MISMATCH, f"{kind.name}: body of {len(body)} bytes, count says {count}", **ids
         )
-    stage_stats = StageStats(*stats)
+    stage_stats = TRUSTED[StageStats](*stats)  # u64s and u32s by the struct format
     try:
         # the ids are u64 and the token an i32 by their struct formats: built as trusted
         if kind == ReplyKind.ACK:
@@ -747,7 +748,45 @@ def decode_step_at(data: Buffer, pos: int, n_embd: int, limits: Limits) -> tuple
     body = bytearray(memoryview(data)[pos + PREFIX_SIZE:end])
     tokens = np.frombuffer(body, dtype="<i4", count=1, offset=MESSAGE_HEADER_SIZE)
     activation = np.frombuffer(body, dtype="<f4", offset=MESSAGE_HEADER_SIZE + 4).reshape(1, n_embd)
-    return trusted(DecodeStep, request_id, session_id, pos_start, tokens, activation), end
+    return _trusted_step(request_id, session_id, pos_start, tokens, activation), end
+
+
+_trusted_step = TRUSTED[DecodeStep]
+
+# The replies every stage before the last reads for every token: an Ack, or a PredictedToken (its token after
+# the reply header).
+_ACK_FRAME = struct.Struct("<2sBBI" "QQIHH" "QQQQQQII")
+_TOKEN_FRAME = struct.Struct("<2sBBI" "QQIHH" "QQQQQQII" "i")
+_ACK_KIND = int(ReplyKind.ACK)
+_TOKEN_KIND = int(ReplyKind.PREDICTED_TOKEN)
+_trusted_stats, _trusted_ack, _trusted_token = TRUSTED[StageStats], TRUSTED[Ack], TRUSTED[PredictedToken]
+
+
+def decode_reply_at(data: Buffer, pos: int, limits: Limits,
+                    accept: Container[int] | None) -> tuple[Ack | PredictedToken, int] | None:
+    """The frame starting at ``data[pos]``, decoded in one unpack if it is a valid Ack or PredictedToken (of a
+    kind in ``accept``), all of it in ``data``: (the reply, where its frame ends). None for any other frame,
+    which the general path decodes or refuses with the reason; a property test checks that the two agree.
+    """
+    avail = len(data) - pos
+    if avail < _ACK_FRAME.size:
+        return None
+    kind = data[pos + 2]
+    if kind == _ACK_KIND:
+        layout, count = _ACK_FRAME, 0
+    elif kind == _TOKEN_KIND and avail >= _TOKEN_FRAME.size:
+        layout, count = _TOKEN_FRAME, 1
+    else:
+        return None
+    fields = layout.unpack_from(data, pos)
+    magic, _kind, flags, body_len, request_id, session_id, n, code, reserved = fields[:9]
+    if (magic != FRAME_MAGIC or flags or n != count or code or reserved or body_len != layout.size - PREFIX_SIZE
+            or layout.size > limits.max_frame_bytes or accept is not None and kind not in accept):
+        return None
+    stats = _trusted_stats(*fields[9:17])
+    if count:
+        return _trusted_token(request_id, session_id, fields[17], stats), pos + layout.size
+    return _trusted_ack(request_id, session_id, stats), pos + layout.size
 
 
 def decode_parsed(prefix: FramePrefix, body: Buffer, *, n_embd: int | None, limits: Limits = DEFAULT_LIMITS) -> Frame:

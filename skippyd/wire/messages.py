@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
-from typing import ClassVar, TypeAlias, TypeVar
+from typing import Callable, ClassVar, TypeAlias, TypeVar
 
 import attrs
 import numpy as np
@@ -404,16 +404,9 @@ class StageStats:
         bytes_sent: int = 0,
     ) -> StageStats:
         """One stage's own report for one message."""
-        return cls(
-            compute_us=compute_us,
-            compute_us_max=compute_us,
-            queue_us=queue_us,
-            forward_write_us=forward_write_us,
-            downstream_wait_us=downstream_wait_us,
-            bytes_sent=bytes_sent,
-            stage_count=1,
-            slowest_stage=stage_index,
-        )
+        # every stage reports for every token: built without attrs' keyword __init__ (nothing to check)
+        return TRUSTED[cls](compute_us, compute_us, queue_us, forward_write_us, downstream_wait_us, bytes_sent, 1,
+                            stage_index)
 
 
 def merge(a: StageStats, b: StageStats) -> StageStats:
@@ -676,25 +669,37 @@ Reply: TypeAlias = Ack | PredictedToken | PredictedTokens | ErrorReply
 def with_stats(reply: Reply, stats: StageStats) -> Reply:
     """`reply` carrying `stats` instead. Every decode step's reply is rebuilt so on each stage on its way
     up: the two kinds it can be are built directly, which is several times cheaper than ``attrs.evolve``."""
-    if type(reply) is PredictedToken:
-        return PredictedToken(reply.request_id, reply.session_id, reply.token, stats)
+    if type(reply) is PredictedToken:  # its fields were checked when it was made; a StageStats is checked
+        return TRUSTED[PredictedToken](reply.request_id, reply.session_id, reply.token, stats)
     if type(reply) is Ack:
-        return Ack(reply.request_id, reply.session_id, stats)
+        return TRUSTED[Ack](reply.request_id, reply.session_id, stats)
     return attrs.evolve(reply, stats=stats)
 
 
 T = TypeVar("T")
 
 
+def _trusted_builder(cls: type[T]) -> Callable[..., T]:
+    """A function of one value per field of `cls`, in order, that makes an instance with them neither
+    converted nor validated. Generated as straight-line code, as attrs generates ``__init__``: a loop over
+    the fields costs as much again for the per-token replies."""
+    names = [f.name for f in attrs.fields(cls)]
+    params = ", ".join(f"v{i}" for i in range(len(names)))
+    lines = [f"def trusted_{cls.__name__}({params}):", "    inst = new(cls)"]
+    # object.__setattr__ is how attrs' own __init__ sets a frozen class's fields
+    lines += [f"    set_field(inst, {name!r}, v{i})" for i, name in enumerate(names)]
+    lines.append("    return inst")
+    namespace = {"new": object.__new__, "set_field": object.__setattr__, "cls": cls}
+    exec("\n".join(lines), namespace)  # noqa: S102 - the source is made above from the class's field names
+    return namespace[f"trusted_{cls.__name__}"]
+
+
 def trusted(cls: type[T], *values: object) -> T:
     """An instance of the message or reply class `cls` from `values`, one per field in order, neither
-    converted nor validated: for the codec, whose decode checked every field of the frame already (the
-    per-token frames are decoded on every stage for every token; the class's checks would repeat its own).
-    """
-    inst = object.__new__(cls)
-    for name, value in zip(_FIELDS[cls], values, strict=True):
-        object.__setattr__(inst, name, value)  # as attrs' own __init__ sets a frozen class's fields
-    return inst
+    converted nor validated: for values whose range is certain already, such as the codec's (its decode
+    checked every field of the frame; the per-token frames are decoded on every stage for every token, and
+    the class's checks would repeat its own). Hot paths hold :data:`TRUSTED` ``[cls]`` instead."""
+    return TRUSTED[cls](*values)
 
 
 # --------------------------------------------------------------------------
@@ -757,5 +762,5 @@ class HelloReply:
 Frame: TypeAlias = Message | Reply | Hello | HelloReply
 
 
-_FIELDS = {cls: tuple(f.name for f in attrs.fields(cls))
-           for cls in (PrefillChunk, DecodeStep, VerifyWindow, Ack, PredictedToken)}
+TRUSTED = {cls: _trusted_builder(cls) for cls in (PrefillChunk, DecodeStep, VerifyWindow, Ack, PredictedToken,
+                                                   StageStats)}

@@ -38,6 +38,7 @@ from skippyd.wire.codec import (
     decode_body,
     decode_message,
     decode_parsed,
+    decode_reply_at,
     decode_step_at,
     encode_frame,
     parse_message_header,
@@ -123,11 +124,15 @@ class ReceiveBuffer:
         avail = len(self._pending) - pos
         if avail < PREFIX_SIZE:
             return None
+        # the per-token frames, in one unpack: a decode step where messages are read, an ack or a prediction
+        # where replies are
         if n_embd is not None and (accept is None or DECODE_KIND in accept):
-            step = decode_step_at(self._pending, pos, n_embd, limits)  # the per-token frame, in one unpack
-            if step is not None:
-                self._consumed(step[1])
-                return step[0]
+            fast = decode_step_at(self._pending, pos, n_embd, limits)
+        else:
+            fast = decode_reply_at(self._pending, pos, limits, accept)
+        if fast is not None:
+            self._consumed(fast[1])
+            return fast[0]
         view = memoryview(self._pending)
         prefix = parse_prefix(view[pos:pos + PREFIX_SIZE], limits, n_embd=n_embd, accept=accept)
         end = pos + PREFIX_SIZE + prefix.body_len
