@@ -26,6 +26,7 @@ import trio
 
 from skippyd import config as cfgmod
 from skippyd.config import ConfigError, Settings, parse_hostport
+from skippyd.hosts import THIS_MACHINE, Machines
 from skippyd.runtime.llama import LlamaError
 from skippyd.stage.server import StageConfig, StageServer
 from skippyd.topology import TopologyError
@@ -105,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--decode-groups", type=int, default=None, metavar="N",
                      help="keep the sessions decoding at once in N groups, one in flight on each stage, so that "
                           "stages on hosts of their own compute at the same time (default 0: the number of "
-                          "hosts of the topology; 1 with --stage all or --model). Give every stage the same N")
+                          "machines of the topology, by address; 1 with --stage all or --model). Give every stage "
+                          "the same N")
     run.add_argument("--batch", type=int, default=None, help="max tokens per llama_decode (default 512)")
     run.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill chunk (default 256)")
     run.add_argument("--credit", type=int, default=None, help="outstanding prefill acks per link (default 2)")
@@ -202,6 +204,7 @@ class Daemon:
         self.topology = None
         self._stopping = False
         self._probes: dict[int, tuple[float, dict]] = {}
+        self._machine_keys: Machines | None = None  # the topology's hosts as machines (resolved once)
 
     # ---------------------------------------------------------------- what to run
     def _stage_indices(self) -> list[int]:
@@ -217,26 +220,27 @@ class Daemon:
         return [k]
 
     def _stages_on_this_host(self) -> int:
-        """Stages of the topology bound to this host's addresses (loopback counts as this host)."""
-        import socket
+        """Stages of the topology on this machine: by address (loopback, this machine's own addresses, and
+        names that resolve to them), or bound to the same host as this daemon's stage."""
+        machines = self._machines()
+        here = {THIS_MACHINE, machines.of(self.topology.stage(self._stage_indices()[0]).host)}
+        return sum(1 for s in self.topology.stages if machines.of(s.host) in here)
 
-        mine = {"127.0.0.1", "localhost", "::1", "0.0.0.0", socket.gethostname()}
-        try:
-            mine.add(socket.gethostbyname(socket.gethostname()))
-        except OSError:
-            pass
-        ours = self.topology.stage(self._stage_indices()[0]).host
-        return sum(1 for s in self.topology.stages if s.host in mine or s.host == ours)
+    def _machines(self) -> Machines:
+        if self._machine_keys is None:
+            self._machine_keys = Machines()
+        return self._machine_keys
 
     def _decode_groups(self) -> int:
-        """--decode-groups, or (0) one group per host of the topology: stages on one host take turns at its
-        cores, stages on hosts of their own compute at the same time, each on another group's steps."""
+        """--decode-groups, or (0) one group per machine of the topology: stages on one machine take turns
+        at its cores, stages on machines of their own compute at the same time, each on another group's
+        steps."""
         a = self.args
         if a.decode_groups:
             return a.decode_groups
         if self.topology is None or a.stage in (None, "all"):
             return 1  # a whole model, or every stage in this process
-        return self.topology.n_hosts
+        return self._machines().count([s.host for s in self.topology.stages])
 
     def _config(self, n_local: int) -> StageConfig:
         a = self.args

@@ -97,8 +97,8 @@ class Topology:
 
     @property
     def n_hosts(self) -> int:
-        """How many machines the stages are on, by their addresses (every loopback address is one machine;
-        two names of one machine count twice)."""
+        """How many machines the stages are on, by how their hosts are written (every loopback address is one
+        machine; two names of one machine count twice: :class:`skippyd.hosts.Machines` resolves them)."""
         return len({host_key(s.host) for s in self.stages})
 
     def as_dict(self) -> dict[str, Any]:

@@ -8,8 +8,10 @@ no live session.
 from __future__ import annotations
 
 import json
+import socket
 import time
 
+import attrs
 import pytest
 import trio
 
@@ -188,6 +190,21 @@ async def test_decode_groups_keep_sessions_in_groups_one_in_flight_per_stage(def
             assert per_batch <= (2 if k == 0 else 3), f"stage {k} decoded {per_batch:.2f} steps per batch"
             assert per_batch > 1.2, f"stage {k} decoded {per_batch:.2f} steps per batch: the groups never formed"
         await pipe.wait_all_released()
+    finally:
+        await trio.to_thread.run_sync(pipe.stop)
+
+
+async def test_decode_groups_default_counts_machines_not_names(tiny_model_path, tmp_path):
+    """Without --decode-groups the head keeps one group per machine: a stage bound to 127.0.0.1 and one
+    bound to this machine's host name are on one machine (by address), so there is one group."""
+    topo = split_for_test(tiny_model_path, 2, tmp_path)
+    stages = [topo.stages[0], attrs.evolve(topo.stages[1], host=socket.gethostname())]
+    attrs.evolve(topo, stages=stages).dump(tmp_path / "topology.toml")
+    pipe = Pipeline(tmp_path / "topology.toml", tmp_path, extra=COMMON)
+    await trio.to_thread.run_sync(pipe.start)
+    try:
+        assert (await pipe.head.astatus())["head"]["compute"]["decode_groups"] == 1
+        assert len((await pipe.generate(prompt="Hello", max_tokens=4))["tokens"]) >= 1
     finally:
         await trio.to_thread.run_sync(pipe.stop)
 
