@@ -109,6 +109,43 @@ async def test_lost_connection_fails_waiting_sessions_and_is_dialed_again(hub, f
     assert final_link.stats.dials == 2 and final_link.stats.lost == 1
 
 
+async def test_an_overdue_prediction_wakes_its_wait_with_return_lost(nursery):
+    """The hub keeps each wait's reply deadline in one task: a session whose prediction does not come within
+    prediction_timeout gets a ReturnLost that says so; another session's prediction still arrives."""
+    hub = TokenReturnHub(hello(0, 0, 10), prediction_timeout=0.3)
+    await nursery.start(hub.serve, "127.0.0.1", 0)
+    late, prompt = hub.open_session(1), hub.open_session(2)
+    started = trio.current_time()
+    hub.begin_wait(1)
+    hub.begin_wait(2)
+    hub._deliver(PredictedToken(9, 2, 5))  # session 2's prediction is there before the deadline
+    with trio.fail_after(3):
+        item = await late.receive()
+    hub.end_wait(1)
+    assert isinstance(item, ReturnLost) and "no prediction" in str(item) and "0.3 s" in str(item)
+    assert 0.25 <= trio.current_time() - started < 2
+    # a prediction waiting in the channel when the deadline passes is not timed out (its task had not run)
+    assert await prompt.receive() == PredictedToken(9, 2, 5)
+    hub.end_wait(2)
+    assert prompt.statistics().current_buffer_used == 0
+    # a wait that ends in time leaves nothing behind for the next one
+    hub.begin_wait(1)
+    hub._deliver(PredictedToken(9, 1, 6))
+    assert await late.receive() == PredictedToken(9, 1, 6)
+    hub.end_wait(1)
+    await trio.sleep(0.5)
+    assert late.statistics().current_buffer_used == 0
+
+
+async def test_interrupt_wakes_a_waiting_session(hub):
+    returns = hub.open_session(3)
+    hub.interrupt(3, "stage 1 did not answer a ping")
+    hub.interrupt(4, "nobody waits: ignored")
+    with trio.fail_after(1):
+        item = await returns.receive()
+    assert isinstance(item, ReturnLost) and str(item) == "stage 1 did not answer a ping"
+
+
 async def test_unreachable_head_falls_back_quickly(nursery):
     (port,) = free_ports(1)  # nothing listens there
     link = TokenReturnLink(hello(2, 20, 30), "127.0.0.1", port, connect_timeout=1.0)

@@ -524,9 +524,12 @@ class _Run:
         return _PipelineFailures(self, self.engine.watch, link.interrupt if link.interruptible else None)
 
     def _watched_returns(self) -> _PipelineFailures:
-        """Around the wait for a prediction on the token-return connection: as :meth:`_watched`, the wait
-        being woken by cancelling a scope around it."""
-        return _PipelineFailures(self, self.engine.watch)
+        """Around the wait for a prediction on the token-return connection: as :meth:`_watched`, a failed
+        ping waking the wait through the hub (a ReturnLost on the session's channel)."""
+        return _PipelineFailures(self, self.engine.watch, self._interrupt_returns)
+
+    def _interrupt_returns(self, why: str) -> None:
+        self.engine.hub.interrupt(self.live.session_id, why)
 
     def _sending(self) -> _PipelineFailures:
         """Around a send down the lane (which waits on no stage: no liveness watch): a lane failure becomes
@@ -637,32 +640,31 @@ class _Run:
         self._stats.add(folded)
         if error is not None:
             raise _stage_error(error)
-        with span("head.token_return_wait", request=self.live.request_id, session=self.live.session_id):
-            with trio.move_on_after(self.engine.reply_timeout):
-                with self._watched_returns():
+        hub, session_id = self.engine.hub, self.live.session_id
+        with span("head.token_return_wait", request=self.live.request_id, session=session_id):
+            with self._watched_returns():
+                hub.begin_wait(session_id)  # the reply deadline: kept by the hub (keep_deadlines)
+                try:
                     item = await self.returns.receive()
-                wait_us = int((time.perf_counter() - sent.started) * 1e6) - sent.write_us
-                self.waited_us += wait_us
-                if isinstance(item, ReturnLost):
-                    lane.dirty = True  # the final stage may be gone or wedged: close the lane, no Stop
-                    raise GenerationError(f"pipeline failed: {item}", retryable=True, status=502,
-                                          stage_failure=True)
-                if isinstance(msg, DecodeStep):  # the middle stages' compute: from the acks just folded
-                    others = folded.compute_us + folded.queue_us + item.stats.compute_us + item.stats.queue_us
-                    self.engine.chunker.observe_round_trip(wait_us, others)
-                self._stats.add_hop(sent.write_us, wait_us, sent.bytes)
-                self._stats.add(item.stats)
-                if isinstance(item, ErrorReply):
-                    raise _stage_error(item)
-                if not isinstance(item, PredictedToken) or item.session_id != self.live.session_id:
-                    raise GenerationError(f"the token-return connection answered {type(msg).__name__} with "
-                                          f"{type(item).__name__}")
-                self.engine.token_paths["direct"] += 1
-                return int(item.token)
-        lane.dirty = True  # a Stop would wait for the same silent stage: close the lane instead
-        raise GenerationError(f"pipeline failed: the final stage sent no prediction on the token-return "
-                              f"connection within {self.engine.reply_timeout:g} s", retryable=True, status=502,
-                              stage_failure=True)
+                finally:
+                    hub.end_wait(session_id)
+        wait_us = int((time.perf_counter() - sent.started) * 1e6) - sent.write_us
+        self.waited_us += wait_us
+        if isinstance(item, ReturnLost):  # the connection was lost, or the prediction is overdue
+            lane.dirty = True  # the final stage may be gone or wedged: close the lane, no Stop
+            raise GenerationError(f"pipeline failed: {item}", retryable=True, status=502, stage_failure=True)
+        if isinstance(msg, DecodeStep):  # the middle stages' compute: from the acks just folded
+            others = folded.compute_us + folded.queue_us + item.stats.compute_us + item.stats.queue_us
+            self.engine.chunker.observe_round_trip(wait_us, others)
+        self._stats.add_hop(sent.write_us, wait_us, sent.bytes)
+        self._stats.add(item.stats)
+        if isinstance(item, ErrorReply):
+            raise _stage_error(item)
+        if not isinstance(item, PredictedToken) or item.session_id != session_id:
+            raise GenerationError(f"the token-return connection answered {type(msg).__name__} with "
+                                  f"{type(item).__name__}")
+        self.engine.token_paths["direct"] += 1
+        return int(item.token)
 
     async def _prefill(self) -> int:
         chunker = self.engine.chunker

@@ -71,7 +71,8 @@ class HeadNode:
                 self.watch = StageWatch(s1.host, s1.port, hello)
                 if len(topo.stages) >= 3 and cfg.direct_return:
                     self.hub = TokenReturnHub(hello, handshake_timeout=cfg.handshake_timeout_s,
-                                              allow=UpstreamAllow.for_stage(topo, 0, cfg.upstream_allow))
+                                              allow=UpstreamAllow.for_stage(topo, 0, cfg.upstream_allow),
+                                              prediction_timeout=cfg.reply_timeout_s)
             self.engine = HeadEngine(self.model, context, scheduler, self.pool, prefill_chunk=self.prefill_chunk,
                                      receipts_file=self.receipts_file, queue_timeout=self.queue_timeout,
                                      hub=self.hub, watch=self.watch, reply_timeout=cfg.reply_timeout_s,

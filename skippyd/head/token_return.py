@@ -49,8 +49,11 @@ class HubStats:
 
 class TokenReturnHub:
     def __init__(self, hello: Hello, *, handshake_timeout: float = 5.0, read_deadline: float = READ_DEADLINE_S,
-                 allow: UpstreamAllow | None = None):
+                 allow: UpstreamAllow | None = None, prediction_timeout: float = 30.0):
+        if not prediction_timeout > 0:
+            raise ValueError(f"prediction_timeout must be > 0, got {prediction_timeout!r}")
         self.hello = attrs.evolve(hello, role=Role.TOKEN_RETURN)
+        self.prediction_timeout = prediction_timeout  # a session's wait for its prediction (--reply-timeout)
         self.allow = allow  # who may connect (the final stage's host by default; see stage/access.py)
         self.handshake_timeout = handshake_timeout
         self.read_deadline = read_deadline
@@ -58,6 +61,7 @@ class TokenReturnHub:
         self.connections = 0  # live return connections
         self.stats = HubStats()
         self._sessions: dict[int, trio.MemorySendChannel] = {}
+        self._waits: dict[int, float] = {}  # session -> trio time its wait for a prediction began
         self._streams: set[trio.SocketStream] = set()
         self._ids = itertools.count(1)
 
@@ -79,6 +83,50 @@ class TokenReturnHub:
     @property
     def waiting(self) -> int:
         return len(self._sessions)
+
+    def begin_wait(self, session_id: int) -> None:
+        """The session waits for its prediction from now: within ``prediction_timeout``, or its channel gets
+        a ReturnLost. Call :meth:`end_wait` when the wait is over, however it ended."""
+        self._waits[session_id] = trio.current_time()
+
+    def end_wait(self, session_id: int) -> None:
+        self._waits.pop(session_id, None)
+
+    def interrupt(self, session_id: int, why: str) -> None:
+        """Wake the session's wait now with a ReturnLost(why) on its channel (the liveness watch found the
+        pipeline down, or the prediction is overdue). The session fails: it opens a new channel to resume."""
+        send = self._sessions.get(session_id)
+        if send is not None:
+            try:
+                send.send_nowait(ReturnLost(why))
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                pass
+
+    async def keep_deadlines(self) -> None:
+        """The deadlines of the sessions' waits for a prediction, kept by this one task rather than by a
+        cancel scope around every wait (entering and leaving one, with trio's deadline bookkeeping, cost a
+        decode step some 1300 interpreted instructions). As WaitWatch does for a connection: while nothing
+        waits it sleeps ``prediction_timeout`` (a wait that begins meanwhile is due after that at the
+        earliest), otherwise until the oldest wait would be due."""
+        timeout = self.prediction_timeout
+        while True:
+            if not self._waits:
+                await trio.sleep(timeout)
+                continue
+            await trio.sleep_until(min(self._waits.values()) + timeout)
+            now = trio.current_time()
+            for session_id, since in list(self._waits.items()):
+                if since + timeout > now:
+                    continue
+                send = self._sessions.get(session_id)
+                if send is not None and send.statistics().current_buffer_used:
+                    # its prediction is there, the waiting task has not run yet (this process was not
+                    # running): the wait ends at once, but is not timed out meanwhile
+                    self._waits[session_id] = now
+                    continue
+                del self._waits[session_id]
+                self.interrupt(session_id, f"the final stage sent no prediction on the token-return connection "
+                                           f"within {timeout:g} s")
 
     def _deliver(self, reply: Reply) -> None:
         send = self._sessions.get(reply.session_id)
@@ -112,6 +160,7 @@ class TokenReturnHub:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(trio.serve_listeners, self._handle, listeners)
+                nursery.start_soon(self.keep_deadlines)
                 task_status.started(self.address)
         finally:
             self.address = None
