@@ -333,6 +333,23 @@ def test_one_unpack_reply_is_the_general_decode_or_declines(data):
     assert got == want
 
 
+@given(stats=stage_stats, token=token_ids, first=ids, second=ids, pos=positions, data=st.data())
+def test_trusted_builders_make_what_the_constructors_make(stats, token, first, second, pos, data):
+    """Each TRUSTED builder takes the class's fields in the constructor's order and makes an equal instance
+    (frozen as the constructor's are)."""
+    tokens, act = data.draw(token_arrays(1, 1)), data.draw(activations(1, 4))
+    cases = [(StageStats, attrs.astuple(stats)), (Ack, (first, second, stats)),
+             (PredictedToken, (first, second, token, stats)), (DecodeStep, (first, second, pos, tokens, act)),
+             (PrefillChunk, (first, second, pos, tokens, act, True)),
+             (VerifyWindow, (first, second, pos, tokens, act))]
+    assert {cls for cls, _ in cases} == set(codec.TRUSTED)
+    for cls, values in cases:
+        built = codec.TRUSTED[cls](*values)
+        assert type(built) is cls and built == cls(*values)
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            setattr(built, attrs.fields(cls)[0].name, 1)
+
+
 # --------------------------------------------------------------------------
 # limits, checked on the prefix / header before anything is allocated
 

@@ -310,8 +310,8 @@ class UpstreamConnection:
         if error is not None:  # reported now, as the answer to this message
             await self.reply(ErrorReply(msg.request_id, msg.session_id, error.code, error.message,
                                         stats=merge(own, folded)))
-        else:
-            await self.reply(Ack(msg.request_id, msg.session_id, stats=merge(own, folded)))
+        else:  # every token: the ids are the message's
+            await self.reply(TRUSTED[Ack](msg.request_id, msg.session_id, merge(own, folded)))
 
     async def _return_direct(self, session: StageSession, msg, job: Job) -> None:
         """The final stage, direct-return session: the prediction goes to the head on the token-return
@@ -321,7 +321,7 @@ class UpstreamConnection:
             await self.server.token_return.send(token)
         except TokenReturnLost as exc:
             raise RequestFailed(ErrorCode.DOWNSTREAM_FAILED, f"stage {self.server.index}: {exc}") from exc
-        await self.reply(Ack(msg.request_id, msg.session_id))
+        await self.reply(TRUSTED[Ack](msg.request_id, msg.session_id, _NO_STATS))  # every token: as above
 
     async def _report_on_return(self, msg, error: ErrorReply) -> None:
         """The final stage: a failed prediction of a direct-return session is reported to the head on the
@@ -389,8 +389,9 @@ class UpstreamConnection:
 
     def _forwarded(self, msg, job: Job):
         """The same message for the next stage, carrying our hidden states."""
-        if type(msg) is DecodeStep:  # every token: built directly, several times cheaper than attrs.evolve
-            return DecodeStep(msg.request_id, msg.session_id, msg.pos_start, msg.tokens, job.result)
+        if type(msg) is DecodeStep:  # every token: built without attrs.evolve and the class's checks (the
+            # message passed them, and the activation is our context's float32 rows for its one token)
+            return TRUSTED[DecodeStep](msg.request_id, msg.session_id, msg.pos_start, msg.tokens, job.result)
         return attrs.evolve(msg, activation=job.result)
 
     def _take_deferred(self, session_id: int) -> None:
@@ -525,6 +526,9 @@ class UpstreamConnection:
             return
         self.down.broken = True
         raise DownstreamError(self.down.address, f"no answer to a liveness ping within {wait:.2g} s")
+
+
+_NO_STATS = StageStats()
 
 
 def _peer_address(stream: trio.SocketStream) -> tuple[str, str]:
