@@ -350,6 +350,17 @@ def test_trusted_builders_make_what_the_constructors_make(stats, token, first, s
             setattr(built, attrs.fields(cls)[0].name, 1)
 
 
+@given(data=st.data())
+def test_one_pack_encoding_of_the_per_token_frames_is_the_general_encoding(data):
+    """encode_frame packs a one-token decode step, an ack and a prediction in one go: byte for byte what
+    encode_message / encode_reply make of them."""
+    n_embd = data.draw(st.integers(1, 8))
+    step = DecodeStep(data.draw(ids), data.draw(ids), data.draw(positions), data.draw(token_arrays(1, 1)),
+                      data.draw(activations(1, n_embd)))
+    for obj, general in ((step, codec.encode_message), (data.draw(replies), codec.encode_reply)):
+        assert b"".join(bytes(p) for p in encode_frame(obj)) == b"".join(bytes(p) for p in general(obj))
+
+
 # --------------------------------------------------------------------------
 # limits, checked on the prefix / header before anything is allocated
 

@@ -176,6 +176,7 @@ _TOKEN_RANGE = {
 _MESSAGE_KIND = {int(k): k for k in MessageKind}
 _REPLY_KIND = {int(k): k for k in ReplyKind}
 _TOKEN = struct.Struct("<i")
+_F4 = np.dtype("<f4")
 
 
 # plain ints: an IntFlag operand makes every ``&`` a call into the enum module, and these run for every frame
@@ -375,6 +376,24 @@ def encode_hello_reply(reply: HelloReply) -> bytes:
 
 def encode_frame(obj: Frame) -> list[Buffer]:
     """Frame anything: the buffers to write, in order."""
+    kind = type(obj)
+    if kind is DecodeStep:  # the per-token frames first, in one pack each
+        act = obj.activation
+        if act is not None and len(obj.tokens) == 1 and act.dtype == _F4 and act.flags.c_contiguous:
+            n = act.nbytes
+            return [_DECODE_STEP.pack(FRAME_MAGIC, DECODE_KIND, 0, MESSAGE_HEADER_SIZE + 4 + n, obj.request_id,
+                                      obj.session_id, obj.pos_start, 1, n, 0, 0, int(obj.tokens[0])) + act.data]
+    elif kind is PredictedToken or kind is Ack:
+        s = obj.stats
+        fields = (obj.request_id, obj.session_id, 0, 0, 0, s.compute_us, s.compute_us_max, s.queue_us,
+                  s.forward_write_us, s.downstream_wait_us, s.bytes_sent, s.stage_count, s.slowest_stage)
+        try:
+            if kind is Ack:
+                return [_ACK_FRAME.pack(FRAME_MAGIC, _ACK_KIND, 0, REPLY_HEADER_SIZE, *fields)]
+            return [_TOKEN_FRAME.pack(FRAME_MAGIC, _TOKEN_KIND, 0, REPLY_HEADER_SIZE + 4, *fields[:2], 1,
+                                      *fields[3:], obj.token)]
+        except struct.error as exc:
+            raise ValueError(f"stats out of range: {s!r}") from exc
     match obj:
         case Hello():
             return [encode_hello(obj)]
