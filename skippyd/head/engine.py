@@ -375,6 +375,8 @@ class _Run:
         self.sampler: llama.Sampler | None = None
         self.error: str | None = None
         self.returns: trio.MemoryReceiveChannel | None = None  # direct return: this session's predictions
+        self._lane_watched: tuple[object, _PipelineFailures] | None = None  # see _watched
+        self._returns_watched: _PipelineFailures | None = None
         self.resume_deadline: float | None = None  # trio time: while resuming, the end of the window
         # this decode step so far (HotPath): native compute here, and waits on the other stages
         self.native_us = 0
@@ -521,12 +523,20 @@ class _Run:
         retryable GenerationError (a stage failure). A failed ping gives the lane up (its link's
         ``interrupt``), which wakes the wait without a cancel scope per wait."""
         link = self.lane.link
-        return _PipelineFailures(self, self.engine.watch, link.interrupt if link.interruptible else None)
+        if not link.interruptible:  # its waiter cancels a scope of its own, which is entered once only
+            return _PipelineFailures(self, self.engine.watch)
+        kept = self._lane_watched  # one per link while no check has failed it: entered for every token
+        if kept is None or kept[0] is not link or kept[1].failed:
+            kept = self._lane_watched = (link, _PipelineFailures(self, self.engine.watch, link.interrupt))
+        return kept[1]
 
     def _watched_returns(self) -> _PipelineFailures:
         """Around the wait for a prediction on the token-return connection: as :meth:`_watched`, a failed
         ping waking the wait through the hub (a ReturnLost on the session's channel)."""
-        return _PipelineFailures(self, self.engine.watch, self._interrupt_returns)
+        kept = self._returns_watched
+        if kept is None or kept.failed:
+            kept = self._returns_watched = _PipelineFailures(self, self.engine.watch, self._interrupt_returns)
+        return kept
 
     def _interrupt_returns(self, why: str) -> None:
         self.engine.hub.interrupt(self.live.session_id, why)
@@ -844,6 +854,11 @@ class _PipelineFailures:
     def __init__(self, run: _Run, watch: StageWatch | None, interrupt: Callable[[str], None] | None = None):
         self.run = run
         self.waiter = watch.watching(interrupt) if watch is not None else None
+
+    @property
+    def failed(self) -> bool:
+        """A liveness check failed a wait in it: it fails every later one, so make a new one."""
+        return self.waiter is not None and self.waiter.failure is not None
 
     def __enter__(self) -> None:
         if self.waiter is not None:
