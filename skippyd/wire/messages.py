@@ -671,7 +671,7 @@ Reply: TypeAlias = Ack | PredictedToken | PredictedTokens | ErrorReply
 def with_stats(reply: Reply, stats: StageStats) -> Reply:
     """`reply` carrying `stats` instead. Every decode step's reply is rebuilt so on each stage on its way
     up: the two kinds it can be are built directly, which is several times cheaper than ``attrs.evolve``."""
-    if type(reply) is PredictedToken:  # its fields were checked when it was made; a StageStats is checked
+    if type(reply) is PredictedToken:  # its fields were checked when it was made: not again
         return TRUSTED[PredictedToken](reply.request_id, reply.session_id, reply.token, stats)
     if type(reply) is Ack:
         return TRUSTED[Ack](reply.request_id, reply.session_id, stats)

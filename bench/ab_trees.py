@@ -1,0 +1,114 @@
+"""A/B of the hot path's CPU between two versions of the code: event-loop CPU per decode step on every stage,
+the two versions' pipelines measured in interleaved rounds in the same run (this VM's noise drowns a
+difference of 10% between runs minutes apart).
+
+    .venv/bin/python bench/ab_trees.py --base b10951d [--rounds 5] [--stages 2,3] [--json out.json]
+
+``--base`` is a git revision, checked out in a temporary worktree; the other side is this working tree.
+Both run on this tree's native build (skippyd/_native): the comparison is of the Python. For each stage
+count, a pipeline of each version (one skippyd per stage, loopback, default model) stays up for the whole
+run; each round measures every pipeline in turn (order reversed every other round) over two 96-token
+generations, after one of the same as warm-up. Printed: medians (min-max) of the event loop's CPU per step
+outside llama.cpp (``loop_cpu_s`` less ``loop_native_cpu_s`` of each stage's ``hot_path``), the handler's
+CPU per step, native compute per step, the generations' decode time per token, and this tree's ratio to
+the base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import tests.procs as procs  # noqa: E402
+from bench.bench_pipeline import generate, hot_paths, per_step  # noqa: E402
+from skippyctl.client import open_control  # noqa: E402
+from skippyd.runtime.models import fetch_default_model  # noqa: E402
+
+PROMPT = "Write a long story about a dragon who learns to sail."
+TOKENS = 96
+
+
+async def measure(pipe: procs.Pipeline) -> dict[str, list[float]]:
+    head = pipe.head
+    async with open_control(head.url, head.token_file) as client:
+        await generate(client, prompt=PROMPT, max_tokens=TOKENS)  # warm-up
+        before = await hot_paths(pipe)
+        rates = [(await generate(client, prompt=PROMPT, max_tokens=TOKENS))["timings"]["decode_tokens_per_s"]
+                 for _ in range(2)]
+        _py, cpu, loop, native = per_step(before, await hot_paths(pipe))
+    return {"loop_cpu_ms": loop, "handler_cpu_ms": cpu, "native_ms": native,
+            "ms_per_token": [1e3 / statistics.median(rates)]}
+
+
+def fmt(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", required=True, help="git revision to compare this working tree with")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--stages", default="2,3", help="comma-separated stage counts")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    stage_counts = [int(n) for n in args.stages.split(",")]
+    model = fetch_default_model()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        base = tmp / "base"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(base), args.base], check=True)
+        trees = {"base": base, "this": ROOT}
+        pipes: dict[tuple[str, int], procs.Pipeline] = {}
+        results: dict[tuple[str, int], list[dict]] = {}
+        try:
+            for n in stage_counts:
+                for name, tree in trees.items():
+                    work = tmp / f"{name}-{n}"
+                    work.mkdir()
+                    procs.split_for_test(model, n, work)
+                    procs.REPO = tree  # the daemons run `python -m skippyd.daemon` from this tree
+                    pipes[(name, n)] = procs.Pipeline(work / "topology.toml", work,
+                                                      extra=["--lanes", "2", "--ctx", "1024"]).start()
+                    results[(name, n)] = []
+            for r in range(args.rounds):
+                order = list(pipes) if r % 2 == 0 else list(reversed(list(pipes)))
+                for key in order:
+                    results[key].append(trio.run(measure, pipes[key]))
+                print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+        finally:
+            for pipe in pipes.values():
+                pipe.stop()
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+    out = {}
+    for n in stage_counts:
+        print(f"{n} stages, per decode step, median (min-max) over {args.rounds} rounds; base {args.base}")
+        medians = {}
+        for name in trees:
+            rows = results[(name, n)]
+            per_stage = {field: [[row[field][k] for row in rows] for k in range(len(rows[0][field]))]
+                         for field in rows[0]}
+            medians[name] = [statistics.median(v) for v in per_stage["loop_cpu_ms"]]
+            out[f"{name}_{n}"] = per_stage
+            print(f"  {name:5} event loop CPU ms " + " / ".join(fmt(v) for v in per_stage["loop_cpu_ms"]))
+            print(f"  {'':5} handler CPU ms    " + " / ".join(fmt(v) for v in per_stage["handler_cpu_ms"]))
+            print(f"  {'':5} native ms         " + " / ".join(fmt(v) for v in per_stage["native_ms"]))
+            print(f"  {'':5} ms per token      " + fmt(per_stage["ms_per_token"][0]))
+        print("  this / base (event loop CPU)  " + " / ".join(f"{t / b:.2f}" for t, b in zip(medians["this"],
+                                                                                             medians["base"])))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
