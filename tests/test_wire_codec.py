@@ -272,6 +272,18 @@ def test_mutated_frames_raise_protocol_error_or_decode(data):
 # the one-unpack decode of a decode step (every stage after the head, every token)
 
 
+def mangled(data, wire: bytes) -> tuple[bytearray, int, bytes, int, bytes]:
+    """`wire` with up to 4 bytes changed, cut short (or followed by more bytes), after a few bytes that came
+    before it in a receive buffer: (the frame, how many changes, the lead, where it is cut, the buffer)."""
+    frame = bytearray(wire)
+    mutations = data.draw(st.integers(0, 4))
+    for _ in range(mutations):
+        frame[data.draw(st.integers(0, len(frame) - 1))] = data.draw(st.integers(0, 255))
+    lead, rest = data.draw(st.binary(max_size=3)), data.draw(st.binary(max_size=8))
+    cut = data.draw(st.integers(0, len(frame)))
+    return frame, mutations, lead, cut, lead + bytes(frame[:cut]) + (rest if cut == len(frame) else b"")
+
+
 @settings(max_examples=1000, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_one_unpack_decode_step_is_the_general_decode_or_declines(data):
@@ -281,13 +293,8 @@ def test_one_unpack_decode_step_is_the_general_decode_or_declines(data):
                                         Limits(max_frame_bytes=64)]))
     step = DecodeStep(data.draw(ids), data.draw(ids), data.draw(positions), data.draw(token_arrays(1, 1)),
                       data.draw(activations(1, n_embd)))
-    frame = bytearray(frame_bytes(data.draw(st.one_of(st.just(step), messages(n_embd)))))
-    mutations = data.draw(st.integers(0, 4))
-    for _ in range(mutations):
-        frame[data.draw(st.integers(0, len(frame) - 1))] = data.draw(st.integers(0, 255))
-    lead, rest = data.draw(st.binary(max_size=3)), data.draw(st.binary(max_size=8))
-    cut = data.draw(st.integers(0, len(frame)))
-    buf = lead + bytes(frame[:cut]) + (rest if cut == len(frame) else b"")
+    frame, mutations, lead, cut, buf = mangled(data, frame_bytes(data.draw(st.one_of(st.just(step),
+                                                                                     messages(n_embd)))))
     fast = codec.decode_step_at(buf, len(lead), n_embd, limits)
     if fast is None:
         # it declines only what it may: a valid, whole decode step within the limits is always its own
@@ -312,14 +319,7 @@ def test_one_unpack_reply_is_the_general_decode_or_declines(data):
                                         frozenset({ReplyKind.PREDICTED_TOKEN})]))
     reply = data.draw(st.one_of(st.builds(Ack, ids, ids, stage_stats),
                                 st.builds(PredictedToken, ids, ids, token_ids, stage_stats), replies))
-    wire = frame_bytes(reply)
-    frame = bytearray(wire)
-    mutations = data.draw(st.integers(0, 4))
-    for _ in range(mutations):
-        frame[data.draw(st.integers(0, len(frame) - 1))] = data.draw(st.integers(0, 255))
-    lead, rest = data.draw(st.binary(max_size=3)), data.draw(st.binary(max_size=8))
-    cut = data.draw(st.integers(0, len(frame)))
-    buf = lead + bytes(frame[:cut]) + (rest if cut == len(frame) else b"")
+    frame, mutations, lead, cut, buf = mangled(data, frame_bytes(reply))
     fast = codec.decode_reply_at(buf, len(lead), limits, accept)
     if fast is None:
         # it declines only what it may: a whole, valid ack or prediction that is accepted is always its own
