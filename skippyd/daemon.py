@@ -204,7 +204,7 @@ class Daemon:
         self.topology = None
         self._stopping = False
         self._probes: dict[int, tuple[float, dict]] = {}
-        self._machine_keys: Machines | None = None  # the topology's hosts as machines (resolved once)
+        self.machines = Machines()  # the topology's hosts as machines (each resolved once, when asked)
 
     # ---------------------------------------------------------------- what to run
     def _stage_indices(self) -> list[int]:
@@ -222,14 +222,9 @@ class Daemon:
     def _stages_on_this_host(self) -> int:
         """Stages of the topology on this machine: by address (loopback, this machine's own addresses, and
         names that resolve to them), or bound to the same host as this daemon's stage."""
-        machines = self._machines()
+        machines = self.machines
         here = {THIS_MACHINE, machines.of(self.topology.stage(self._stage_indices()[0]).host)}
         return sum(1 for s in self.topology.stages if machines.of(s.host) in here)
-
-    def _machines(self) -> Machines:
-        if self._machine_keys is None:
-            self._machine_keys = Machines()
-        return self._machine_keys
 
     def _decode_groups(self) -> int:
         """--decode-groups, or (0) one group per machine of the topology: stages on one machine take turns
@@ -240,7 +235,7 @@ class Daemon:
             return a.decode_groups
         if self.topology is None or a.stage in (None, "all"):
             return 1  # a whole model, or every stage in this process
-        return self._machines().count([s.host for s in self.topology.stages])
+        return self.machines.count([s.host for s in self.topology.stages])
 
     def _config(self, n_local: int) -> StageConfig:
         a = self.args

@@ -95,12 +95,6 @@ class Topology:
     def ranges(self) -> list[tuple[int, int]]:
         return [(s.layer_start, s.layer_end) for s in self.stages]
 
-    @property
-    def n_hosts(self) -> int:
-        """How many machines the stages are on, by how their hosts are written (every loopback address is one
-        machine; two names of one machine count twice: :class:`skippyd.hosts.Machines` resolves them)."""
-        return len({host_key(s.host) for s in self.stages})
-
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-friendly data (paths as strings)."""
         data = attrs.asdict(self, recurse=False)
@@ -194,17 +188,6 @@ def parse_address(text: str) -> tuple[str, int]:
     if not 1 <= port <= 65535:
         raise TopologyError(f"bad address {text!r}: port must be 1-65535")
     return host, port
-
-
-def host_key(host: str) -> str:
-    """`host` as one machine's name: loopback addresses and `localhost` are all "loopback"."""
-    name = host.lower()
-    if name == "localhost":
-        return "loopback"
-    try:
-        return "loopback" if ipaddress.ip_address(name).is_loopback else name
-    except ValueError:
-        return name
 
 
 def format_address(host: str, port: int) -> str:

@@ -40,6 +40,15 @@ def test_two_names_of_one_machine_count_once():
     assert m.count(["gpu-box", "other"]) == 2
 
 
+def test_a_topologys_hosts_as_written():
+    """--decode-groups 0 keeps one group per machine: every loopback address is this one machine, and a
+    name is one machine however it is capitalised."""
+    m = machines()
+    assert m.count(["127.0.0.1", "::1"]) == 1
+    assert m.count(["10.0.0.1", "HostB"]) == 2
+    assert m.count(["hostb", "hostb"]) == 1 and m.of("HostB") == m.of("hostb")
+
+
 def test_loopback_and_this_machines_addresses_are_this_machine():
     m = machines()
     for host in ("127.0.0.1", "localhost", "LOCALHOST", "::1", "[::1]", "me", "192.0.2.200"):

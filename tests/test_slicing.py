@@ -6,7 +6,6 @@ import itertools
 import re
 from pathlib import Path
 
-import attrs
 import gguf
 import numpy as np
 import pytest
@@ -451,14 +450,3 @@ def test_addresses():
             parse_address(bad)
     with pytest.raises(TopologyError, match="same HOST:PORT"):
         stage_addresses(2, ["h:1", "h:1"])
-
-
-def test_topology_counts_hosts_by_address(tmp_path):
-    """--decode-groups 0 keeps one group per host: every loopback address is this one machine."""
-    base = _topology(tmp_path)
-    assert base.n_hosts == 1  # 127.0.0.1 and ::1
-    apart = attrs.evolve(base, stages=[attrs.evolve(base.stages[0], host="10.0.0.1"),
-                                       attrs.evolve(base.stages[1], host="HostB")])
-    assert apart.n_hosts == 2
-    same = attrs.evolve(base, stages=[attrs.evolve(s, host="hostb") for s in apart.stages])
-    assert same.n_hosts == 1

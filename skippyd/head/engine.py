@@ -216,8 +216,7 @@ class HeadEngine:
     def __init__(self, model: llama.Model, context: llama.Context, scheduler: Scheduler,
                  pool: LanePool | None, *, prefill_chunk: int = 256, receipts_file: Path | None = None,
                  receipts_kept: int = 256, queue_timeout: float = 30.0, hub: TokenReturnHub | None = None,
-                 watch: StageWatch | None = None, reply_timeout: float = 30.0,
-                 resume_window: float | None = None):
+                 watch: StageWatch | None = None, resume_window: float | None = None):
         self.model = model
         self.context = context
         self.scheduler = scheduler
@@ -237,7 +236,6 @@ class HeadEngine:
         self.totals = {"generations": 0, "prompt_tokens": 0, "completion_tokens": 0, "errors": 0}
         self.last_stage_stats = StageStats()
         self.hub = hub  # direct token return (3+ stages), None: every prediction is relayed
-        self.reply_timeout = reply_timeout
         self.resume_window = resume_window  # None: a stage failure fails the generation (no replay)
         self.watch = watch  # stage 1's liveness (None: single stage)
         # where the predictions of pipeline generations came from, and configures that fell back

@@ -75,8 +75,7 @@ class HeadNode:
                                               prediction_timeout=cfg.reply_timeout_s)
             self.engine = HeadEngine(self.model, context, scheduler, self.pool, prefill_chunk=self.prefill_chunk,
                                      receipts_file=self.receipts_file, queue_timeout=self.queue_timeout,
-                                     hub=self.hub, watch=self.watch, reply_timeout=cfg.reply_timeout_s,
-                                     resume_window=self.resume_window)
+                                     hub=self.hub, watch=self.watch, resume_window=self.resume_window)
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(scheduler.serve)
