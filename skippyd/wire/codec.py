@@ -377,23 +377,14 @@ def encode_hello_reply(reply: HelloReply) -> bytes:
 def encode_frame(obj: Frame) -> list[Buffer]:
     """Frame anything: the buffers to write, in order."""
     kind = type(obj)
-    if kind is DecodeStep:  # the per-token frames first, in one pack each
+    if kind is DecodeStep:  # the per-token frames first: a decode step in one pack
         act = obj.activation
         if act is not None and len(obj.tokens) == 1 and act.dtype == _F4 and act.flags.c_contiguous:
             n = act.nbytes
             return [_DECODE_STEP.pack(FRAME_MAGIC, DECODE_KIND, 0, MESSAGE_HEADER_SIZE + 4 + n, obj.request_id,
                                       obj.session_id, obj.pos_start, 1, n, 0, 0, int(obj.tokens[0])) + act.data]
     elif kind is PredictedToken or kind is Ack:
-        s = obj.stats
-        fields = (obj.request_id, obj.session_id, 0, 0, 0, s.compute_us, s.compute_us_max, s.queue_us,
-                  s.forward_write_us, s.downstream_wait_us, s.bytes_sent, s.stage_count, s.slowest_stage)
-        try:
-            if kind is Ack:
-                return [_ACK_FRAME.pack(FRAME_MAGIC, _ACK_KIND, 0, REPLY_HEADER_SIZE, *fields)]
-            return [_TOKEN_FRAME.pack(FRAME_MAGIC, _TOKEN_KIND, 0, REPLY_HEADER_SIZE + 4, *fields[:2], 1,
-                                      *fields[3:], obj.token)]
-        except struct.error as exc:
-            raise ValueError(f"stats out of range: {s!r}") from exc
+        return encode_reply(obj)
     match obj:
         case Hello():
             return [encode_hello(obj)]
@@ -741,7 +732,7 @@ def decode_frame(
 
 
 # A one-token decode step with its activation: the frame every stage after the head reads for every token.
-_DECODE_STEP = struct.Struct("<2sBBI" "QQiIIHH" "i")  # the prefix, the message header and the token
+_DECODE_STEP = struct.Struct(_PREFIX.format + _MSG_HEADER.format[1:] + "i")  # prefix, message header, token
 DECODE_KIND = int(MessageKind.DECODE)
 
 
@@ -774,8 +765,8 @@ _trusted_step = TRUSTED[DecodeStep]
 
 # The replies every stage before the last reads for every token: an Ack, or a PredictedToken (its token after
 # the reply header).
-_ACK_FRAME = struct.Struct("<2sBBI" "QQIHH" "QQQQQQII")
-_TOKEN_FRAME = struct.Struct("<2sBBI" "QQIHH" "QQQQQQII" "i")
+_ACK_FRAME = struct.Struct(_PREFIX.format + _REPLY_HEADER.format[1:])
+_TOKEN_FRAME = struct.Struct(_ACK_FRAME.format + "i")
 _ACK_KIND = int(ReplyKind.ACK)
 _TOKEN_KIND = int(ReplyKind.PREDICTED_TOKEN)
 _trusted_stats, _trusted_ack, _trusted_token = TRUSTED[StageStats], TRUSTED[Ack], TRUSTED[PredictedToken]
