@@ -145,11 +145,8 @@ class TokenReturnHub:
             self.stats.tokens += 1
 
     def _fail_all(self, why: str) -> None:
-        for session_id, send in list(self._sessions.items()):
-            try:
-                send.send_nowait(ReturnLost(why))
-            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-                pass
+        for session_id in list(self._sessions):
+            self.interrupt(session_id, why)
 
     # ---------------------------------------------------------------- the listener
     async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
