@@ -41,7 +41,7 @@ REFERENCE_CMAKE_ARGS = ["-DGGML_OPENMP=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA
 
 
 def cmake_args() -> list[str]:
-    return REFERENCE_CMAKE_ARGS + shlex.split(os.environ.get("SKIPPY_LLAMA_CMAKE_ARGS", ""))
+    return REFERENCE_CMAKE_ARGS + native_build.cpu_cmake_args() + shlex.split(os.environ.get("SKIPPY_LLAMA_CMAKE_ARGS", ""))
 
 
 def installed_version() -> str | None:
@@ -64,7 +64,7 @@ def ensure_reference(*, quiet: bool = False) -> str:
         print(f"building the llama-cpp-python {version} reference from {sdist.name} "
               f"(a few minutes, once; cached in {wheel_dir})", file=sys.stderr, flush=True)
         wheel_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, CMAKE_ARGS=" ".join(cmake_args()))
+        env = dict(os.environ, CMAKE_ARGS=shlex.join(cmake_args()))  # split with shlex by scikit-build-core
         subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(wheel_dir),
                         str(sdist)], env=env, check=True,
                        stdout=subprocess.DEVNULL if quiet else None)

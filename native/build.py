@@ -86,8 +86,22 @@ def _load_pypi_module():
     return mod
 
 
+def cpu_cmake_args() -> list[str]:
+    """Compiler flags for this CPU family, before the user's (whose -DCMAKE_C_FLAGS=... replaces them).
+
+    x86: no AMX. On a CPU that reports AMX, -march=native compiles ggml's AMX
+    kernels, which do not build in a unity build, and which died with SIGILL
+    at their first tile instruction on the VMs this project is tested on
+    (their CPUs report AMX; the kernel granted ggml the permission).
+    """
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        return [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"]
+    return []
+
+
 def cmake_args() -> list[str]:
-    return BASE_CMAKE_ARGS + shlex.split(os.environ.get("SKIPPY_LLAMA_CMAKE_ARGS", ""))
+    return BASE_CMAKE_ARGS + cpu_cmake_args() + shlex.split(os.environ.get("SKIPPY_LLAMA_CMAKE_ARGS", ""))
 
 
 def patch_files() -> list[Path]:
