@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import platform
+from pathlib import Path
+
 import numpy as np
 import pytest
+
+import skippyd._native
 
 from skippyd.runtime.llama import (
     ClosedError,
@@ -58,6 +64,16 @@ def smol(default_model_path):
 def poem_tokens(model: Model) -> np.ndarray:
     text = model.apply_chat_template([{"role": "user", "content": POEM}])
     return model.tokenize(text, add_special=False, parse_special=True)
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="AMX is an x86 extension")
+def test_x86_build_is_native_without_amx():
+    """native/build.py compiles ggml for this CPU (-march=native) but leaves the AMX kernels out: they died
+    with SIGILL on the AMX-reporting VMs we test on."""
+    ggml_cpu = ctypes.CDLL(str(Path(skippyd._native.__file__).parent / "libggml-cpu.so"))
+    assert ggml_cpu.ggml_cpu_has_amx_int8() == 0
+    cpu_flags = Path("/proc/cpuinfo").read_text().split()
+    assert ggml_cpu.ggml_cpu_has_avx2() == ("avx2" in cpu_flags)
 
 
 def test_model_metadata(smol):

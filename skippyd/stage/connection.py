@@ -39,6 +39,7 @@ from skippyd.wire.errors import HandshakeRefused, PeerClosed, ProtocolError, Rea
 from skippyd.wire.handshake import handshake_server, refuse_handshake
 from skippyd.wire.messages import (
     DEFAULT_SEED,
+    NO_STATS,
     Ack,
     ConfigureGeneration,
     DecodeStep,
@@ -321,7 +322,7 @@ class UpstreamConnection:
             await self.server.token_return.send(token)
         except TokenReturnLost as exc:
             raise RequestFailed(ErrorCode.DOWNSTREAM_FAILED, f"stage {self.server.index}: {exc}") from exc
-        await self.reply(TRUSTED[Ack](msg.request_id, msg.session_id, _NO_STATS))  # every token: as above
+        await self.reply(TRUSTED[Ack](msg.request_id, msg.session_id, NO_STATS))  # every token: as above
 
     async def _report_on_return(self, msg, error: ErrorReply) -> None:
         """The final stage: a failed prediction of a direct-return session is reported to the head on the
@@ -526,9 +527,6 @@ class UpstreamConnection:
             return
         self.down.broken = True
         raise DownstreamError(self.down.address, f"no answer to a liveness ping within {wait:.2g} s")
-
-
-_NO_STATS = StageStats()
 
 
 def _peer_address(stream: trio.SocketStream) -> tuple[str, str]:

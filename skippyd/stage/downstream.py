@@ -27,7 +27,7 @@ import trio
 from skippyd.stage.conditioning import LinkShape, ShapedSendStream, shaped
 from skippyd.wire.errors import PeerClosed, ProtocolError, WireError
 from skippyd.wire.handshake import handshake_client
-from skippyd.wire.messages import Ack, ErrorReply, Hello, Message, Reply, StageStats, merge, with_stats
+from skippyd.wire.messages import NO_STATS, Ack, ErrorReply, Hello, Message, Reply, StageStats, merge, with_stats
 from skippyd.wire.stream import (
     DEFAULT_FRAME_TIMEOUT,
     ReceiveBuffer,
@@ -61,7 +61,7 @@ class DownstreamLink:
         self.write_timeout = write_timeout
         self.frame_timeout = DEFAULT_FRAME_TIMEOUT
         self.pending_acks = 0
-        self._folded = _NOTHING_FOLDED
+        self._folded = NO_STATS
         self._deferred_error: ErrorReply | None = None
         self.broken = False
         # what an interrupted caller left behind (see settle): a frame half written, a reply not yet read
@@ -176,7 +176,7 @@ class DownstreamLink:
     def take_folded(self) -> tuple[StageStats, ErrorReply | None]:
         """The stats of the acks collected since the last reply, and the first error one of them
         reported (both cleared): to fold into this stage's next reply upstream."""
-        folded, self._folded = self._folded, _NOTHING_FOLDED
+        folded, self._folded = self._folded, NO_STATS
         error, self._deferred_error = self._deferred_error, None
         return folded, error
 
@@ -223,7 +223,7 @@ class DownstreamLink:
         if self.awaiting_reply:
             await self._read()
             self.awaiting_reply = False
-        self._folded, self._deferred_error = _NOTHING_FOLDED, None
+        self._folded, self._deferred_error = NO_STATS, None
 
     async def request(self, msg: Message) -> tuple[Reply, int, int, int]:
         """Send `msg`, drain outstanding acks, and return (reply, bytes, write_us, wait_us).
@@ -250,10 +250,9 @@ class DownstreamLink:
         wait_us = int((time.perf_counter() - self._reply_owed_since) * 1e6)
         if self._deferred_error is not None:
             reply, self._deferred_error = self._deferred_error, None
-        if self._folded is not _NOTHING_FOLDED:  # acks were drained: their stats travel with the reply
+        if self._folded is not NO_STATS:  # acks were drained: their stats travel with the reply
             reply = with_stats(reply, merge(reply.stats, self._folded))
-            self._folded = _NOTHING_FOLDED
+            self._folded = NO_STATS
         return reply, wait_us
 
 
-_NOTHING_FOLDED = StageStats()  # merge's identity: a reply with nothing folded in is passed on as it is

@@ -39,6 +39,7 @@ __all__ = [
     "MAX_N_EMBD",
     "MAX_POSITION",
     "MAX_REASON_BYTES",
+    "NO_STATS",
     "MAX_TOKENS",
     "PROTOCOL_VERSION",
     "Ack",
@@ -485,7 +486,7 @@ class StatsTotal:
                           self.downstream_wait_us, self.bytes_sent, self.stage_count, self.slowest_stage)
 
 
-_NO_STATS = StageStats()
+NO_STATS = StageStats()  # the empty report, merge's identity (a frozen instance, shared)
 _NO_TOKENS = np.zeros(0, dtype="<i4")
 _NO_TOKENS.flags.writeable = False
 
@@ -627,7 +628,7 @@ class Ack:
     kind: ClassVar[ReplyKind] = ReplyKind.ACK
     request_id: int = attrs.field(validator=_u64)
     session_id: int = attrs.field(validator=_u64)
-    stats: StageStats = _NO_STATS
+    stats: StageStats = NO_STATS
 
 
 @attrs.frozen
@@ -636,7 +637,7 @@ class PredictedToken:
     request_id: int = attrs.field(validator=_u64)
     session_id: int = attrs.field(validator=_u64)
     token: int = attrs.field(validator=_i32)
-    stats: StageStats = _NO_STATS
+    stats: StageStats = NO_STATS
 
 
 @attrs.frozen
@@ -645,7 +646,7 @@ class PredictedTokens:
     request_id: int = attrs.field(validator=_u64)
     session_id: int = attrs.field(validator=_u64)
     tokens: np.ndarray = _tokens_field()
-    stats: StageStats = _NO_STATS
+    stats: StageStats = NO_STATS
 
     def __attrs_post_init__(self) -> None:
         _check_tokens(self.tokens, lo=0, hi=MAX_TOKENS, what="PredictedTokens")
@@ -662,7 +663,7 @@ class ErrorReply:
     session_id: int = attrs.field(validator=_u64)
     code: ErrorCode = attrs.field(converter=ErrorCode)
     message: str = attrs.field(converter=_truncate_utf8(MAX_ERROR_MESSAGE_BYTES))
-    stats: StageStats = _NO_STATS
+    stats: StageStats = NO_STATS
 
 
 Reply: TypeAlias = Ack | PredictedToken | PredictedTokens | ErrorReply
