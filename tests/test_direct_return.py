@@ -206,6 +206,14 @@ async def token_paths(pipe: Pipeline) -> tuple[dict, dict]:
     return head, final["token_return"]
 
 
+async def returns_only(pipe: Pipeline) -> tuple[int, int]:
+    """(decode steps stage 1 sent to the final stage owing no ack, those the final stage answered on the
+    token-return connection only)."""
+    (middle,) = (await pipe.stages[1].astatus())["stages"]
+    (final,) = (await pipe.stages[2].astatus())["stages"]
+    return middle["returns_only"]["forwarded"], final["returns_only"]["answered"]
+
+
 async def assert_parity(pipe: Pipeline, model_path, prompts, n: int) -> int:
     """Greedy parity; returns how many predictions the generations received."""
     received = 0
@@ -220,12 +228,17 @@ async def assert_parity(pipe: Pipeline, model_path, prompts, n: int) -> int:
 
 async def test_tiny_three_stages_direct_return_matches_unsplit(tiny3, tiny_model_path):
     before, _ = await token_paths(tiny3)
-    received = await assert_parity(tiny3, tiny_model_path, [*PROMPTS, LONG_PROMPT], 40)
+    forwarded_before, answered_before = await returns_only(tiny3)
+    prompts = [*PROMPTS, LONG_PROMPT]
+    received = await assert_parity(tiny3, tiny_model_path, prompts, 40)
     head, final = await token_paths(tiny3)
     assert head["enabled"] and head["connections"] == 1
     assert head["direct"] - before["direct"] == received  # every prediction took the return connection
     assert head["relayed"] == before["relayed"] == 0 and head["fallbacks"] == 0
     assert final["connected"] and final["dials"] == 1 and final["sent"] == head["tokens"]
+    # every decode step (each prediction but the prompt's) went to the final stage owing no reply on the lane
+    forwarded, answered = await returns_only(tiny3)
+    assert forwarded - forwarded_before == answered - answered_before == received - len(prompts)
 
 
 async def test_concurrent_direct_generations_each_get_their_own_tokens(tiny3, tiny_model_path):
@@ -269,18 +282,24 @@ async def test_final_stage_without_direct_return_falls_back_to_relaying(tiny_mod
 
 
 async def test_failed_prediction_on_the_final_stage_is_a_clean_error(tiny_model_path, tmp_path):
-    """The final stage runs out of context (it was given less than the head): the error reaches the head on
-    the token-return connection, the generation fails at once, and every stage releases the session."""
+    """The final stage runs out of context mid-decode (it was given less than the head), on a decode step it
+    answers on the token-return connection only: the error reaches the head there, the generation fails at
+    once, every stage releases the session, and the lanes are still in step (no reply owed or left over on
+    them): the next generations on them are right."""
     pipe = await trio.to_thread.run_sync(functools.partial(_start, tiny_model_path, tmp_path,
                                                            final_extra=("--ctx", "16")))
     try:
-        with trio.fail_after(20):
+        with trio.fail_after(30):
             with pytest.raises(ControlError, match="context_full"):
                 await pipe.generate(prompt=LONG_PROMPT, raw=True, max_tokens=600)
             await pipe.wait_all_released(2.0)
             head, final = await token_paths(pipe)
             assert head["errors"] == 1 and head["direct"] > 0
-            got = await pipe.generate(prompt=PROMPTS[0], raw=True, max_tokens=8)
-            assert got["tokens"] == reference(tiny_model_path, PROMPTS[0], 8)
+            forwarded, answered = await returns_only(pipe)
+            assert forwarded > 0 and answered == forwarded - 1  # the last one failed: a decode step
+            for _ in range(3):  # more than --lanes: the failed generation's lane is used again
+                got = await pipe.generate(prompt=PROMPTS[0], raw=True, max_tokens=8)
+                assert got["tokens"] == reference(tiny_model_path, PROMPTS[0], 8)
+            await pipe.wait_all_released(2.0)
     finally:
         await trio.to_thread.run_sync(_stop, pipe)

@@ -459,3 +459,38 @@ async def test_direct_return_is_refused_not_ignored(final_stage):
     assert reply.code == ErrorCode.DIRECT_RETURN_UNAVAILABLE
     assert released(final_stage)
     await link.aclose()
+
+
+async def test_final_stage_sends_no_lane_reply_for_a_direct_return_decode_step(final_stage):
+    """A decode step with DIRECT_RETURN is answered on the token-return connection only, even when it fails
+    (here: the session was not configured with direct return, and no return connection exists): nothing
+    comes back on the lane for it, so the next request's reply is that request's own."""
+    link = await connect(final_stage)
+    n_embd = final_stage.topology.n_embd
+    token = await open_session(link, 1, n_embd)
+    await link.send(DecodeStep(3, 1, 5, [token], activation(1, n_embd), direct_return=True))
+    reply, *_ = await link.request(Stop(4, 1))
+    assert isinstance(reply, Ack) and reply.request_id == 4, reply
+    assert final_stage.snapshot()["returns_only"]["answered"] == 0  # it failed: not answered with a token
+    await wait_released(final_stage)
+    await link.aclose()
+
+
+async def test_direct_return_decode_step_to_a_middle_stage_is_a_protocol_error(split3, nursery):
+    """Only the final stage may get a decode step with DIRECT_RETURN (its sender expects no reply): a middle
+    stage says BAD_FLAGS and closes the connection, rather than answer out of step."""
+    nxt = split3.stage(2)
+
+    async def quiet_stage2(stream):
+        await handshake_server(stream, stage_hello(split3, 2), timeout=5, receive=ReceiveBuffer(stream))
+        await trio.sleep_forever()
+
+    listeners = await trio.open_tcp_listeners(nxt.port, host=nxt.host)
+    nursery.start_soon(trio.serve_listeners, quiet_stage2, listeners)
+    server = await nursery.start(StageServer(split3, 1, config()).run)
+    link = await connect(server)
+    reply, *_ = await link.request(DecodeStep(1, 1, 0, [1], activation(1, split3.n_embd), direct_return=True))
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BAD_FLAGS, reply
+    assert "not the final stage" in reply.message
+    assert await _eof(link)
+    await link.aclose()

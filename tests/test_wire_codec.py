@@ -104,6 +104,8 @@ def token_messages(draw, n_embd: int):
     tokens = draw(token_arrays(1, 1 if cls is DecodeStep else 16))
     act = draw(st.none() | activations(len(tokens), n_embd))
     kwargs = {"final": draw(st.booleans())} if cls is PrefillChunk else {}
+    if cls is DecodeStep:
+        kwargs = {"direct_return": draw(st.booleans())}
     return cls(draw(ids), draw(ids), draw(positions), tokens, act, **kwargs)
 
 
@@ -292,7 +294,7 @@ def test_one_unpack_decode_step_is_the_general_decode_or_declines(data):
     limits = data.draw(st.sampled_from([DEFAULT_LIMITS, Limits(max_tokens=1), Limits(max_activation_bytes=16),
                                         Limits(max_frame_bytes=64)]))
     step = DecodeStep(data.draw(ids), data.draw(ids), data.draw(positions), data.draw(token_arrays(1, 1)),
-                      data.draw(activations(1, n_embd)))
+                      data.draw(activations(1, n_embd)), data.draw(st.booleans()))
     frame, mutations, lead, cut, buf = mangled(data, frame_bytes(data.draw(st.one_of(st.just(step),
                                                                                      messages(n_embd)))))
     fast = codec.decode_step_at(buf, len(lead), n_embd, limits)
@@ -304,7 +306,8 @@ def test_one_unpack_decode_step_is_the_general_decode_or_declines(data):
     assert end == len(lead) + len(frame) and cut == len(frame)
     want = decode_frame(buf[len(lead):end], n_embd=n_embd, limits=limits)
     assert type(got) is type(want) is DecodeStep
-    assert (got.request_id, got.session_id, got.pos_start) == (want.request_id, want.session_id, want.pos_start)
+    assert ((got.request_id, got.session_id, got.pos_start, got.direct_return)
+            == (want.request_id, want.session_id, want.pos_start, want.direct_return))
     for a, b in ((got.tokens, want.tokens), (got.activation, want.activation)):
         assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
         assert a.flags.writeable
@@ -339,7 +342,7 @@ def test_trusted_builders_make_what_the_constructors_make(stats, token, first, s
     (frozen as the constructor's are)."""
     tokens, act = data.draw(token_arrays(1, 1)), data.draw(activations(1, 4))
     cases = [(StageStats, attrs.astuple(stats)), (Ack, (first, second, stats)),
-             (PredictedToken, (first, second, token, stats)), (DecodeStep, (first, second, pos, tokens, act)),
+             (PredictedToken, (first, second, token, stats)), (DecodeStep, (first, second, pos, tokens, act, data.draw(st.booleans()))),
              (PrefillChunk, (first, second, pos, tokens, act, True)),
              (VerifyWindow, (first, second, pos, tokens, act))]
     assert {cls for cls, _ in cases} == set(codec.TRUSTED)
@@ -356,7 +359,7 @@ def test_one_pack_encoding_of_the_per_token_frames_is_the_general_encoding(data)
     encode_message / encode_reply make of them."""
     n_embd = data.draw(st.integers(1, 8))
     step = DecodeStep(data.draw(ids), data.draw(ids), data.draw(positions), data.draw(token_arrays(1, 1)),
-                      data.draw(activations(1, n_embd)))
+                      data.draw(activations(1, n_embd)), data.draw(st.booleans()))
     for obj, general in ((step, codec.encode_message), (data.draw(replies), codec.encode_reply)):
         assert b"".join(bytes(p) for p in encode_frame(obj)) == b"".join(bytes(p) for p in general(obj))
 
@@ -467,7 +470,8 @@ def test_body_length_must_match_header():
         (prefix(MessageKind.STOP, 32, flags=0x80) + header(n_tokens=0), ErrorCode.BAD_FLAGS),
         (prefix(MessageKind.DECODE, 36, flags=Flags.FINAL) + header() + b"\0" * 4, ErrorCode.BAD_FLAGS),
         (prefix(MessageKind.CONFIGURE_GENERATION, 68) + header(n_tokens=0) + b"\0" * 36, ErrorCode.BAD_FLAGS),
-        (prefix(MessageKind.DECODE, 36, flags=Flags.DIRECT_RETURN) + header() + b"\0" * 4, ErrorCode.BAD_FLAGS),
+        (prefix(MessageKind.DECODE, 36, flags=Flags.SAMPLING) + header() + b"\0" * 4, ErrorCode.BAD_FLAGS),
+        (prefix(MessageKind.PREFILL, 36, flags=Flags.DIRECT_RETURN) + header() + b"\0" * 4, ErrorCode.BAD_FLAGS),
         (prefix(MessageKind.DECODE, 40) + header(n_tokens=2) + b"\0" * 8, ErrorCode.BAD_VALUE),
         (prefix(MessageKind.PREFILL, 32) + header(n_tokens=0), ErrorCode.BAD_VALUE),
         (prefix(MessageKind.STOP, 36) + header(n_tokens=1) + b"\0" * 4, ErrorCode.FRAME_TOO_LARGE),
@@ -509,11 +513,12 @@ def test_messages_need_the_handshake_and_kinds_can_be_restricted():
 
 
 def test_hello_of_another_version_names_both_versions():
-    wire = frame_bytes(Hello(FP, 0, 0, 1, 2, 8, version=2))
+    other = PROTOCOL_VERSION + 1
+    wire = frame_bytes(Hello(FP, 0, 0, 1, 2, 8, version=other))
     with pytest.raises(ProtocolError) as info:
         decode_frame(wire)
     assert info.value.code == ErrorCode.VERSION_MISMATCH
-    assert info.value.message == f"protocol version mismatch: peer 2, ours {PROTOCOL_VERSION}"
+    assert info.value.message == f"protocol version mismatch: peer {other}, ours {PROTOCOL_VERSION}"
     # a future version's hello may be longer; its version is still readable
     future = b"SKPY" + struct.pack("<H", 7) + b"\0" * 500
     assert hello_version(future) == 7
@@ -618,7 +623,7 @@ def test_adjacent_lane_accepted_both_ways():
 @pytest.mark.parametrize(
     ("peer", "reason"),
     [
-        (lane(0, 0, 10, version=2), "protocol version mismatch: peer 2, ours 1"),
+        (lane(0, 0, 10, version=3), "protocol version mismatch: peer 3, ours 2"),
         (lane(0, 0, 10, fingerprint=OTHER_FP), "model fingerprint mismatch: peer 0000000000000000…, ours 00010203"),
         (Hello(FP, 0, 0, 10, 30, 1024), "model shape mismatch"),
         (lane(0, 0, 10, role=Role.TOKEN_RETURN), "role mismatch"),

@@ -756,7 +756,7 @@ class _Run:
         # its token, the context's float32 rows of the hidden state), and the checks would cost as much again
         # as building and sending the frame
         sent = await self._predict_begin(_trusted_step(self.live.request_id, self.live.session_id, pos, tokens,
-                                                       hidden))
+                                                       hidden, False))
         if self.batched:
             # the other sessions of this batch send their steps before any of them goes on (streams its
             # text): back to back, they reach the next stage within its gather window and are decoded there

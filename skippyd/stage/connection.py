@@ -270,7 +270,8 @@ class UpstreamConnection:
                 await handler(msg)
         except RequestFailed as exc:
             error = ErrorReply(msg.request_id, session_id, exc.code, exc.message[:4000], stats=self._own_stats())
-            await self.reply(error)
+            if not _returns_only(msg):  # the upstream stage expects no reply on the lane for this one
+                await self.reply(error)
             await self._report_on_return(msg, error)
         except DownstreamError as exc:
             if not (isinstance(msg, PrefillChunk) and not msg.final):  # a non-final chunk was acked already
@@ -302,10 +303,18 @@ class UpstreamConnection:
     async def _forward_direct(self, msg, job: Job) -> None:
         """A middle stage, direct-return session: forward and acknowledge at once (never wait for the
         prediction). The next stage's ack is collected later; its stats, or the first error an earlier
-        ack reported, go up with this reply."""
+        ack reported, go up with this reply. A decode step to the final stage owes no ack: it goes with
+        DIRECT_RETURN, and the final stage answers it on the token-return connection only (its report
+        travels with the prediction), which spares both stages a frame and a wake-up per token."""
+        to_final = type(msg) is DecodeStep and self.server.next_is_final
+        forward = self._forwarded(msg, job, direct_return=to_final)
         with span("stage.forward_direct", stage=self.server.index, request=msg.request_id,
                   session=msg.session_id):
-            sent, write_us = await self.down.send_deferred(self._forwarded(msg, job))
+            if to_final:
+                sent, write_us = await self.down.send(forward)
+                self.server.returns_only["forwarded"] += 1
+            else:
+                sent, write_us = await self.down.send_deferred(forward)
         folded, error = self.down.take_folded()
         own = self._own_stats(job, write_us=write_us, sent=sent)
         if error is not None:  # reported now, as the answer to this message
@@ -316,13 +325,17 @@ class UpstreamConnection:
 
     async def _return_direct(self, session: StageSession, msg, job: Job) -> None:
         """The final stage, direct-return session: the prediction goes to the head on the token-return
-        connection (with this stage's report); the lane gets a plain Ack."""
+        connection (with this stage's report); the lane gets a plain Ack, unless the message says that
+        the upstream stage expects none (a decode step with DIRECT_RETURN)."""
         token = self._prediction(msg, job)
         try:
             await self.server.token_return.send(token)
         except TokenReturnLost as exc:
             raise RequestFailed(ErrorCode.DOWNSTREAM_FAILED, f"stage {self.server.index}: {exc}") from exc
-        await self.reply(TRUSTED[Ack](msg.request_id, msg.session_id, NO_STATS))  # every token: as above
+        if _returns_only(msg):
+            self.server.returns_only["answered"] += 1
+        else:
+            await self.reply(TRUSTED[Ack](msg.request_id, msg.session_id, NO_STATS))  # every token: as above
 
     async def _report_on_return(self, msg, error: ErrorReply) -> None:
         """The final stage: a failed prediction of a direct-return session is reported to the head on the
@@ -334,7 +347,7 @@ class UpstreamConnection:
         if isinstance(msg, PrefillChunk) and not msg.final:
             return
         session = self.server.sessions.get(self.conn_id, msg.session_id)
-        if session is not None and not session.direct_return:
+        if session is not None and not session.direct_return and not _returns_only(msg):
             return
         try:
             await link.send(error)
@@ -388,11 +401,13 @@ class UpstreamConnection:
         session.position = msg.pos_start + len(msg.tokens)
         return job
 
-    def _forwarded(self, msg, job: Job):
-        """The same message for the next stage, carrying our hidden states."""
+    def _forwarded(self, msg, job: Job, *, direct_return: bool = False):
+        """The same message for the next stage, carrying our hidden states (a decode step: with
+        ``direct_return`` as given)."""
         if type(msg) is DecodeStep:  # every token: built without attrs.evolve and the class's checks (the
             # message passed them, and the activation is our context's float32 rows for its one token)
-            return TRUSTED[DecodeStep](msg.request_id, msg.session_id, msg.pos_start, msg.tokens, job.result)
+            return TRUSTED[DecodeStep](msg.request_id, msg.session_id, msg.pos_start, msg.tokens, job.result,
+                                       direct_return)
         return attrs.evolve(msg, activation=job.result)
 
     def _take_deferred(self, session_id: int) -> None:
@@ -469,8 +484,14 @@ class UpstreamConnection:
     async def on_decode(self, msg: DecodeStep) -> None:
         started, started_cpu = time.perf_counter(), time.thread_time()
         self._waited_us = 0
+        if msg.direct_return and not self.server.is_final:  # the upstream would expect no reply: out of step
+            raise ProtocolError(ErrorCode.BAD_FLAGS, f"DIRECT_RETURN on a decode step to stage {self.server.index}, "
+                                "which is not the final stage", request_id=msg.request_id, session_id=msg.session_id)
         self._take_deferred(msg.session_id)
         session = self._session(msg, create=False)
+        if msg.direct_return and not session.direct_return:
+            raise RequestFailed(ErrorCode.DIRECT_RETURN_UNAVAILABLE,
+                                f"session {msg.session_id} was not configured with direct return")
         await self._align(session, msg.pos_start)
         job = await self._compute(session, msg, want_token=self.server.is_final)
         await self._answer_with_token(session, msg, job)
@@ -527,6 +548,11 @@ class UpstreamConnection:
             return
         self.down.broken = True
         raise DownstreamError(self.down.address, f"no answer to a liveness ping within {wait:.2g} s")
+
+
+def _returns_only(msg) -> bool:
+    """A decode step with DIRECT_RETURN: the final stage answers it on the token-return connection only."""
+    return type(msg) is DecodeStep and msg.direct_return
 
 
 def _peer_address(stream: trio.SocketStream) -> tuple[str, str]:

@@ -94,6 +94,7 @@ class StageServer:
         self.config = config
         self.model_path = model_path or self.spec.file
         self.is_final = index == len(topology.stages) - 1
+        self.next_is_final = index == len(topology.stages) - 2
         self.next_stage: StageSpec | None = None if self.is_final else topology.stage(index + 1)
         self.model: Model | None = None
         self.context: Context | None = None
@@ -116,6 +117,9 @@ class StageServer:
         self.refused_upstreams = 0  # upstream connections this stage refused at the handshake (any reason)
         self.handshaking = 0  # connections in their handshake now
         self.dropped_handshakes = 0  # connections closed unheard because max_handshakes were in progress
+        # decode steps sent to the final stage with DIRECT_RETURN (no ack owed), and, on the final stage,
+        # answered on the token-return connection only
+        self.returns_only = {"forwarded": 0, "answered": 0}
         self._drop_logged = (-math.inf, 0)  # when the last "dropped" line was logged, and the count then
         self.token_return: TokenReturnLink | None = None
         if self.is_final and len(topology.stages) >= 3 and config.direct_return:
@@ -207,6 +211,7 @@ class StageServer:
             upstream_allow=self.upstream_allow.describe() if self.upstream_allow else None,
             refused_upstreams=self.refused_upstreams,
             dropped_handshakes=self.dropped_handshakes,
+            returns_only=dict(self.returns_only),
             link_secret=bool(self.config.link_auth),
         )
         return snap

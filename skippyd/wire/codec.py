@@ -158,6 +158,7 @@ _ALL_KINDS = MESSAGE_KINDS | REPLY_KINDS | HANDSHAKE_KINDS
 _ALLOWED_FLAGS = {int(k): 0 for k in _ALL_KINDS}
 _ALLOWED_FLAGS[MessageKind.PREFILL] = int(Flags.FINAL)  # ints (see _FINAL_FLAG)
 _ALLOWED_FLAGS[MessageKind.CONFIGURE_GENERATION] = int(Flags.SAMPLING | Flags.DIRECT_RETURN)
+_ALLOWED_FLAGS[MessageKind.DECODE] = int(Flags.DIRECT_RETURN)
 _REQUIRED_FLAGS = {int(k): 0 for k in _ALL_KINDS}
 _REQUIRED_FLAGS[MessageKind.CONFIGURE_GENERATION] = int(Flags.SAMPLING)
 
@@ -237,7 +238,10 @@ def encode_message(msg: Message) -> list[Buffer]:
         case PrefillChunk():
             flags = _FINAL_FLAG if msg.final else 0
             pos_start, tokens, activation = msg.pos_start, msg.tokens, msg.activation
-        case DecodeStep() | VerifyWindow():
+        case DecodeStep():
+            flags = _DIRECT_RETURN_FLAG if msg.direct_return else 0
+            pos_start, tokens, activation = msg.pos_start, msg.tokens, msg.activation
+        case VerifyWindow():
             pos_start, tokens, activation = msg.pos_start, msg.tokens, msg.activation
         case ConfigureGeneration():
             flags = Flags.SAMPLING | (Flags.DIRECT_RETURN if msg.direct_return else 0)
@@ -381,7 +385,8 @@ def encode_frame(obj: Frame) -> list[Buffer]:
         act = obj.activation
         if act is not None and len(obj.tokens) == 1 and act.dtype == _F4 and act.flags.c_contiguous:
             n = act.nbytes
-            return [_DECODE_STEP.pack(FRAME_MAGIC, DECODE_KIND, 0, MESSAGE_HEADER_SIZE + 4 + n, obj.request_id,
+            flags = _DIRECT_RETURN_FLAG if obj.direct_return else 0
+            return [_DECODE_STEP.pack(FRAME_MAGIC, DECODE_KIND, flags, MESSAGE_HEADER_SIZE + 4 + n, obj.request_id,
                                       obj.session_id, obj.pos_start, 1, n, 0, 0, int(obj.tokens[0])) + act.data]
     elif kind is PredictedToken or kind is Ack:
         return encode_reply(obj)
@@ -571,7 +576,8 @@ def decode_message(header: MessageHeader, tail: Buffer, activation: Buffer | Non
             return trusted(PrefillChunk, header.request_id, header.session_id, header.pos_start, tokens, act,
                            bool(header.flags & _FINAL_FLAG))
         if kind == MessageKind.DECODE:
-            return trusted(DecodeStep, header.request_id, header.session_id, header.pos_start, tokens, act)
+            return trusted(DecodeStep, header.request_id, header.session_id, header.pos_start, tokens, act,
+                           bool(header.flags & _DIRECT_RETURN_FLAG))
         return trusted(VerifyWindow, header.request_id, header.session_id, header.pos_start, tokens, act)
     except ProtocolError as exc:
         exc.request_id, exc.session_id = header.request_id, header.session_id
@@ -749,7 +755,7 @@ def decode_step_at(data: Buffer, pos: int, n_embd: int, limits: Limits) -> tuple
      _token) = _DECODE_STEP.unpack_from(data, pos)
     act = 4 * n_embd
     end = pos + PREFIX_SIZE + body_len
-    if (kind != DECODE_KIND or flags or n_tokens != 1 or act_bytes != act or not act or bias_count or reserved
+    if (kind != DECODE_KIND or flags & ~_DIRECT_RETURN_FLAG or n_tokens != 1 or act_bytes != act or not act or bias_count or reserved
             or body_len != MESSAGE_HEADER_SIZE + 4 + act or magic != FRAME_MAGIC
             or not 0 <= pos_start < MAX_POSITION or end > len(data)
             or PREFIX_SIZE + body_len > limits.max_frame_bytes or act > limits.max_activation_bytes
@@ -758,7 +764,7 @@ def decode_step_at(data: Buffer, pos: int, n_embd: int, limits: Limits) -> tuple
     body = bytearray(memoryview(data)[pos + PREFIX_SIZE:end])
     tokens = np.frombuffer(body, dtype="<i4", count=1, offset=MESSAGE_HEADER_SIZE)
     activation = np.frombuffer(body, dtype="<f4", offset=MESSAGE_HEADER_SIZE + 4).reshape(1, n_embd)
-    return _trusted_step(request_id, session_id, pos_start, tokens, activation), end
+    return _trusted_step(request_id, session_id, pos_start, tokens, activation, flags == _DIRECT_RETURN_FLAG), end
 
 
 _trusted_step = TRUSTED[DecodeStep]

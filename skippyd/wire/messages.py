@@ -71,9 +71,9 @@ __all__ = [
     "merge",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: DIRECT_RETURN on DecodeStep (no lane reply from the final stage)
 
-# Hard limits of protocol version 1. A receiver may be configured tighter
+# Hard limits of protocol version 2 (unchanged since 1). A receiver may be configured tighter
 # (see Limits), never looser.
 MAX_TOKENS = 8192  # tokens (positions) in one message or reply
 MAX_N_EMBD = 65536  # activation width
@@ -126,10 +126,12 @@ class Flags(enum.IntFlag):
     ``FINAL`` is only valid on ``PREFILL`` (the last chunk of a prompt: the
     final stage answers it with a prediction). ``SAMPLING`` marks a sampling
     block; it is required on ``CONFIGURE_GENERATION`` and invalid elsewhere
-    in version 1. ``DIRECT_RETURN`` (``CONFIGURE_GENERATION`` only): the
-    final stage sends this session's predictions on the token-return
-    connection and answers those messages on the lane with an ``Ack``.
-    Every other bit must be zero.
+    in version 2. ``DIRECT_RETURN`` on ``CONFIGURE_GENERATION``: the final
+    stage sends this session's predictions on the token-return connection
+    and answers those messages on the lane with an ``Ack``. On ``DECODE``
+    (set by the stage just before the final stage, for such a session): the
+    final stage sends the prediction, or the error, on the token-return
+    connection only, and no reply on the lane. Every other bit must be zero.
     """
 
     NONE = 0
@@ -549,7 +551,9 @@ class PrefillChunk:
 @attrs.frozen
 class DecodeStep:
     """One generated token at ``pos_start`` (authoritative: a stage that is
-    ahead trims to ``pos_start`` first). Reply: ``PredictedToken``."""
+    ahead trims to ``pos_start`` first). Reply: ``PredictedToken``; with
+    ``direct_return`` (to the final stage only) the prediction goes on the
+    token-return connection and nothing comes back on the lane."""
 
     kind: ClassVar[MessageKind] = MessageKind.DECODE
     request_id: int = attrs.field(validator=_u64)
@@ -557,6 +561,7 @@ class DecodeStep:
     pos_start: int = attrs.field(validator=_position)
     tokens: np.ndarray = _tokens_field()
     activation: np.ndarray | None = _activation_field()
+    direct_return: bool = attrs.field(default=False, converter=bool)
 
     def __attrs_post_init__(self) -> None:
         _check_tokens(self.tokens, lo=1, hi=1, what="DecodeStep")
