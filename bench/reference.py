@@ -41,7 +41,8 @@ REFERENCE_CMAKE_ARGS = ["-DGGML_OPENMP=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA
 
 
 def cmake_args() -> list[str]:
-    return REFERENCE_CMAKE_ARGS + native_build.cpu_cmake_args() + shlex.split(os.environ.get("SKIPPY_LLAMA_CMAKE_ARGS", ""))
+    user = shlex.split(os.environ.get("SKIPPY_LLAMA_CMAKE_ARGS", ""))
+    return REFERENCE_CMAKE_ARGS + native_build.cpu_cmake_args() + user
 
 
 def installed_version() -> str | None:

@@ -342,7 +342,8 @@ def test_trusted_builders_make_what_the_constructors_make(stats, token, first, s
     (frozen as the constructor's are)."""
     tokens, act = data.draw(token_arrays(1, 1)), data.draw(activations(1, 4))
     cases = [(StageStats, attrs.astuple(stats)), (Ack, (first, second, stats)),
-             (PredictedToken, (first, second, token, stats)), (DecodeStep, (first, second, pos, tokens, act, data.draw(st.booleans()))),
+             (PredictedToken, (first, second, token, stats)),
+             (DecodeStep, (first, second, pos, tokens, act, data.draw(st.booleans()))),
              (PrefillChunk, (first, second, pos, tokens, act, True)),
              (VerifyWindow, (first, second, pos, tokens, act))]
     assert {cls for cls, _ in cases} == set(codec.TRUSTED)

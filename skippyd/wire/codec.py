@@ -755,8 +755,8 @@ def decode_step_at(data: Buffer, pos: int, n_embd: int, limits: Limits) -> tuple
      _token) = _DECODE_STEP.unpack_from(data, pos)
     act = 4 * n_embd
     end = pos + PREFIX_SIZE + body_len
-    if (kind != DECODE_KIND or flags & ~_DIRECT_RETURN_FLAG or n_tokens != 1 or act_bytes != act or not act or bias_count or reserved
-            or body_len != MESSAGE_HEADER_SIZE + 4 + act or magic != FRAME_MAGIC
+    if (kind != DECODE_KIND or flags & ~_DIRECT_RETURN_FLAG or n_tokens != 1 or act_bytes != act or not act
+            or bias_count or reserved or body_len != MESSAGE_HEADER_SIZE + 4 + act or magic != FRAME_MAGIC
             or not 0 <= pos_start < MAX_POSITION or end > len(data)
             or PREFIX_SIZE + body_len > limits.max_frame_bytes or act > limits.max_activation_bytes
             or limits.max_tokens < 1):
