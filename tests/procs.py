@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import signal
 import socket
 import struct
@@ -38,15 +39,34 @@ def _die_with_parent() -> None:
         pass
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
+_port_picker = random.Random()  # its own: tests may seed the module's (hypothesis does)
+
+
+def _ephemeral_low() -> int:
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free on 127.0.0.1 now, for daemons to listen on later. Below the kernel's ephemeral
+    range: a port bind(0) picks comes from that range, where the outgoing connections of daemons started
+    meanwhile take their local ports, and a daemon started later found its port taken ("Address already
+    in use", seen when a benchmark split three pipelines before starting them one by one)."""
+    low = min(_ephemeral_low(), 65536)
+    ports: list[int] = []
+    while len(ports) < n:
+        port = _port_picker.randrange(10000, low) if low > 11000 else _port_picker.randrange(1024, 65536)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
 
 
 def split_for_test(model: Path, n_stages: int, out_dir: Path, *, balance: str = "layers") -> Topology:
