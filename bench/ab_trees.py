@@ -2,7 +2,8 @@
 the two versions' pipelines measured in interleaved rounds in the same run (this VM's noise drowns a
 difference of 10% between runs minutes apart).
 
-    .venv/bin/python bench/ab_trees.py --base b10951d [--rounds 5] [--stages 2,3] [--json out.json]
+    .venv/bin/python bench/ab_trees.py --base b10951d [--rounds 5] [--stages 2,3] [--link-delay-ms 10]
+                                       [--json out.json]
 
 ``--base`` is a git revision, checked out in a temporary worktree; the other side is this working tree.
 Both run on this tree's native build (skippyd/_native): the comparison is of the Python. For each stage
@@ -11,7 +12,9 @@ run; each round measures every pipeline in turn (order reversed every other roun
 generations, after one of the same as warm-up. Printed: medians (min-max) of the event loop's CPU per step
 outside llama.cpp (``loop_cpu_s`` less ``loop_native_cpu_s`` of each stage's ``hot_path``), the handler's
 CPU per step, native compute per step, the generations' decode time per token, and this tree's ratio to
-the base.
+the base. With ``--link-delay-ms`` every daemon delays what it sends by that much (link conditioning), and
+each version's time per token beyond its compute and the one-way delays around the loop is printed too
+(as the suite's WAN rows: 2 delays for 2 stages, one per stage from 3 on, with direct return).
 """
 
 from __future__ import annotations
@@ -59,8 +62,12 @@ def main() -> int:
     ap.add_argument("--base", required=True, help="git revision to compare this working tree with")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--stages", default="2,3", help="comma-separated stage counts")
+    ap.add_argument("--link-delay-ms", type=float, default=0.0, help="one-way delay on every link (0: none)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    extra = ["--lanes", "2", "--ctx", "1024"]
+    if args.link_delay_ms > 0:
+        extra += ["--link-delay-ms", str(args.link_delay_ms)]
     stage_counts = [int(n) for n in args.stages.split(",")]
     model = fetch_default_model()
     with tempfile.TemporaryDirectory() as tmp:
@@ -77,8 +84,7 @@ def main() -> int:
                     work.mkdir()
                     procs.split_for_test(model, n, work)
                     procs.REPO = tree  # the daemons run `python -m skippyd.daemon` from this tree
-                    pipes[(name, n)] = procs.Pipeline(work / "topology.toml", work,
-                                                      extra=["--lanes", "2", "--ctx", "1024"]).start()
+                    pipes[(name, n)] = procs.Pipeline(work / "topology.toml", work, extra=extra).start()
                     results[(name, n)] = []
             for r in range(args.rounds):
                 order = list(pipes) if r % 2 == 0 else list(reversed(list(pipes)))
@@ -103,6 +109,10 @@ def main() -> int:
             print(f"  {'':5} handler CPU ms    " + " / ".join(fmt(v) for v in per_stage["handler_cpu_ms"]))
             print(f"  {'':5} native ms         " + " / ".join(fmt(v) for v in per_stage["native_ms"]))
             print(f"  {'':5} ms per token      " + fmt(per_stage["ms_per_token"][0]))
+            if args.link_delay_ms > 0:
+                delays = args.link_delay_ms * max(n, 2)
+                beyond = [ms - sum(row["native_ms"]) - delays for ms, row in zip(per_stage["ms_per_token"][0], rows)]
+                print(f"  {'':5} beyond compute + {delays:g} ms of delays: " + fmt(beyond))
         print("  this / base (event loop CPU)  " + " / ".join(f"{t / b:.2f}" for t, b in zip(medians["this"],
                                                                                              medians["base"])))
     if args.json:
