@@ -170,17 +170,17 @@ def reference(model_path, prompt: str, n: int) -> list[int]:
         return out
 
 
-def _start(model_path, work, *, final_extra: tuple[str, ...] = ()) -> Pipeline:
-    split_for_test(model_path, 3, work)
+def _start(model_path, work, *, final_extra: tuple[str, ...] = (), n: int = 3) -> Pipeline:
+    split_for_test(model_path, n, work)
     pipe = Pipeline(work / "topology.toml", work, extra=["--prefill-chunk", str(CHUNK), "--lanes", "2"])
     try:
         base = pipe.extra
         pipe.extra = [*base, *final_extra]
-        pipe.start_stage(2, wait=False)
+        pipe.start_stage(n - 1, wait=False)
         pipe.extra = base
-        for k in (1, 0):
+        for k in reversed(range(n - 1)):
             pipe.start_stage(k, wait=False)
-        for k in (2, 1, 0):
+        for k in reversed(range(n)):
             pipe.stages[k].wait_ready()
     except BaseException:
         pipe.stop()
@@ -207,11 +207,12 @@ async def token_paths(pipe: Pipeline) -> tuple[dict, dict]:
 
 
 async def returns_only(pipe: Pipeline) -> tuple[int, int]:
-    """(decode steps stage 1 sent to the final stage owing no ack, those the final stage answered on the
-    token-return connection only)."""
-    (middle,) = (await pipe.stages[1].astatus())["stages"]
-    (final,) = (await pipe.stages[2].astatus())["stages"]
-    return middle["returns_only"]["forwarded"], final["returns_only"]["answered"]
+    """(decode steps the stage before the final stage sent it owing no ack, those the final stage answered
+    on the token-return connection only)."""
+    n = len(pipe.stages)
+    (before_final,) = (await pipe.stages[n - 2].astatus())["stages"]
+    (final,) = (await pipe.stages[n - 1].astatus())["stages"]
+    return before_final["returns_only"]["forwarded"], final["returns_only"]["answered"]
 
 
 async def assert_parity(pipe: Pipeline, model_path, prompts, n: int) -> int:
@@ -253,6 +254,22 @@ async def test_concurrent_direct_generations_each_get_their_own_tokens(tiny3, ti
     for prompt in PROMPTS:
         assert results[prompt] == reference(tiny_model_path, prompt, 24)
     await tiny3.wait_all_released(2.0)
+
+
+async def test_four_stages_only_the_last_hop_goes_without_acks(tiny_model_path, tmp_path):
+    """4 stages: stage 1 acks as before and collects stage 2's acks (stage 2 is a middle stage too); only
+    stage 2's decode steps to the final stage go with DIRECT_RETURN, owing nothing on the lane."""
+    pipe = await trio.to_thread.run_sync(functools.partial(_start, tiny_model_path, tmp_path, n=4))
+    try:
+        received = await assert_parity(pipe, tiny_model_path, PROMPTS, 24)
+        head = (await pipe.head.astatus())["head"]["token_return"]
+        forwarded, answered = await returns_only(pipe)
+        (stage1,) = (await pipe.stages[1].astatus())["stages"]
+    finally:
+        await trio.to_thread.run_sync(_stop, pipe)
+    assert head["direct"] == received and head["relayed"] == 0
+    assert forwarded == answered == received - len(PROMPTS)
+    assert stage1["returns_only"] == {"forwarded": 0, "answered": 0}
 
 
 async def test_default_model_three_stages_direct_return_matches_unsplit(default_model_path, tmp_path):
