@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import skippyd._native
-
 from skippyd.runtime.llama import (
     ClosedError,
     Context,
