@@ -231,6 +231,34 @@ async def test_generation_streams_pieces_before_the_result(smol2):
     assert seen[-1][1] - seen[0][1] > 0  # the first piece came while the generation still ran
 
 
+async def test_two_streams_on_one_connection_stay_whole_and_apart(smol2):
+    """Two generations streamed at once over one control connection: every message arrives whole (the
+    daemon relies on trio-websocket to keep concurrent messages apart), each stream's pieces are its own
+    and in order (they make up its result's text), and each result is what it is alone."""
+    prompts = ["Once upon a time", "The capital of France is"]
+    streams: dict[str, tuple[list[str], dict]] = {}
+    async with open_control(smol2.head.url, smol2.head.token_file) as client:
+        async def generate(prompt: str) -> None:
+            pieces = []
+            async for reply in client.replies(m.Generate(id=client.new_id(), prompt=prompt, raw=True,
+                                                         max_tokens=24, temperature=0.0)):
+                if isinstance(reply, m.Piece):
+                    pieces.append(reply.text)
+                else:
+                    assert isinstance(reply, m.Result), reply
+                    streams[prompt] = (pieces, reply.result)
+
+        async with trio.open_nursery() as nursery:
+            for prompt in prompts:
+                nursery.start_soon(generate, prompt)
+        alone = {p: await client.call(m.Generate(id=client.new_id(), prompt=p, raw=True, max_tokens=24,
+                                                 temperature=0.0, stream=False)) for p in prompts}
+    for prompt in prompts:
+        pieces, result = streams[prompt]
+        assert len(pieces) >= 4 and "".join(pieces) == result["text"]
+        assert result["tokens"] == alone[prompt]["tokens"]
+
+
 async def test_ctrl_c_cancels_the_generation_on_every_stage(smol2):
     # `python -c`, so that SIGINT has its default handler even when the test runner ignores it
     code = "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); " \
