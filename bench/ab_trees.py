@@ -111,7 +111,8 @@ def main() -> int:
             print(f"  {'':5} ms per token      " + fmt(per_stage["ms_per_token"][0]))
             if args.link_delay_ms > 0:
                 delays = args.link_delay_ms * max(n, 2)
-                beyond = [ms - sum(row["native_ms"]) - delays for ms, row in zip(per_stage["ms_per_token"][0], rows)]
+                beyond = [ms - sum(row["native_ms"]) - delays
+                          for ms, row in zip(per_stage["ms_per_token"][0], rows)]
                 print(f"  {'':5} beyond compute + {delays:g} ms of delays: " + fmt(beyond))
         print("  this / base (event loop CPU)  " + " / ".join(f"{t / b:.2f}" for t, b in zip(medians["this"],
                                                                                              medians["base"])))
