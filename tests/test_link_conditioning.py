@@ -15,12 +15,13 @@ measurably faster. Bounds are loose: the machine is shared and noisy.
 from __future__ import annotations
 
 import statistics
+import sys
 
 import pytest
 import trio
 import trio.testing
 
-from skippyd.stage.conditioning import LinkShape, ShapedSendStream
+from skippyd.stage.conditioning import LinkShape, ShapedSendStream, _TimerFd
 from tests.procs import Pipeline, retarget, split_for_test
 
 DELAY_MS = 20.0
@@ -103,6 +104,43 @@ async def test_aclose_lets_queued_bytes_arrive(autojump_clock):
     assert arrivals and arrivals[0][1] == b"bye"
     with pytest.raises(trio.ClosedResourceError):
         await link.send_all(b"x")
+
+
+async def test_real_clock_chunks_never_arrive_early_and_keep_their_order():
+    # the real clock: the transmit task waits on a timerfd (Linux) and then yields until the chunk is due
+    sender, receiver = trio.testing.memory_stream_pair()
+    link = ShapedSendStream(sender, LinkShape(delay_ms=3))
+    arrivals: list = []
+    sent_at = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link.run)
+        nursery.start_soon(_arrivals, receiver, 20, arrivals)
+        for i in range(10):
+            sent_at.append(trio.current_time())
+            await link.send_all(b"%02d" % i)
+            await trio.sleep(0.0007 * (i % 3))  # some chunks share a wait, some not
+        await link.flush()
+        link.close()
+    assert b"".join(data for _, data in arrivals) == b"".join(b"%02d" % i for i in range(10))
+    got = 0
+    for t, data in arrivals:  # a read may hold several chunks: the last one's time bounds it
+        got += len(data)
+        assert t >= sent_at[got // 2 - 1] + 0.003
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timerfd is Linux's")
+async def test_timerfd_rearmed_after_a_cancelled_wait_does_not_fire_early():
+    timer = _TimerFd.open()
+    assert timer is not None
+    try:
+        with trio.move_on_after(0.001):
+            await timer.sleep(0.002)
+        await trio.sleep(0.003)  # the cancelled wait's expiry has passed: the fd is readable now
+        started = trio.current_time()
+        await timer.sleep(0.005)
+        assert trio.current_time() - started >= 0.005
+    finally:
+        timer.close()
 
 
 def test_shape_validation():

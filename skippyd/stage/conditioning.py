@@ -19,11 +19,15 @@ between two conditioned daemons is delayed in both directions.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
+import sys
 import time
 
 import attrs
 import trio
+import trio.testing
 
 from skippyd.wire.errors import PeerClosed
 from skippyd.wire.stream import send_buffer
@@ -138,11 +142,12 @@ class ShapedSendStream(trio.abc.SendStream):
     # ---------------------------------------------------------------- the transmit task
     async def run(self) -> None:
         """Hand each chunk to the socket at its arrival time, in order. Never raises (but Cancelled)."""
+        timer = _precise_timer()
         try:
             with self._scope:
                 async with self._receive:
                     async for release_at, chunk in self._receive:
-                        await _wait_until(release_at)
+                        await _wait_until(release_at, timer)
                         try:
                             await send_buffer(self.stream, chunk)
                         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError,
@@ -154,24 +159,84 @@ class ShapedSendStream(trio.abc.SendStream):
                         if self._queued == 0:
                             self._empty.set()
         finally:
+            if timer is not None:
+                timer.close()
             self._done.set()
             self._empty.set()
 
 
 # trio's timers are as coarse as epoll's timeout, whole milliseconds rounded up: a sleep ends up to 1 ms
 # late, which would add ~0.5 ms to every conditioned hop (a real network delivers to the microsecond). So the
-# transmit task sleeps until TIMER_GRAIN before a chunk's time and yields to the loop from there on.
+# transmit task sleeps until shortly before a chunk's time and yields to the loop from there on (a spin that
+# lets the other tasks run). On Linux that sleep is on a timerfd (nanosecond expiry, woken through trio's
+# epoll like a socket), and TIMER_EARLY before the time only covers the wake-up's own latency (~0.1-0.3 ms
+# on a VM); elsewhere it is a trio sleep, TIMER_GRAIN before, and the spin is up to five times as long.
 TIMER_GRAIN = 0.0011
+TIMER_EARLY = 0.0004
 
 
-async def _wait_until(when: float) -> None:
-    if when - trio.current_time() > TIMER_GRAIN:
-        await trio.sleep_until(when - TIMER_GRAIN)
-    spin_until = time.perf_counter() + 2 * TIMER_GRAIN
+class _TimerFd:
+    """A one-shot CLOCK_MONOTONIC timerfd (Linux; Python < 3.13 has no os.timerfd_*, hence ctypes)."""
+
+    _CLOCK_MONOTONIC, _TFD_NONBLOCK, _TFD_CLOEXEC = 1, os.O_NONBLOCK, os.O_CLOEXEC
+
+    class _Itimerspec(ctypes.Structure):  # two struct timespec {tv_sec, tv_nsec}, as longs on Linux
+        _fields_ = [("it_interval", ctypes.c_long * 2), ("it_value", ctypes.c_long * 2)]
+
+    def __init__(self, libc: ctypes.CDLL):
+        self._libc = libc
+        self.fd = libc.timerfd_create(self._CLOCK_MONOTONIC, self._TFD_NONBLOCK | self._TFD_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "timerfd_create failed")
+
+    @classmethod
+    def open(cls) -> "_TimerFd | None":
+        """A timer, or None where there is no timerfd (not Linux, or a libc without it)."""
+        if not sys.platform.startswith("linux"):
+            return None
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.timerfd_create, libc.timerfd_settime  # noqa: B018 - both or neither
+            return cls(libc)
+        except (OSError, AttributeError):
+            return None
+
+    async def sleep(self, seconds: float) -> None:
+        ns = max(1, int(seconds * 1e9))  # 0 would disarm the timer
+        spec = self._Itimerspec()
+        spec.it_value[0], spec.it_value[1] = divmod(ns, 1_000_000_000)
+        # arming resets the expiry count, so an expiry left over from a cancelled wait cannot end this one
+        if self._libc.timerfd_settime(self.fd, 0, ctypes.byref(spec), None) < 0:
+            raise OSError(ctypes.get_errno(), "timerfd_settime failed")
+        await trio.lowlevel.wait_readable(self.fd)
+        try:
+            os.read(self.fd, 8)
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            trio.lowlevel.notify_closing(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+
+
+async def _wait_until(when: float, timer: _TimerFd | None) -> None:
+    early = TIMER_GRAIN if timer is None else TIMER_EARLY
+    if (left := when - trio.current_time()) > early:
+        await (trio.sleep(left - early) if timer is None else timer.sleep(left - early))
+    spin_until = time.perf_counter() + 2 * early
     while trio.current_time() < when and time.perf_counter() < spin_until:
         await trio.lowlevel.checkpoint()  # other tasks run meanwhile
-    if trio.current_time() < when:  # the clock does not follow real time (tests' MockClock)
+    if trio.current_time() < when:  # the clock does not follow real time (tests' MockClock), or a late wake
         await trio.sleep_until(when)
+
+
+def _precise_timer() -> _TimerFd | None:
+    """A timerfd when trio's clock is the real one (a test's MockClock keeps trio's own timers)."""
+    if isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock):
+        return None
+    return _TimerFd.open()
 
 
 def shaped(stream: trio.abc.SendStream, shape: LinkShape | None,
