@@ -8,8 +8,11 @@ sessions (never a hang) and the next configure dials again.
 Real processes: 3-stage pipelines (tiny and default model) with direct
 return on give exactly the unsplit model's greedy tokens, and the head's
 and the final stage's counters show that every prediction took the return
-connection; with direct return turned off on the final stage the head falls
-back to the relayed path (and says so) with the same tokens.
+connection; after a generation's first ACKED_DECODE_STEPS, stage 1
+acknowledges no decode step (DIRECT_RETURN from the head), and its failure
+still reaches the head at once, on the lane the head watches; with direct
+return turned off on the final stage the head falls back to the relayed path
+(and says so) with the same tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import socket
 import pytest
 import trio
 
+from skippyd.head.engine import ACKED_DECODE_STEPS
 from skippyd.head.token_return import ReturnLost, TokenReturnHub
 from skippyd.runtime.llama import ContextParams
 from skippyd.runtime.local_pipeline import LocalPipeline
@@ -170,16 +174,17 @@ def reference(model_path, prompt: str, n: int) -> list[int]:
         return out
 
 
-def _start(model_path, work, *, final_extra: tuple[str, ...] = (), n: int = 3) -> Pipeline:
+def _start(model_path, work, *, final_extra: tuple[str, ...] = (), n: int = 3,
+           stage_extra: dict[int, tuple[str, ...]] | None = None) -> Pipeline:
     split_for_test(model_path, n, work)
     pipe = Pipeline(work / "topology.toml", work, extra=["--prefill-chunk", str(CHUNK), "--lanes", "2"])
+    extra = {**(stage_extra or {}), n - 1: final_extra}
     try:
         base = pipe.extra
-        pipe.extra = [*base, *final_extra]
-        pipe.start_stage(n - 1, wait=False)
-        pipe.extra = base
-        for k in reversed(range(n - 1)):
+        for k in reversed(range(n)):
+            pipe.extra = [*base, *extra.get(k, ())]
             pipe.start_stage(k, wait=False)
+        pipe.extra = base
         for k in reversed(range(n)):
             pipe.stages[k].wait_ready()
     except BaseException:
@@ -215,6 +220,12 @@ async def returns_only(pipe: Pipeline) -> tuple[int, int]:
     return before_final["returns_only"]["forwarded"], final["returns_only"]["answered"]
 
 
+async def unacked(pipe: Pipeline) -> int:
+    """Decode steps stage 1 took from the head with DIRECT_RETURN: no ack on the lane."""
+    (stage1,) = (await pipe.stages[1].astatus())["stages"]
+    return stage1["returns_only"]["unacked"]
+
+
 async def assert_parity(pipe: Pipeline, model_path, prompts, n: int) -> int:
     """Greedy parity; returns how many predictions the generations received."""
     received = 0
@@ -230,6 +241,7 @@ async def assert_parity(pipe: Pipeline, model_path, prompts, n: int) -> int:
 async def test_tiny_three_stages_direct_return_matches_unsplit(tiny3, tiny_model_path):
     before, _ = await token_paths(tiny3)
     forwarded_before, answered_before = await returns_only(tiny3)
+    unacked_before = await unacked(tiny3)
     prompts = [*PROMPTS, LONG_PROMPT]
     received = await assert_parity(tiny3, tiny_model_path, prompts, 40)
     head, final = await token_paths(tiny3)
@@ -240,6 +252,8 @@ async def test_tiny_three_stages_direct_return_matches_unsplit(tiny3, tiny_model
     # every decode step (each prediction but the prompt's) went to the final stage owing no reply on the lane
     forwarded, answered = await returns_only(tiny3)
     assert forwarded - forwarded_before == answered - answered_before == received - len(prompts)
+    # and each generation's decode steps but its first few went to stage 1 owing no ack either
+    assert await unacked(tiny3) - unacked_before == received - len(prompts) * (1 + ACKED_DECODE_STEPS)
 
 
 async def test_concurrent_direct_generations_each_get_their_own_tokens(tiny3, tiny_model_path):
@@ -257,19 +271,24 @@ async def test_concurrent_direct_generations_each_get_their_own_tokens(tiny3, ti
 
 
 async def test_four_stages_only_the_last_hop_goes_without_acks(tiny_model_path, tmp_path):
-    """4 stages: stage 1 acks as before and collects stage 2's acks (stage 2 is a middle stage too); only
-    stage 2's decode steps to the final stage go with DIRECT_RETURN, owing nothing on the lane."""
+    """4 stages: stage 2's decode steps to the final stage go with DIRECT_RETURN, owing nothing on the lane;
+    so do the head's to stage 1 (after the first few), but stage 1 sends them on to stage 2 (a middle stage)
+    with its ack owed, and waits for it: a failure there must reach the head now."""
     pipe = await trio.to_thread.run_sync(functools.partial(_start, tiny_model_path, tmp_path, n=4))
     try:
         received = await assert_parity(pipe, tiny_model_path, PROMPTS, 24)
         head, _ = await token_paths(pipe)
         forwarded, answered = await returns_only(pipe)
         (stage1,) = (await pipe.stages[1].astatus())["stages"]
+        (stage2,) = (await pipe.stages[2].astatus())["stages"]
     finally:
         await trio.to_thread.run_sync(_stop, pipe)
     assert head["direct"] == received and head["relayed"] == 0
     assert forwarded == answered == received - len(PROMPTS)
-    assert stage1["returns_only"] == {"forwarded": 0, "answered": 0}
+    steps = received - len(PROMPTS)
+    assert stage1["returns_only"] == {"forwarded": 0, "answered": 0,
+                                      "unacked": steps - ACKED_DECODE_STEPS * len(PROMPTS)}
+    assert stage2["returns_only"]["unacked"] == 0
 
 
 async def test_default_model_three_stages_direct_return_matches_unsplit(default_model_path, tmp_path):
@@ -314,6 +333,29 @@ async def test_failed_prediction_on_the_final_stage_is_a_clean_error(tiny_model_
             assert head["errors"] == 1 and head["direct"] > 0
             forwarded, answered = await returns_only(pipe)
             assert forwarded > 0 and answered == forwarded - 1  # the last one failed: a decode step
+            for _ in range(3):  # more than --lanes: the failed generation's lane is used again
+                got = await pipe.generate(prompt=PROMPTS[0], raw=True, max_tokens=8)
+                assert got["tokens"] == reference(tiny_model_path, PROMPTS[0], 8)
+            await pipe.wait_all_released(2.0)
+    finally:
+        await trio.to_thread.run_sync(_stop, pipe)
+
+
+async def test_failed_decode_step_on_stage_1_reaches_the_head_on_the_watched_lane(tiny_model_path, tmp_path):
+    """Stage 1 runs out of context mid-decode, on a decode step the head sent it with DIRECT_RETURN (no ack
+    owed): its Error on the lane wakes the head, which waits on the token-return connection for a
+    prediction that will not come. The generation fails at once (well before the 30 s reply deadline), every
+    stage releases the session, and the lanes stay in step."""
+    pipe = await trio.to_thread.run_sync(functools.partial(_start, tiny_model_path, tmp_path,
+                                                           stage_extra={1: ("--ctx", "16")}))
+    try:
+        with trio.fail_after(20):
+            with pytest.raises(ControlError, match="context_full"):
+                await pipe.generate(prompt=LONG_PROMPT, raw=True, max_tokens=600)
+            await pipe.wait_all_released(2.0)
+            assert await unacked(pipe) > 0  # it failed on one of those
+            head, _ = await token_paths(pipe)
+            assert head["errors"] == 0  # nothing came on the token-return connection
             for _ in range(3):  # more than --lanes: the failed generation's lane is used again
                 got = await pipe.generate(prompt=PROMPTS[0], raw=True, max_tokens=8)
                 assert got["tokens"] == reference(tiny_model_path, PROMPTS[0], 8)

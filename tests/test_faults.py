@@ -39,12 +39,15 @@ import trio
 
 from skippyctl.client import ControlError, open_control
 from skippyd.control import messages as m
+from skippyd.head.engine import ACKED_DECODE_STEPS
 from tests.procs import Daemon, Pipeline, retarget, split_for_test
 
 DETECT_S = 2.0  # the issue: a fault is detected within 2 s while a generation runs
 RELEASE_S = 2.0  # every surviving stage frees its sessions within 2 s
 REPLY_TIMEOUT_S = 2.0
 CTX = 256
+# mid-decode faults come once the decode steps go without stage 1's acks (DIRECT_RETURN, 3 stages)
+MID_DECODE_PIECES = ACKED_DECODE_STEPS + 3
 LANES = 2
 # --compute-lock off: the host-wide compute lock is shared with every other skippy process of this user (another
 # test run, a benchmark): its long computes would stall these stages past the 2 s reply deadline for no fault
@@ -282,7 +285,7 @@ async def test_sigkill(pipes, n, victim, when):
             if when == "prefill":
                 await wait_prefilling(pipe, victim)
             else:
-                await s.wait_pieces(3)
+                await s.wait_pieces(MID_DECODE_PIECES)
             injected = await sigkill(pipe.stages[victim])
             assert await s.wait_done(10), "no answer 10 s after the kill"
         if when == "prefill":
@@ -311,7 +314,7 @@ async def test_sigstop_mid_decode(pipes, n, victim):
         try:
             async with trio.open_nursery() as nursery:
                 s = await start_stream(pipe, nursery, prompt=COUNT, raw=True, max_tokens=CTX)
-                await s.wait_pieces(3)
+                await s.wait_pieces(MID_DECODE_PIECES)
                 injected = time.monotonic()
                 d.signal(signal.SIGSTOP)
                 detected = await s.wait_done(REPLY_TIMEOUT_S + 5)

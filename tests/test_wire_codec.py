@@ -624,7 +624,7 @@ def test_adjacent_lane_accepted_both_ways():
 @pytest.mark.parametrize(
     ("peer", "reason"),
     [
-        (lane(0, 0, 10, version=3), "protocol version mismatch: peer 3, ours 2"),
+        (lane(0, 0, 10, version=2), "protocol version mismatch: peer 2, ours 3"),
         (lane(0, 0, 10, fingerprint=OTHER_FP), "model fingerprint mismatch: peer 0000000000000000…, ours 00010203"),
         (Hello(FP, 0, 0, 10, 30, 1024), "model shape mismatch"),
         (lane(0, 0, 10, role=Role.TOKEN_RETURN), "role mismatch"),

@@ -56,7 +56,7 @@ import secrets
 import time
 from collections import deque
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, NoReturn
 
 import attrs
 import numpy as np
@@ -66,7 +66,7 @@ from skippyd.head.chunking import PrefillChunker
 from skippyd.head.lanes import Lane, LanePool
 from skippyd.head.liveness import StageDown, StageWatch
 from skippyd.head.stops import StopMatcher
-from skippyd.head.token_return import ReturnLost, TokenReturnHub
+from skippyd.head.token_return import LaneSpoke, ReturnLost, TokenReturnHub
 from skippyd.telemetry import span
 from skippyd.runtime import llama
 from skippyd.runtime.text import Detokenizer
@@ -97,6 +97,9 @@ STOP_TIMEOUT_S = 2.0
 RESUME_BACKOFF_MIN_S = 0.1  # resume: first try this long after the failure, doubling ...
 RESUME_BACKOFF_MAX_S = 1.0  # ... up to this
 PIECE_SEND_TIMEOUT_S = 10.0
+# direct return: a generation's first decode steps are acknowledged by stage 1 (their round trips, less the
+# stages' compute that the acks report, size later prompts' prefill chunks); the rest go with DIRECT_RETURN
+ACKED_DECODE_STEPS = 4
 
 
 class GenerationError(Exception):
@@ -375,6 +378,8 @@ class _Run:
         self.returns: trio.MemoryReceiveChannel | None = None  # direct return: this session's predictions
         self._lane_watched: tuple[object, _PipelineFailures] | None = None  # see _watched
         self._returns_watched: _PipelineFailures | None = None
+        self._silent_lane: Lane | None = None  # the lane whose decode steps owe no ack (see _unacked_step)
+        self._acked_steps = 0
         self.resume_deadline: float | None = None  # trio time: while resuming, the end of the window
         # this decode step so far (HotPath): native compute here, and waits on the other stages
         self.native_us = 0
@@ -623,7 +628,10 @@ class _Run:
         # prediction can; the prediction comes on the session's channel, which the token-return connection feeds
         started = time.perf_counter()
         with self._sending():
-            sent, write_us = await self.lane.link.send_expecting_ack(msg)
+            if type(msg) is DecodeStep and msg.direct_return:  # owes no ack (see _unacked_step)
+                sent, write_us = await self.lane.link.send(msg)
+            else:
+                sent, write_us = await self.lane.link.send_expecting_ack(msg)
         return _InFlight(msg, sent, write_us, started)
 
     async def _predict_finish(self, sent: _InFlight) -> int:
@@ -641,13 +649,15 @@ class _Run:
             self.engine.token_paths["relayed"] += 1
             return int(reply.token)
         lane = self.lane
-        with self._watched(), span("head.hop", request=self.live.request_id, session=self.live.session_id,
-                                   kind=type(msg).__name__, lane=lane.lane_id, direct=1):
-            await lane.link.drain()
-        folded, error = lane.link.take_folded()
-        self._stats.add(folded)
-        if error is not None:
-            raise _stage_error(error)
+        acked = not (type(msg) is DecodeStep and msg.direct_return)
+        if acked:
+            with self._watched(), span("head.hop", request=self.live.request_id, session=self.live.session_id,
+                                       kind=type(msg).__name__, lane=lane.lane_id, direct=1):
+                await lane.link.drain()
+            folded, error = lane.link.take_folded()
+            self._stats.add(folded)
+            if error is not None:
+                raise _stage_error(error)
         hub, session_id = self.engine.hub, self.live.session_id
         with span("head.token_return_wait", request=self.live.request_id, session=session_id):
             with self._watched_returns():
@@ -661,7 +671,9 @@ class _Run:
         if isinstance(item, ReturnLost):  # the connection was lost, or the prediction is overdue
             lane.dirty = True  # the final stage may be gone or wedged: close the lane, no Stop
             raise GenerationError(f"pipeline failed: {item}", retryable=True, status=502, stage_failure=True)
-        if isinstance(msg, DecodeStep):  # the middle stages' compute: from the acks just folded
+        if isinstance(item, LaneSpoke):
+            await self._read_unasked(item)
+        if isinstance(msg, DecodeStep) and acked:  # the middle stages' compute: from the acks just folded
             others = folded.compute_us + folded.queue_us + item.stats.compute_us + item.stats.queue_us
             self.engine.chunker.observe_round_trip(wait_us, others)
         self._stats.add_hop(sent.write_us, wait_us, sent.bytes)
@@ -756,7 +768,7 @@ class _Run:
         # its token, the context's float32 rows of the hidden state), and the checks would cost as much again
         # as building and sending the frame
         sent = await self._predict_begin(_trusted_step(self.live.request_id, self.live.session_id, pos, tokens,
-                                                       hidden, False))
+                                                       hidden, self.returns is not None and self._unacked_step()))
         if self.batched:
             # the other sessions of this batch send their steps before any of them goes on (streams its
             # text): back to back, they reach the next stage within its gather window and are decoded there
@@ -764,6 +776,40 @@ class _Run:
             # group split on stage 1 comes back to the head split too.
             await trio.lowlevel.checkpoint()
         return sent
+
+    def _unacked_step(self) -> bool:
+        """Direct return: send this decode step with DIRECT_RETURN, which stage 1 does not acknowledge? Not
+        the first ACKED_DECODE_STEPS; from then on, once the lane is watched for anything stage 1 says
+        (an Error instead of forwarding the step): the head then wakes once per token, for the prediction,
+        instead of twice."""
+        lane = self.lane
+        if self._silent_lane is lane and lane.link.watching_silence:
+            return True
+        if self._acked_steps < ACKED_DECODE_STEPS or not lane.link.settled:
+            self._acked_steps += 1
+            return False
+        hub, session_id = self.engine.hub, self.live.session_id
+
+        def spoke() -> None:
+            if self.lane is lane:  # not a lane this session has left (resumed on another)
+                hub.wake(session_id, LaneSpoke(lane.lane_id))
+
+        if not lane.link.watch_silence(spoke):
+            return False
+        self._silent_lane = lane
+        return True
+
+    async def _read_unasked(self, spoke: LaneSpoke) -> NoReturn:
+        """Stage 1 spoke on the lane, where the decode steps owe nothing: read what it said, and fail."""
+        lane = self.lane
+        with self._watched():
+            reply = await lane.link.read_unasked()
+        self._stats.add(reply.stats)
+        if isinstance(reply, ErrorReply):
+            raise _stage_error(reply)
+        lane.dirty = True
+        raise GenerationError(f"stage 1 sent {type(reply).__name__} on lane {spoke.lane_id}, where nothing was "
+                              f"owed", status=502)
 
     async def _emit(self, text: str, *, final: bool = False) -> None:
         if final:
@@ -821,6 +867,7 @@ class _Run:
         except DownstreamError as exc:
             log.warning("head: stop for session %d failed: %s", self.live.session_id, exc)
             return False
+        self._stats.add(reply.stats)  # with the reports of the decode steps that owed no ack
         if not isinstance(reply, Ack):
             log.warning("head: stop for session %d answered with %s", self.live.session_id, reply)
             return False

@@ -38,6 +38,17 @@ class ReturnLost(Exception):
     """The token-return connection closed while the session depended on it."""
 
 
+class LaneSpoke:
+    """Put on a session's channel by the head itself: stage 1 said something on the session's lane, where
+    its decode steps (DIRECT_RETURN) owe no reply: an Error, or the connection closed. Read the lane."""
+
+    def __init__(self, lane_id: int):
+        self.lane_id = lane_id
+
+    def __repr__(self) -> str:
+        return f"LaneSpoke(lane {self.lane_id})"
+
+
 @attrs.define
 class HubStats:
     accepted: int = 0  # return connections accepted (handshake passed)
@@ -95,10 +106,14 @@ class TokenReturnHub:
     def interrupt(self, session_id: int, why: str) -> None:
         """Wake the session's wait now with a ReturnLost(why) on its channel (the liveness watch found the
         pipeline down, or the prediction is overdue). The session fails: it opens a new channel to resume."""
+        self.wake(session_id, ReturnLost(why))
+
+    def wake(self, session_id: int, item: ReturnLost | LaneSpoke) -> None:
+        """Put `item` on the session's channel, if it has one (best effort: a full channel is not waited)."""
         send = self._sessions.get(session_id)
         if send is not None:
             try:
-                send.send_nowait(ReturnLost(why))
+                send.send_nowait(item)
             except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
                 pass
 

@@ -12,7 +12,10 @@ stages): the final stage sends the session's predictions on its
 token-return connection to the head and answers the lane message with an
 Ack; a middle stage forwards such a decode step (or final prefill chunk) and
 acknowledges it upstream at once, collecting the next stage's ack later, so
-no middle stage waits for a prediction.
+no middle stage waits for a prediction. Decode steps that come with
+DIRECT_RETURN owe no reply on the lane at all (``_returns_only``): the final
+stage answers them on the token-return connection only, and a middle stage
+says something upstream only when it fails (see ``_forward_direct``).
 
 The connection's tasks (the conditioned links' transmit tasks, when link
 conditioning is on) run in the nursery of :meth:`UpstreamConnection.serve`.
@@ -270,8 +273,8 @@ class UpstreamConnection:
                 await handler(msg)
         except RequestFailed as exc:
             error = ErrorReply(msg.request_id, session_id, exc.code, exc.message[:4000], stats=self._own_stats())
-            if not _returns_only(msg):  # the upstream stage expects no reply on the lane for this one
-                await self.reply(error)
+            if not (_returns_only(msg) and self.server.is_final):  # the final stage answers those on the
+                await self.reply(error)  # token-return connection only; a middle stage's failure goes up
             await self._report_on_return(msg, error)
         except DownstreamError as exc:
             if not (isinstance(msg, PrefillChunk) and not msg.final):  # a non-final chunk was acked already
@@ -290,29 +293,43 @@ class UpstreamConnection:
         # token is the sampler's (a vocabulary id), so attrs' checks are spared
         return TRUSTED[PredictedToken](msg.request_id, msg.session_id, int(job.result), self._own_stats(job))
 
-    async def _relay(self, msg, job: Job | None) -> Reply:
-        """Forward `msg` and answer upstream with the downstream reply plus our own stats; returns that reply."""
+    async def _relay(self, msg, job: Job | None, unreported: StageStats = NO_STATS) -> Reply:
+        """Forward `msg` and answer upstream with the downstream reply plus our own stats (and the session's
+        `unreported` ones); returns that reply."""
         with span("stage.downstream_wait", stage=self.server.index, request=msg.request_id,
                   session=getattr(msg, "session_id", 0)):
             down_reply, sent, write_us, wait_us = await self.down.request(msg)
         self._waited_us += wait_us
         own = self._own_stats(job, write_us=write_us, wait_us=wait_us, sent=sent)
+        if unreported is not NO_STATS:
+            own = merge(own, unreported)
         await self.reply(with_stats(down_reply, merge(own, down_reply.stats)))
         return down_reply
 
-    async def _forward_direct(self, msg, job: Job) -> None:
+    async def _forward_direct(self, session: StageSession, msg, job: Job) -> None:
         """A middle stage, direct-return session: forward and acknowledge at once (never wait for the
         prediction). The next stage's ack is collected later; its stats, or the first error an earlier
         ack reported, go up with this reply. A decode step to the final stage owes no ack: it goes with
         DIRECT_RETURN, and the final stage answers it on the token-return connection only (its report
-        travels with the prediction), which spares both stages a frame and a wake-up per token."""
+        travels with the prediction), which spares both stages a frame and a wake-up per token.
+
+        A decode step that came with DIRECT_RETURN (from the head) owes no ack either: this stage's
+        report waits in the session for its next reply on the lane, and only a failure goes up now (an
+        Error, which the head watches the lane for). So a failure further down must be known now too: a
+        step to a stage that is not the final one waits for that stage's ack."""
         to_final = type(msg) is DecodeStep and self.server.next_is_final
+        unacked = _returns_only(msg)
         forward = self._forwarded(msg, job, direct_return=to_final)
         with span("stage.forward_direct", stage=self.server.index, request=msg.request_id,
                   session=msg.session_id):
             if to_final:
                 sent, write_us = await self.down.send(forward)
                 self.server.returns_only["forwarded"] += 1
+            elif unacked:
+                sent, write_us = await self.down.send_expecting_ack(forward)
+                waited = time.perf_counter()
+                await self.down.drain()
+                self._waited_us += int((time.perf_counter() - waited) * 1e6)
             else:
                 sent, write_us = await self.down.send_deferred(forward)
         folded, error = self.down.take_folded()
@@ -320,6 +337,9 @@ class UpstreamConnection:
         if error is not None:  # reported now, as the answer to this message
             await self.reply(ErrorReply(msg.request_id, msg.session_id, error.code, error.message,
                                         stats=merge(own, folded)))
+        elif unacked:
+            session.unreported = merge(session.unreported, merge(own, folded) if folded is not NO_STATS else own)
+            self.server.returns_only["unacked"] += 1
         else:  # every token: the ids are the message's
             await self.reply(TRUSTED[Ack](msg.request_id, msg.session_id, merge(own, folded)))
 
@@ -484,9 +504,6 @@ class UpstreamConnection:
     async def on_decode(self, msg: DecodeStep) -> None:
         started, started_cpu = time.perf_counter(), time.thread_time()
         self._waited_us = 0
-        if msg.direct_return and not self.server.is_final:  # the upstream would expect no reply: out of step
-            raise ProtocolError(ErrorCode.BAD_FLAGS, f"DIRECT_RETURN on a decode step to stage {self.server.index}, "
-                                "which is not the final stage", request_id=msg.request_id, session_id=msg.session_id)
         self._take_deferred(msg.session_id)
         session = self._session(msg, create=False)
         if msg.direct_return and not session.direct_return:
@@ -507,7 +524,7 @@ class UpstreamConnection:
             else:
                 await self.reply(self._prediction(msg, job))
         elif session.direct_return:
-            await self._forward_direct(msg, job)
+            await self._forward_direct(session, msg, job)
         else:
             await self._relay(self._forwarded(msg, job), job)
 
@@ -527,10 +544,12 @@ class UpstreamConnection:
         """End the session (idempotent: stopping an unknown session is not an error)."""
         self._deferred.pop(msg.session_id, None)
         session = self.server.sessions.get(self.conn_id, msg.session_id)
+        unreported = NO_STATS
         if session is not None:
+            unreported = session.unreported
             await self.server.release(session)
         if self.down is not None:
-            await self._relay(msg, None)
+            await self._relay(msg, None, unreported)
         else:
             await self.reply(Ack(msg.request_id, msg.session_id, stats=self._own_stats()))
 
@@ -551,7 +570,8 @@ class UpstreamConnection:
 
 
 def _returns_only(msg) -> bool:
-    """A decode step with DIRECT_RETURN: the final stage answers it on the token-return connection only."""
+    """A decode step with DIRECT_RETURN: nothing on the lane but a middle stage's failure (the final stage
+    answers it on the token-return connection only)."""
     return type(msg) is DecodeStep and msg.direct_return
 
 

@@ -10,7 +10,10 @@ stats into the reply.
 Sessions with direct token return (three or more stages) are sent their
 decode steps with :meth:`DownstreamLink.send_expecting_ack` too: the next
 stage acknowledges each step on the lane while the prediction travels on the
-token-return connection, so no stage waits for the prediction.
+token-return connection, so no stage waits for the prediction. Or the steps
+go with DIRECT_RETURN and owe nothing (:meth:`DownstreamLink.send`): the
+next stage says something only if it fails, and :meth:`watch_silence` wakes
+the sender when it does, without a read per step.
 
 With link conditioning (``shape``), what the link sends goes through a
 :class:`~skippyd.stage.conditioning.ShapedSendStream` whose transmit task
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import select
 import time
+from collections.abc import Callable
 
 import trio
 
@@ -68,6 +72,8 @@ class DownstreamLink:
         self.writing = False
         self.awaiting_reply = False
         self._reply_owed_since = 0.0
+        self._nursery = nursery
+        self._silence: trio.CancelScope | None = None  # see watch_silence
         # the reply deadline, kept by a task in `nursery` (no cancel scope per read); without one, per read
         self._watch: WaitWatch | None = None
         if nursery is not None and isinstance(stream, trio.SocketStream):
@@ -135,6 +141,7 @@ class DownstreamLink:
 
     async def aclose(self) -> None:
         self.broken = True
+        self._end_silence()
         if self._watch is not None:
             self._watch.close()
         if isinstance(self._out, ShapedSendStream):
@@ -173,6 +180,43 @@ class DownstreamLink:
         self.pending_acks += 1
         return sent
 
+    def watch_silence(self, on_spoke: Callable[[], None]) -> bool:
+        """Until the next read on this link: call ``on_spoke`` (once) as soon as the next stage sends
+        anything or closes, though nothing was asked of it. For messages that owe no reply (DIRECT_RETURN
+        decode steps), whose sender waits elsewhere (on the token-return connection) and must still learn
+        of a failure reported on the lane. A task in the link's nursery waits for the socket to become
+        readable, and reads nothing: the read that follows (any read ends the watch) takes the message.
+        False if this link cannot be watched (no nursery, not a socket)."""
+        if self._nursery is None or not isinstance(self.stream, trio.SocketStream) or self.broken:
+            return False
+        self._end_silence()
+        self._silence = trio.CancelScope()
+        if self._receive.buffered:  # already here: the socket may never become readable again
+            on_spoke()
+        else:
+            self._nursery.start_soon(self._await_spoke, self._silence, on_spoke)
+        return True
+
+    async def _await_spoke(self, scope: trio.CancelScope, on_spoke: Callable[[], None]) -> None:
+        with scope:
+            try:
+                await trio.lowlevel.wait_readable(self.stream.socket)
+            except (trio.ClosedResourceError, OSError):  # closed by this end: whoever closed it knows
+                return
+            on_spoke()
+
+    @property
+    def watching_silence(self) -> bool:
+        """A :meth:`watch_silence` is on: nothing was read since."""
+        return self._silence is not None
+
+    def _end_silence(self) -> None:
+        # cancelling takes the waiting task off the socket at once (trio aborts its wait synchronously),
+        # so a read may follow without a checkpoint in between
+        if self._silence is not None:
+            self._silence.cancel()
+            self._silence = None
+
     def take_folded(self) -> tuple[StageStats, ErrorReply | None]:
         """The stats of the acks collected since the last reply, and the first error one of them
         reported (both cleared): to fold into this stage's next reply upstream."""
@@ -181,6 +225,7 @@ class DownstreamLink:
         return folded, error
 
     async def _read(self) -> Reply:
+        self._end_silence()
         try:
             # reply_timeout covers the next stage's compute; a reply once started must be whole within
             # frame_timeout (a stalled or trickling next stage is detected in seconds, not reply_timeout)
@@ -202,6 +247,11 @@ class DownstreamLink:
         elif not isinstance(reply, Ack):
             self.broken = True
             raise DownstreamError(self.address, f"expected an ack, got {type(reply).__name__}")
+
+    async def read_unasked(self) -> Reply:
+        """Read what the next stage sent unasked (after ``watch_silence`` called back): an Error, usually.
+        Raises DownstreamError if the link closed."""
+        return await self._read()
 
     async def drain(self) -> None:
         while self.pending_acks:

@@ -117,9 +117,9 @@ class StageServer:
         self.refused_upstreams = 0  # upstream connections this stage refused at the handshake (any reason)
         self.handshaking = 0  # connections in their handshake now
         self.dropped_handshakes = 0  # connections closed unheard because max_handshakes were in progress
-        # decode steps sent to the final stage with DIRECT_RETURN (no ack owed), and, on the final stage,
-        # answered on the token-return connection only
-        self.returns_only = {"forwarded": 0, "answered": 0}
+        # decode steps with DIRECT_RETURN: sent to the final stage (no ack owed), answered by the final stage
+        # on the token-return connection only, and taken by a middle stage without a reply on its lane
+        self.returns_only = {"forwarded": 0, "answered": 0, "unacked": 0}
         self._drop_logged = (-math.inf, 0)  # when the last "dropped" line was logged, and the count then
         self.token_return: TokenReturnLink | None = None
         if self.is_final and len(topology.stages) >= 3 and config.direct_return:

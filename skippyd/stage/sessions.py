@@ -15,6 +15,7 @@ import time
 import attrs
 
 from skippyd.runtime.llama import Sampler, SamplingParams
+from skippyd.wire.messages import NO_STATS, StageStats
 
 
 class NoFreeSlot(Exception):
@@ -35,6 +36,9 @@ class StageSession:
     generated: int = 0
     state: str = "prefill"
     direct_return: bool = False  # predictions go to the head on the token-return connection
+    # a middle stage's reports of the decode steps it did not acknowledge (DIRECT_RETURN): they go up with
+    # the session's next reply on the lane (its Stop's, usually)
+    unreported: StageStats = NO_STATS
 
     def describe(self) -> dict:
         return {

@@ -71,7 +71,9 @@ __all__ = [
     "merge",
 ]
 
-PROTOCOL_VERSION = 2  # 2: DIRECT_RETURN on DecodeStep (no lane reply from the final stage)
+# 2: DIRECT_RETURN on DecodeStep (no lane reply from the final stage); 3: on a DecodeStep to a middle stage
+# too (no lane reply on success, an Error on the lane on failure)
+PROTOCOL_VERSION = 3
 
 # Hard limits of protocol version 2 (unchanged since 1). A receiver may be configured tighter
 # (see Limits), never looser.
@@ -552,8 +554,8 @@ class PrefillChunk:
 class DecodeStep:
     """One generated token at ``pos_start`` (authoritative: a stage that is
     ahead trims to ``pos_start`` first). Reply: ``PredictedToken``; with
-    ``direct_return`` (to the final stage only) the prediction goes on the
-    token-return connection and nothing comes back on the lane."""
+    ``direct_return`` the prediction goes on the token-return connection and
+    nothing comes back on the lane unless a middle stage fails (an Error)."""
 
     kind: ClassVar[MessageKind] = MessageKind.DECODE
     request_id: int = attrs.field(validator=_u64)
