@@ -454,7 +454,7 @@ CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], 
 
 async def test_fake_disconnect_cancels_a_streaming_generation():
     async def behave(on_piece):
-        await on_piece("one")
+        on_piece("one")
         await trio.sleep_forever()
 
     app, engine = fake_app(behave)
@@ -498,7 +498,7 @@ async def test_fake_failure_before_the_first_piece_is_a_real_status():
 
 async def test_fake_failure_mid_stream_is_an_error_event():
     async def behave(on_piece):
-        await on_piece("partial")
+        on_piece("partial")
         raise GenerationError("pipeline failed: stage 1 went away", retryable=True, status=502)
 
     app, _ = fake_app(behave)

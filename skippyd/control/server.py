@@ -25,10 +25,24 @@ from trio_websocket import ConnectionClosed, WebSocketRequest, serve_websocket
 from skippyd.control import messages as m
 from skippyd.control.token import default_token_file, load_or_create_token
 from skippyd.head.engine import GenerationError, GenerationRequest
+from skippyd.head.piece_relay import ClientStalled, PieceRelay
 
 log = logging.getLogger("skippyd.control")
 
 KILL_WAIT_S = 5.0  # `sessions kill` answers once the session is released (or after this long)
+
+
+@attrs.define(eq=False)
+class _Connection:
+    """A client's connection: called with a message, sends it; its requests' tasks run in ``nursery``."""
+
+    ws: object
+    nursery: trio.Nursery
+
+    async def __call__(self, msg) -> None:
+        # no lock of ours: trio-websocket frames the whole message before it takes its own FIFO stream
+        # lock, so the messages of concurrent requests never interleave
+        await self.ws.send_message(m.dump(msg))
 
 
 class ControlServer:
@@ -57,15 +71,9 @@ class ControlServer:
             await request.reject(401, body=b"missing or wrong control token")
             return
         ws = await request.accept()
-
-        async def send(msg) -> None:
-            # no lock of ours: trio-websocket frames the whole message before it takes its own FIFO stream
-            # lock, so the messages of concurrent requests never interleave; another lock would cost a
-            # streamed generation a pass of trio's scheduler per token
-            await ws.send_message(m.dump(msg))
-
         try:
             async with trio.open_nursery() as nursery:
+                send = _Connection(ws, nursery)
                 while True:
                     text = await ws.get_message()
                     try:
@@ -118,15 +126,28 @@ class ControlServer:
             min_p=req.min_p, repeat_penalty=req.repeat_penalty, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, seed=req.seed, stop=tuple(req.stop))
 
-        async def on_piece(text: str) -> None:
-            await send(m.Piece(req.id, text))
-
-        # no callback without streaming: each token would pay the head's shielded send scope for nothing
-        result = await self.engine.generate(greq, on_piece if req.stream else None)
+        if req.stream:
+            result = await self._generate_streamed(greq, req.id, send)
+        else:
+            result = await self.engine.generate(greq, None)
         metrics = getattr(self.daemon, "metrics", None)
         if metrics is not None:
             metrics.record_generation(result, source="control")
         await send(m.Result(req.id, result.to_json()))
+
+    async def _generate_streamed(self, greq: GenerationRequest, request_id: str, send: _Connection):
+        """Generate, the pieces sent by a task of the connection's (the generation never waits for the
+        client); every piece is out before this returns or raises."""
+        relay = PieceRelay(lambda text: send(m.Piece(request_id, text)))
+        send.nursery.start_soon(relay.run)  # a failed send (the client gone) ends the connection, as any
+        try:
+            return await self.engine.generate(greq, relay.push)
+        finally:
+            try:
+                await relay.finish()
+            except ClientStalled as exc:  # its socket is full: nothing more can reach it
+                log.warning("control: closing a connection: %s", exc)
+                send.nursery.cancel_scope.cancel()
 
     async def on_sessions_list(self, req: m.SessionsList, send) -> None:
         if self.daemon.head is None or self.daemon.head.engine is None:

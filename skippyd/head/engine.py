@@ -56,7 +56,7 @@ import secrets
 import time
 from collections import deque
 from pathlib import Path
-from typing import Awaitable, Callable, NoReturn
+from typing import Callable, NoReturn
 
 import attrs
 import numpy as np
@@ -96,7 +96,6 @@ _trusted_step = TRUSTED[DecodeStep]
 STOP_TIMEOUT_S = 2.0
 RESUME_BACKOFF_MIN_S = 0.1  # resume: first try this long after the failure, doubling ...
 RESUME_BACKOFF_MAX_S = 1.0  # ... up to this
-PIECE_SEND_TIMEOUT_S = 10.0
 # direct return: a generation's first decode steps are acknowledged by stage 1 (their round trips, less the
 # stages' compute that the acks report, size later prompts' prefill chunks); the rest go with DIRECT_RETURN
 ACKED_DECODE_STEPS = 4
@@ -212,7 +211,7 @@ class LiveGeneration:
                 "stages": {"0": {"seq": self.seq}}}
 
 
-PieceCallback = Callable[[str], Awaitable[None]]
+PieceCallback = Callable[[str], None]  # must not wait: see skippyd/head/piece_relay.py
 
 
 class HeadEngine:
@@ -732,7 +731,7 @@ class _Run:
             self.live.generated = len(self.tokens)
             if not self.req.ignore_eos and model.is_eog(token):
                 self.tokens.pop()  # end-of-generation is not part of the answer
-                await self._emit(self.detok.flush(), final=True)
+                self._emit(self.detok.flush(), final=True)
                 self.finish_reason = "stop"
                 return
             in_flight = None
@@ -742,12 +741,12 @@ class _Run:
                 # step in flight: the cleanup collects its reply before it stops the session.
                 in_flight = await self._step_begin(token)
             text, hit = self.stops.push(self.detok.push(token))
-            await self._emit(text)
+            self._emit(text)
             if hit:
                 self.finish_reason = "stop"
                 return
             if len(self.tokens) >= self.max_tokens:
-                await self._emit(self.detok.flush(), final=True)
+                self._emit(self.detok.flush(), final=True)
                 self.finish_reason = "length"
                 return
             token = await (self._predict_finish(in_flight) if in_flight is not None else self._step(token))
@@ -811,7 +810,7 @@ class _Run:
         raise GenerationError(f"stage 1 sent {type(reply).__name__} on lane {spoke.lane_id}, where nothing was "
                               f"owed", status=502)
 
-    async def _emit(self, text: str, *, final: bool = False) -> None:
+    def _emit(self, text: str, *, final: bool = False) -> None:
         if final:
             text += self.stops.flush()
             if self.stops.stops:  # a stop string may only be completed by what was held back
@@ -821,9 +820,7 @@ class _Run:
         if text:
             self.text_parts.append(text)
             if self.on_piece is not None:
-                # shielded: a kill must not cut a client's message in half (bounded for a stalled client)
-                with trio.CancelScope(shield=True, deadline=trio.current_time() + PIECE_SEND_TIMEOUT_S):
-                    await self.on_piece(text)
+                self.on_piece(text)  # queued for the client's own task: a generation never waits for its client
 
     async def _cleanup(self) -> None:
         """Runs shielded. Stop the session down the lane (bounded), then free the head's own sequence."""

@@ -31,6 +31,7 @@ import attrs
 import trio
 
 from skippyd.head.engine import GenerationError, GenerationRequest, GenerationResult
+from skippyd.head.piece_relay import ClientStalled, PieceRelay
 from skippyd.openai import schemas
 from skippyd.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from skippyd.runtime.llama import LlamaError
@@ -395,7 +396,8 @@ class OpenAIApp:
 
     async def _generate(self, ex: Exchange, engine, greq: GenerationRequest,
                         on_piece: Callable[[str], Awaitable[None]] | None) -> GenerationResult:
-        """Run one generation; the client going away cancels it (and the engine frees the session)."""
+        """Run one generation; the client going away cancels it (and the engine frees the session). With
+        `on_piece`, the pieces are sent by a task of their own (see PieceRelay), all before this returns."""
         result: GenerationResult | None = None
         failure: Exception | None = None
         with span("openai.generation", request=ex.id) as s:
@@ -404,11 +406,27 @@ class OpenAIApp:
                     await ex.wait_disconnect()
                     nursery.cancel_scope.cancel()
 
+                async def relay_pieces() -> None:
+                    try:
+                        await relay.run()
+                    except Exception as exc:  # noqa: BLE001 - the client is gone: so is its generation
+                        log.info("openai: request %s: streaming failed (%s); cancelling it", ex.id, exc)
+                        nursery.cancel_scope.cancel()
+
                 nursery.start_soon(watch)
+                relay = PieceRelay(on_piece) if on_piece is not None else None
+                if relay is not None:
+                    nursery.start_soon(relay_pieces)
                 try:
-                    result = await self._admitted(engine, greq, on_piece)
-                except Exception as exc:  # raised outside the nursery, so not wrapped in a group
-                    failure = exc
+                    try:
+                        result = await self._admitted(engine, greq, relay.push if relay is not None else None)
+                    except Exception as exc:  # raised outside the nursery, so not wrapped in a group
+                        failure = exc
+                    if relay is not None:
+                        await relay.finish()  # every piece is out before the closing event (or the error)
+                except ClientStalled as exc:
+                    log.warning("openai: request %s: %s", ex.id, exc)
+                    result, failure = None, None
                 finally:
                     nursery.cancel_scope.cancel()
             if failure is not None:

@@ -1,0 +1,68 @@
+"""Streaming a generation's text to its client from a task of its own.
+
+The engine hands each piece of text to :meth:`PieceRelay.push`, which never
+waits; the relay's task (:meth:`PieceRelay.run`, started by whoever serves
+the client: the control channel's connection, the OpenAI endpoint's
+request) sends it. So the generation never waits for its client, and needs
+no cancel scope per token: a send in the generation's own task had to be
+shielded (a kill must not cut a client's message in half) and bounded (a
+stalled client must not hold the pipeline), which cost every streamed token
+a cancel scope with a deadline. Pieces that pile up while a send is under
+way (a slow client) go out together as one message.
+
+:meth:`PieceRelay.finish` lets the queued pieces out before the caller sends
+its last message (the result or an error), so the client sees every piece
+first; a client that takes none of it within the timeout is given up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+
+import trio
+
+FINISH_TIMEOUT_S = 10.0  # the queued pieces must be out this long after the generation ended
+
+
+class ClientStalled(Exception):
+    """The client took no text for FINISH_TIMEOUT_S after its generation ended."""
+
+
+class PieceRelay:
+    def __init__(self, send: Callable[[str], Awaitable[None]]):
+        self._send = send
+        self._tx, self._rx = trio.open_memory_channel(math.inf)
+        self._done = trio.Event()
+        self.messages = 0  # sent to the client (fewer than the pieces pushed when a slow client made them wait)
+
+    def push(self, text: str) -> None:
+        """The engine's ``on_piece``: queue `text` for the client, at once."""
+        try:
+            self._tx.send_nowait(text)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass  # the relay was given up (its client is gone): the generation learns from its own scope
+
+    async def run(self) -> None:
+        """Send the queued pieces in order until :meth:`finish`; a send's error propagates (the client is
+        gone: whoever started this task cancels the generation)."""
+        try:
+            async for text in self._rx:
+                parts = [text]
+                while True:  # whatever queued up during the last send goes in this message
+                    try:
+                        parts.append(self._rx.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                await self._send(parts[0] if len(parts) == 1 else "".join(parts))
+                self.messages += 1
+        finally:
+            self._done.set()
+
+    async def finish(self, timeout: float = FINISH_TIMEOUT_S) -> None:
+        """No more pieces: wait until the queued ones are sent. Raises ClientStalled after `timeout`."""
+        self._tx.close()
+        with trio.move_on_after(timeout):
+            await self._done.wait()
+        if not self._done.is_set():
+            raise ClientStalled(f"the client took no text for {timeout:g} s")

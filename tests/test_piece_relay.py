@@ -1,0 +1,78 @@
+"""PieceRelay: a streamed generation's text goes to its client from a task of its own.
+
+The generation pushes without waiting; the relay's task sends the pieces in
+order, whatever queued up during a slow send as one message; finish() lets
+the queue out first, and gives a client that takes nothing up.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from skippyd.head.piece_relay import ClientStalled, PieceRelay
+
+
+async def test_pieces_arrive_in_order_and_finish_waits_for_them(autojump_clock):
+    got: list[str] = []
+
+    async def send(text: str) -> None:
+        await trio.sleep(0.001)
+        got.append(text)
+
+    relay = PieceRelay(send)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.run)
+        for piece in ("The", " cat", " sat"):
+            relay.push(piece)  # never waits
+            await trio.sleep(0.01)  # the next token: the last piece is out by then
+        relay.push(".")
+        await relay.finish()
+        assert got == ["The", " cat", " sat", "."]  # out before finish returned
+    assert relay.messages == 4
+
+
+async def test_pieces_queued_during_a_slow_send_go_out_as_one_message(autojump_clock):
+    got: list[str] = []
+
+    async def slow_send(text: str) -> None:
+        await trio.sleep(1.0)  # a slow client
+        got.append(text)
+
+    relay = PieceRelay(slow_send)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.run)
+        relay.push("a")
+        await trio.sleep(0.1)  # "a" is being sent
+        t0 = trio.current_time()
+        for piece in "bcd":
+            relay.push(piece)
+        assert trio.current_time() == t0  # the generation did not wait
+        await relay.finish(timeout=10)
+    assert got == ["a", "bcd"]
+    assert "".join(got) == "abcd"
+
+
+async def test_a_client_that_takes_nothing_is_given_up(autojump_clock):
+    async def stalled(text: str) -> None:
+        await trio.sleep_forever()
+
+    relay = PieceRelay(stalled)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.run)
+        relay.push("hello")
+        with pytest.raises(ClientStalled):
+            await relay.finish(timeout=2)
+        nursery.cancel_scope.cancel()
+    relay.push("late")  # after the relay is done: dropped, no error
+
+
+async def test_a_failed_send_ends_the_relay_with_its_error():
+    async def broken(text: str) -> None:
+        raise ConnectionError("gone")
+
+    relay = PieceRelay(broken)
+    relay.push("x")
+    with pytest.raises(ConnectionError):
+        await relay.run()
+    await relay.finish(timeout=1)  # returns at once: the relay's task has ended
