@@ -114,23 +114,25 @@ async def concurrent_decode(head, conc: int) -> tuple[float, float]:
     is decoding (from the last session's first piece to the first session's
     last) over that window: the steady state, without the prompts' prefill
     (which batching cannot speed up; each prompt is computed once). A piece
-    holds one token or, rarely, a few, so this never over-counts. End-to-end is
+    holds the text of one token or, rarely, a few, so this never over-counts;
+    a message holds ``pieces`` of them (several when they queued up while the
+    head sent the previous one). End-to-end is
     all completion tokens over the wall time from the first request to the
     last answer, prefill included.
     """
-    arrivals: list[list[float]] = []
+    arrivals: list[list[tuple[float, int]]] = []
     tokens = 0
 
     async def one(i: int) -> None:
         nonlocal tokens
-        times: list[float] = []
+        times: list[tuple[float, int]] = []
         arrivals.append(times)
         async with open_control(head.url, head.token_file) as c:
             request = m.Generate(id=c.new_id(), stream=True, raw=True, prompt=f"{DECODE_PROMPT} Chapter {i}.",
                                  max_tokens=AGGREGATE_TOKENS)
             async for reply in c.replies(request):
                 if isinstance(reply, m.Piece):
-                    times.append(time.perf_counter())
+                    times.append((time.perf_counter(), reply.pieces))
                 elif isinstance(reply, m.Result):
                     tokens += len(reply.result["tokens"])
                 else:
@@ -141,10 +143,10 @@ async def concurrent_decode(head, conc: int) -> tuple[float, float]:
         for i in range(conc):
             nursery.start_soon(one, i)
     e2e = tokens / (time.perf_counter() - started)
-    lo, hi = max(t[0] for t in arrivals), min(t[-1] for t in arrivals)
+    lo, hi = max(t[0][0] for t in arrivals), min(t[-1][0] for t in arrivals)
     if hi <= lo:
         raise RuntimeError(f"{conc} sessions never decoded at the same time")
-    pieces = sum(sum(1 for x in t if lo < x <= hi) for t in arrivals)
+    pieces = sum(sum(n for x, n in t if lo < x <= hi) for t in arrivals)
     return pieces / (hi - lo), e2e
 
 

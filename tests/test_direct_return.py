@@ -317,26 +317,36 @@ async def test_final_stage_without_direct_return_falls_back_to_relaying(tiny_mod
     assert log.count("using the relayed path") == 1  # said once, not once per generation
 
 
+async def fail_mid_decode_then_reuse_the_lanes(pipe: Pipeline, model_path, check_counters) -> None:
+    """A long generation fails with context_full mid-decode, at once (well before the 30 s reply deadline);
+    every stage releases the session; `check_counters()` looks at where the failure went; then more
+    generations than --lanes (the failed generation's lane is used again) are right: no reply was owed or
+    left over on the lanes."""
+    with trio.fail_after(20):
+        with pytest.raises(ControlError, match="context_full"):
+            await pipe.generate(prompt=LONG_PROMPT, raw=True, max_tokens=600)
+        await pipe.wait_all_released(2.0)
+        await check_counters()
+        for _ in range(3):
+            got = await pipe.generate(prompt=PROMPTS[0], raw=True, max_tokens=8)
+            assert got["tokens"] == reference(model_path, PROMPTS[0], 8)
+        await pipe.wait_all_released(2.0)
+
+
 async def test_failed_prediction_on_the_final_stage_is_a_clean_error(tiny_model_path, tmp_path):
     """The final stage runs out of context mid-decode (it was given less than the head), on a decode step it
-    answers on the token-return connection only: the error reaches the head there, the generation fails at
-    once, every stage releases the session, and the lanes are still in step (no reply owed or left over on
-    them): the next generations on them are right."""
+    answers on the token-return connection only: the error reaches the head there."""
     pipe = await trio.to_thread.run_sync(functools.partial(_start, tiny_model_path, tmp_path,
                                                            final_extra=("--ctx", "16")))
+
+    async def check_counters() -> None:
+        head, _ = await token_paths(pipe)
+        assert head["errors"] == 1 and head["direct"] > 0
+        forwarded, answered = await returns_only(pipe)
+        assert forwarded > 0 and answered == forwarded - 1  # the last one failed: a decode step
+
     try:
-        with trio.fail_after(30):
-            with pytest.raises(ControlError, match="context_full"):
-                await pipe.generate(prompt=LONG_PROMPT, raw=True, max_tokens=600)
-            await pipe.wait_all_released(2.0)
-            head, final = await token_paths(pipe)
-            assert head["errors"] == 1 and head["direct"] > 0
-            forwarded, answered = await returns_only(pipe)
-            assert forwarded > 0 and answered == forwarded - 1  # the last one failed: a decode step
-            for _ in range(3):  # more than --lanes: the failed generation's lane is used again
-                got = await pipe.generate(prompt=PROMPTS[0], raw=True, max_tokens=8)
-                assert got["tokens"] == reference(tiny_model_path, PROMPTS[0], 8)
-            await pipe.wait_all_released(2.0)
+        await fail_mid_decode_then_reuse_the_lanes(pipe, tiny_model_path, check_counters)
     finally:
         await trio.to_thread.run_sync(_stop, pipe)
 
@@ -344,21 +354,16 @@ async def test_failed_prediction_on_the_final_stage_is_a_clean_error(tiny_model_
 async def test_failed_decode_step_on_stage_1_reaches_the_head_on_the_watched_lane(tiny_model_path, tmp_path):
     """Stage 1 runs out of context mid-decode, on a decode step the head sent it with DIRECT_RETURN (no ack
     owed): its Error on the lane wakes the head, which waits on the token-return connection for a
-    prediction that will not come. The generation fails at once (well before the 30 s reply deadline), every
-    stage releases the session, and the lanes stay in step."""
+    prediction that will not come."""
     pipe = await trio.to_thread.run_sync(functools.partial(_start, tiny_model_path, tmp_path,
                                                            stage_extra={1: ("--ctx", "16")}))
+
+    async def check_counters() -> None:
+        assert await unacked(pipe) > 0  # it failed on one of those
+        head, _ = await token_paths(pipe)
+        assert head["errors"] == 0  # nothing came on the token-return connection
+
     try:
-        with trio.fail_after(20):
-            with pytest.raises(ControlError, match="context_full"):
-                await pipe.generate(prompt=LONG_PROMPT, raw=True, max_tokens=600)
-            await pipe.wait_all_released(2.0)
-            assert await unacked(pipe) > 0  # it failed on one of those
-            head, _ = await token_paths(pipe)
-            assert head["errors"] == 0  # nothing came on the token-return connection
-            for _ in range(3):  # more than --lanes: the failed generation's lane is used again
-                got = await pipe.generate(prompt=PROMPTS[0], raw=True, max_tokens=8)
-                assert got["tokens"] == reference(tiny_model_path, PROMPTS[0], 8)
-            await pipe.wait_all_released(2.0)
+        await fail_mid_decode_then_reuse_the_lanes(pipe, tiny_model_path, check_counters)
     finally:
         await trio.to_thread.run_sync(_stop, pipe)

@@ -119,6 +119,9 @@ Request = Union[Generate, SessionsList, SessionShow, SessionKill, LanesList, Lan
 class Piece:
     id: str
     text: str
+    # how many of the generation's pieces (the text one token completed, each) this message joins: more than
+    # one when they queued up while the daemon sent the previous message
+    pieces: int = 1
 
 
 @attrs.frozen

@@ -138,7 +138,7 @@ class ControlServer:
     async def _generate_streamed(self, greq: GenerationRequest, request_id: str, send: _Connection):
         """Generate, the pieces sent by a task of the connection's (the generation never waits for the
         client); every piece is out before this returns or raises."""
-        relay = PieceRelay(lambda text: send(m.Piece(request_id, text)))
+        relay = PieceRelay(lambda text, pieces: send(m.Piece(request_id, text, pieces)))
         send.nursery.start_soon(relay.run)  # a failed send (the client gone) ends the connection, as any
         try:
             return await self.engine.generate(greq, relay.push)

@@ -30,8 +30,8 @@ class ClientStalled(Exception):
 
 
 class PieceRelay:
-    def __init__(self, send: Callable[[str], Awaitable[None]]):
-        self._send = send
+    def __init__(self, send: Callable[[str, int], Awaitable[None]]):
+        self._send = send  # called with the text and how many pushed pieces it joins
         self._tx, self._rx = trio.open_memory_channel(math.inf)
         self._done = trio.Event()
         self.messages = 0  # sent to the client (fewer than the pieces pushed when a slow client made them wait)
@@ -54,7 +54,7 @@ class PieceRelay:
                         parts.append(self._rx.receive_nowait())
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
-                await self._send(parts[0] if len(parts) == 1 else "".join(parts))
+                await self._send(parts[0] if len(parts) == 1 else "".join(parts), len(parts))
                 self.messages += 1
         finally:
             self._done.set()

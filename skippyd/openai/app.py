@@ -414,7 +414,7 @@ class OpenAIApp:
                         nursery.cancel_scope.cancel()
 
                 nursery.start_soon(watch)
-                relay = PieceRelay(on_piece) if on_piece is not None else None
+                relay = PieceRelay(lambda text, _pieces: on_piece(text)) if on_piece is not None else None
                 if relay is not None:
                     nursery.start_soon(relay_pieces)
                 try:
