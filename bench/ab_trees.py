@@ -3,7 +3,7 @@ the two versions' pipelines measured in interleaved rounds in the same run (this
 difference of 10% between runs minutes apart).
 
     .venv/bin/python bench/ab_trees.py --base b10951d [--rounds 5] [--stages 2,3] [--link-delay-ms 10]
-                                       [--json out.json]
+                                       [--streamed 4] [--json out.json]
 
 ``--base`` is a git revision, checked out in a temporary worktree; the other side is this working tree.
 Both run on this tree's native build (skippyd/_native): the comparison is of the Python. For each stage
@@ -14,7 +14,9 @@ outside llama.cpp (``loop_cpu_s`` less ``loop_native_cpu_s`` of each stage's ``h
 CPU per step, native compute per step, the generations' decode time per token, and this tree's ratio to
 the base. With ``--link-delay-ms`` every daemon delays what it sends by that much (link conditioning), and
 each version's time per token beyond its compute and the one-way delays around the loop is printed too
-(as the suite's WAN rows: 2 delays for 2 stages, one per stage from 3 on, with direct return).
+(as the suite's WAN rows: 2 delays for 2 stages, one per stage from 3 on, with direct return). With
+``--streamed N`` each round also measures N concurrent streamed generations (the suite's aggregate decode
+tok/s: the pieces that arrive while all N decode, over that window). ``--stages 1`` is a single skippyd.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import tests.procs as procs  # noqa: E402
-from bench.bench_pipeline import generate, hot_paths, per_step  # noqa: E402
+from bench.bench_pipeline import concurrent_decode, generate, hot_paths, per_step  # noqa: E402
 from skippyctl.client import open_control  # noqa: E402
 from skippyd.runtime.models import fetch_default_model  # noqa: E402
 
@@ -41,7 +43,7 @@ PROMPT = "Write a long story about a dragon who learns to sail."
 TOKENS = 96
 
 
-async def measure(pipe: procs.Pipeline) -> dict[str, list[float]]:
+async def measure(pipe: procs.Pipeline, streamed: int = 0) -> dict[str, list[float]]:
     head = pipe.head
     async with open_control(head.url, head.token_file) as client:
         await generate(client, prompt=PROMPT, max_tokens=TOKENS)  # warm-up
@@ -49,8 +51,11 @@ async def measure(pipe: procs.Pipeline) -> dict[str, list[float]]:
         rates = [(await generate(client, prompt=PROMPT, max_tokens=TOKENS))["timings"]["decode_tokens_per_s"]
                  for _ in range(2)]
         _py, cpu, loop, native = per_step(before, await hot_paths(pipe))
-    return {"loop_cpu_ms": loop, "handler_cpu_ms": cpu, "native_ms": native,
-            "ms_per_token": [1e3 / statistics.median(rates)]}
+    out = {"loop_cpu_ms": loop, "handler_cpu_ms": cpu, "native_ms": native,
+           "ms_per_token": [1e3 / statistics.median(rates)]}
+    if streamed:
+        out["streamed_tok_s"] = [(await concurrent_decode(head, streamed))[0]]
+    return out
 
 
 def fmt(values: list[float]) -> str:
@@ -63,9 +68,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--stages", default="2,3", help="comma-separated stage counts")
     ap.add_argument("--link-delay-ms", type=float, default=0.0, help="one-way delay on every link (0: none)")
+    ap.add_argument("--streamed", type=int, default=0, help="also N concurrent streamed generations per round")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    extra = ["--lanes", "2", "--ctx", "1024"]
+    extra = ["--lanes", str(max(2, args.streamed)), "--ctx", "1024"]
     if args.link_delay_ms > 0:
         extra += ["--link-delay-ms", str(args.link_delay_ms)]
     stage_counts = [int(n) for n in args.stages.split(",")]
@@ -89,7 +95,7 @@ def main() -> int:
             for r in range(args.rounds):
                 order = list(pipes) if r % 2 == 0 else list(reversed(list(pipes)))
                 for key in order:
-                    results[key].append(trio.run(measure, pipes[key]))
+                    results[key].append(trio.run(measure, pipes[key], args.streamed))
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         finally:
             for pipe in pipes.values():
@@ -109,6 +115,8 @@ def main() -> int:
             print(f"  {'':5} handler CPU ms    " + " / ".join(fmt(v) for v in per_stage["handler_cpu_ms"]))
             print(f"  {'':5} native ms         " + " / ".join(fmt(v) for v in per_stage["native_ms"]))
             print(f"  {'':5} ms per token      " + fmt(per_stage["ms_per_token"][0]))
+            if args.streamed:
+                print(f"  {'':5} {args.streamed} streamed, tok/s " + fmt(per_stage["streamed_tok_s"][0]))
             if args.link_delay_ms > 0:
                 delays = args.link_delay_ms * max(n, 2)
                 beyond = [ms - sum(row["native_ms"]) - delays
