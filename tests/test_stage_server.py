@@ -496,3 +496,48 @@ async def test_middle_stage_answers_a_failed_direct_return_decode_step_on_the_la
     assert quiet.cancelled_caught
     assert server.snapshot()["returns_only"]["unacked"] == 0
     await link.aclose()
+
+
+# ---------------------------------------------------------------------------- a lane watched for silence
+
+
+def _socket_link(nursery) -> tuple[DownstreamLink, trio.SocketStream]:
+    a, b = trio.socket.socketpair()
+    stream = trio.SocketStream(a)
+    peer = Hello(fingerprint=bytes(32), stage_index=1, layer_start=0, layer_end=1, n_layer=2, n_embd=8, node="t")
+    link = DownstreamLink(stream, peer, "peer", ReceiveBuffer(stream), credit_limit=2, reply_timeout=5,
+                          write_timeout=5, nursery=nursery)
+    return link, trio.SocketStream(b)
+
+
+async def test_watched_lane_calls_back_once_when_the_next_stage_speaks(nursery):
+    link, other = _socket_link(nursery)
+    spoke = []
+    assert link.watch_silence(lambda: spoke.append(1)) and link.watching_silence
+    await trio.sleep(0.05)
+    assert spoke == []  # nothing said: no call, no read
+    await write_frame(other, ErrorReply(1, 2, ErrorCode.CONTEXT_FULL, "full"))
+    with trio.fail_after(5):
+        while not spoke:
+            await trio.sleep(0.01)
+    reply = await link.read_unasked()  # the read takes the message, and ends the watch
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.CONTEXT_FULL
+    assert spoke == [1] and not link.watching_silence
+    await link.aclose()
+
+
+async def test_a_read_before_the_watch_task_ran_keeps_the_socket(nursery):
+    """A read right after watch_silence, before its task first ran, ends the watch; the task must then not
+    wait on the socket the read waits on (trio would refuse the second waiter: BusyResourceError)."""
+    link, other = _socket_link(nursery)
+    link.watch_silence(lambda: None)
+
+    async def answer_later():
+        await trio.sleep(0.05)
+        await write_frame(other, Ack(3, 4))
+
+    nursery.start_soon(answer_later)
+    with trio.fail_after(5):
+        reply = await link.read_unasked()  # no schedule point before it: the watch task has not run
+    assert isinstance(reply, Ack) and reply.request_id == 3
+    await link.aclose()

@@ -198,6 +198,8 @@ class DownstreamLink:
         return True
 
     async def _await_spoke(self, scope: trio.CancelScope, on_spoke: Callable[[], None]) -> None:
+        if scope.cancel_called:  # a read came first (before this task ran): it may be waiting on the socket
+            return
         with scope:
             try:
                 await trio.lowlevel.wait_readable(self.stream.socket)
