@@ -170,7 +170,7 @@ class ShapedSendStream(trio.abc.SendStream):
 # transmit task sleeps until shortly before a chunk's time and yields to the loop from there on (a spin that
 # lets the other tasks run). On Linux that sleep is on a timerfd (nanosecond expiry, woken through trio's
 # epoll like a socket), and TIMER_EARLY before the time only covers the wake-up's own latency (~0.1-0.3 ms
-# on a VM); elsewhere it is a trio sleep, TIMER_GRAIN before, and the spin is up to five times as long.
+# on a VM); elsewhere it is a trio sleep, to TIMER_GRAIN before, and the spin lasts up to that long.
 TIMER_GRAIN = 0.0011
 TIMER_EARLY = 0.0004
 
