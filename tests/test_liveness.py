@@ -85,11 +85,12 @@ async def test_hung_stage_is_down_in_status_and_new_work_is_refused_until_it_ans
 
 
 async def test_a_busy_stage_answers_pings_and_is_not_taken_for_a_hung_one(pipe):
-    """A ~3000-token prefill chunk: stage 1 computes for seconds while the head waits (and pings)."""
+    """A 1000-token prefill chunk: stage 1 computes for seconds while the head waits (and pings). (3000
+    tokens took stage 1 over the 30 s reply deadline on a slower VM: the test is about pings, not speed.)"""
     before = await downstream(pipe)  # (the head may have checked before stage 1 listened: a failed check)
     with trio.fail_after(120):
-        got = await pipe.generate(prompt="word" + " word" * 2999, raw=True, max_tokens=4)
-    assert got["usage"]["prompt_tokens"] == 3000 and got["finish_reason"] == "length"
+        got = await pipe.generate(prompt="word" + " word" * 999, raw=True, max_tokens=4)
+    assert got["usage"]["prompt_tokens"] == 1000 and got["finish_reason"] == "length"
     watch = await downstream(pipe)
     assert watch["state"] == "up" and watch["failed_checks"] == before["failed_checks"], watch
     assert watch["pings"] > before["pings"], "the head never waited long enough to ping: the test proves nothing"
