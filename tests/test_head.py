@@ -112,6 +112,22 @@ async def test_stop_string_spanning_tokens_is_not_emitted(two):
     assert stop not in got["text"]
 
 
+async def test_a_single_stage_streams_each_piece_as_it_is_made(single, two):
+    """A single stage's lone session computes on the event loop's thread, and the control connection's
+    send takes a few scheduler passes: each piece must still go out as its own message, before the next
+    token's compute, not ~3 tokens late in one message (as with the 2-stage pipeline, whose head waits on
+    the network every step)."""
+    for pipe in (single, two):
+        messages = []
+        async with open_control(pipe.head.url, pipe.head.token_file) as client:
+            request = m.Generate(id="p", prompt="Once upon a time", raw=True, max_tokens=40)
+            async for reply in client.replies(request):
+                if isinstance(reply, m.Piece):
+                    messages.append(reply.pieces)
+        joined = sum(1 for n in messages if n > 1)
+        assert sum(messages) >= 30 and joined <= 2, (pipe, messages)
+
+
 async def test_prompt_too_long_is_a_clear_error(two):
     with pytest.raises(ControlError) as err:
         await two.generate(prompt="word " * 1200, raw=True, max_tokens=8)

@@ -79,3 +79,50 @@ async def test_a_failed_send_ends_the_relay_with_its_error():
     with pytest.raises(ConnectionError):
         await relay.run()
     await relay.finish(timeout=1)  # returns at once: the relay's task has ended
+
+
+async def _stream_with_blocking_computes(relay: PieceRelay, let_out: bool) -> None:
+    """A generation computing on the loop's thread: push a piece, block the loop for a step, again."""
+    import time
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.run)
+        for i in range(12):
+            relay.push(f" {i}")
+            if let_out:
+                await relay.let_out()
+            else:
+                await trio.lowlevel.checkpoint()
+            time.sleep(0.002)  # the compute: the loop runs nothing meanwhile
+        await relay.finish()
+
+
+@pytest.mark.parametrize("let_out", [True, False])
+async def test_let_out_sends_each_piece_before_the_loop_blocks(let_out):
+    counts: list[int] = []
+
+    async def send(text: str, pieces: int) -> None:
+        for _ in range(3):  # a websocket send: a lock, the stream, the socket
+            await trio.lowlevel.checkpoint()
+        counts.append(pieces)
+
+    relay = PieceRelay(send)
+    await _stream_with_blocking_computes(relay, let_out)
+    assert sum(counts) == 12
+    if let_out:
+        assert counts == [1] * 12
+    else:  # one pass per step: the sends lag behind and join pieces
+        assert len(counts) < 12
+
+
+async def test_let_out_gives_a_stalled_client_a_few_passes_only():
+    async def stalled(text: str, pieces: int) -> None:
+        await trio.sleep_forever()
+
+    relay = PieceRelay(stalled)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.run)
+        relay.push("a")
+        relay.push("b")
+        with trio.fail_after(1):
+            await relay.let_out()  # returns although nothing can go out
+        nursery.cancel_scope.cancel()

@@ -141,7 +141,7 @@ class ControlServer:
         relay = PieceRelay(lambda text, pieces: send(m.Piece(request_id, text, pieces)))
         send.nursery.start_soon(relay.run)  # a failed send (the client gone) ends the connection, as any
         try:
-            return await self.engine.generate(greq, relay.push)
+            return await self.engine.generate(greq, relay)
         finally:
             try:
                 await relay.finish()

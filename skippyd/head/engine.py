@@ -360,6 +360,8 @@ class _Run:
         self.max_tokens = max_tokens
         self.sampling = sampling
         self.on_piece = on_piece
+        # a PieceRelay: a generation computing on the loop's thread lets its text out first (see let_out)
+        self._let_out = getattr(on_piece, "let_out", None)
         self.started = started
         self.tokens: list[int] = []
         self.text_parts: list[str] = []
@@ -753,8 +755,11 @@ class _Run:
 
     async def _step(self, token: int) -> int:
         if self.lane is None:
+            if self._let_out is not None:
+                await self._let_out()  # the text so far goes out before the compute may block the loop
             token = int(await self._compute(np.array([token], dtype=np.int32), self.position, want_token=True))
-            await trio.lowlevel.checkpoint()  # the compute may not have been one (Scheduler.submit), nor the emit
+            if self._let_out is None:
+                await trio.lowlevel.checkpoint()  # the compute may not have been one (Scheduler.submit)
             return token
         return await self._predict_finish(await self._step_begin(token))
 

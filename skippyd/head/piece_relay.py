@@ -13,6 +13,12 @@ way (a slow client) go out together as one message.
 :meth:`PieceRelay.finish` lets the queued pieces out before the caller sends
 its last message (the result or an error), so the client sees every piece
 first; a client that takes none of it within the timeout is given up.
+
+A generation that computes on the event loop's thread (a single stage's
+lone session: see Scheduler._direct) blocks the loop for a whole step, and
+a send takes the relay's task a few passes of trio's scheduler; with one
+pass per step the text came out in bursts, tokens late. Such a generation
+calls :meth:`PieceRelay.let_out` before it computes.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 FINISH_TIMEOUT_S = 10.0  # the queued pieces must be out this long after the generation ended
+LET_OUT_PASSES = 8  # a send takes ~3-4 passes; a client slow to read gets no more of its generation's time
 
 
 class ClientStalled(Exception):
@@ -35,13 +42,26 @@ class PieceRelay:
         self._tx, self._rx = trio.open_memory_channel(math.inf)
         self._done = trio.Event()
         self.messages = 0  # sent to the client (fewer than the pieces pushed when a slow client made them wait)
+        self._pushed = self._sent = 0  # pieces
 
     def push(self, text: str) -> None:
         """The engine's ``on_piece``: queue `text` for the client, at once."""
         try:
             self._tx.send_nowait(text)
+            self._pushed += 1
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass  # the relay was given up (its client is gone): the generation learns from its own scope
+
+    __call__ = push  # the relay itself is the engine's on_piece (which then finds let_out)
+
+    async def let_out(self, max_passes: int = LET_OUT_PASSES) -> None:
+        """A checkpoint, then more until the queued pieces are sent (at most `max_passes` in all): for a
+        generation about to block the event loop with a compute."""
+        await trio.lowlevel.checkpoint()
+        for _ in range(max_passes - 1):
+            if self._sent == self._pushed:
+                return
+            await trio.lowlevel.checkpoint()
 
     async def run(self) -> None:
         """Send the queued pieces in order until :meth:`finish`; a send's error propagates (the client is
@@ -54,7 +74,11 @@ class PieceRelay:
                         parts.append(self._rx.receive_nowait())
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
-                await self._send(parts[0] if len(parts) == 1 else "".join(parts), len(parts))
+                self._sending = True
+                try:
+                    await self._send(parts[0] if len(parts) == 1 else "".join(parts), len(parts))
+                finally:
+                    self._pushed = self._sent = 0  # pieces
                 self.messages += 1
         finally:
             self._done.set()

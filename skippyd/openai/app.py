@@ -419,7 +419,7 @@ class OpenAIApp:
                     nursery.start_soon(relay_pieces)
                 try:
                     try:
-                        result = await self._admitted(engine, greq, relay.push if relay is not None else None)
+                        result = await self._admitted(engine, greq, relay)
                     except Exception as exc:  # raised outside the nursery, so not wrapped in a group
                         failure = exc
                     if relay is not None:
