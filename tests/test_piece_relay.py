@@ -126,3 +126,24 @@ async def test_let_out_gives_a_stalled_client_a_few_passes_only():
         with trio.fail_after(1):
             await relay.let_out()  # returns although nothing can go out
         nursery.cancel_scope.cancel()
+
+
+async def test_let_out_waits_for_a_piece_queued_during_a_send():
+    sent: list[str] = []
+    sending = trio.Event()
+
+    async def send(text: str, pieces: int) -> None:
+        sending.set()
+        for _ in range(3):
+            await trio.lowlevel.checkpoint()
+        sent.append(text)
+
+    relay = PieceRelay(send)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.run)
+        relay.push("a")
+        await sending.wait()  # "a" is on its way
+        relay.push("b")
+        await relay.let_out()
+        assert sent == ["a", "b"]  # not only the send under way when let_out began
+        await relay.finish()

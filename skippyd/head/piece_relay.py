@@ -74,12 +74,9 @@ class PieceRelay:
                         parts.append(self._rx.receive_nowait())
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
-                self._sending = True
-                try:
-                    await self._send(parts[0] if len(parts) == 1 else "".join(parts), len(parts))
-                finally:
-                    self._pushed = self._sent = 0  # pieces
+                await self._send(parts[0] if len(parts) == 1 else "".join(parts), len(parts))
                 self.messages += 1
+                self._sent += len(parts)
         finally:
             self._done.set()
 
