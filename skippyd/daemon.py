@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="skippy stages on this host take turns at the cores, each computing with all its "
                           "threads (default auto: on unless a stage has 1 thread; off: the stages of the "
                           "topology on this host split the cores instead)")
+    run.add_argument("--adapt-threads", choices=("on", "off"), default=None,
+                     help="with several threads: compute with one while that is much faster, as when other "
+                          "programs hold the cores and ggml's threads wait for each other (default on)")
     run.add_argument("--flash-attn", choices=("off", "on", "auto"), default=None,
                      help="llama.cpp's flash attention (default off: on this CPU build it halves decode speed "
                           "once a session holds a few hundred tokens; auto lets llama.cpp decide)")
@@ -253,7 +256,8 @@ class Daemon:
             threads = a.threads or cores
             lock = a.compute_lock == "on" or threads > 1
         cfg = StageConfig(n_ctx_per_seq=a.ctx, lanes=a.lanes, n_batch=a.batch, n_threads=threads, thread_poll=poll,
-                          compute_lock=lock, flash_attn=a.flash_attn, decode_groups=self._decode_groups(),
+                          compute_lock=lock, adapt_threads=a.adapt_threads == "on", flash_attn=a.flash_attn,
+                          decode_groups=self._decode_groups(),
                           credit_limit=a.credit, reply_timeout_s=a.reply_timeout,
                           direct_return=getattr(a, "direct_return", None) is not False,
                           link_delay_ms=getattr(a, "link_delay_ms", None) or 0.0,

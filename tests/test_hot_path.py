@@ -78,7 +78,51 @@ async def test_stages_sharing_a_host_use_every_core_and_take_turns(two):
     # one host (loopback): one group of decoding sessions, the stages take turns at the cores
     for snap in await _snapshots(two):
         assert snap["compute"] == {"threads": os.cpu_count(), "thread_poll": 0, "compute_lock": os.cpu_count() > 1,
-                               "flash_attn": "off", "decode_groups": 1}
+                               "adapt_threads": True, "flash_attn": "off", "decode_groups": 1}
+        assert snap["threads"]["configured"] == os.cpu_count() and snap["threads"]["adaptive"] == (os.cpu_count() > 1)
+
+
+@pytest.fixture
+def two_threads(default_model_path, tmp_path):
+    from tests.procs import SingleStage
+
+    pipe = SingleStage(default_model_path, tmp_path, ["--threads", "2", "--lanes", "1", "--ctx", "512"])
+    yield pipe
+    assert pipe.stop() == {0: 0}
+
+
+async def test_a_stage_computes_with_one_thread_while_other_programs_hold_the_cores(two_threads):
+    """Busy programs on every core: ggml's two threads wait for each other at every barrier, one thread
+    only shares its core. The stage moves to one thread, generates the same tokens, and goes back to two
+    once the cores are free again (after RECHECK_S)."""
+    import os
+
+    import trio
+
+    from skippyd.stage.threads import RECHECK_S
+
+    pipe = two_threads
+
+    async def threads() -> dict:
+        return (await pipe.stages[0].astatus())["head"]["threads"]
+
+    want = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=48)  # also the chooser's baseline
+    assert await threads() == {"configured": 2, "now": 2, "adaptive": True, "switches": 0, "trials": 0}
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        loaded = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=48)
+        during = await threads()
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert loaded["tokens"] == want["tokens"]  # greedy parity at either thread count
+    assert during["now"] == 1 and during["switches"] == 1, during
+    await trio.sleep(RECHECK_S)
+    again = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=32)
+    after = await threads()
+    assert after["now"] == 2 and after["switches"] == 2, after
+    assert again["tokens"] == want["tokens"][:32]
 
 
 def test_chunk_grows_to_cover_the_link_round_trip_and_no_further():

@@ -130,6 +130,7 @@ class HeadNode:
         snap.update(stage_index=0, scheduler=_stats(self.engine),
                     downstream=self.watch.describe() if self.watch is not None else None,
                     hot_path=self.engine.scheduler.hot_path.describe() if self.engine else None,
+                    threads=self.engine.scheduler.threads.describe() if self.engine else None,
                     compute=self.config.describe_compute(),
                     prefill=self.engine.chunker.describe() if self.engine and self.engine.pool else None,
                     token_return=self.engine.describe_token_return() if self.engine else None)

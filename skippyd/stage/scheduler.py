@@ -38,6 +38,7 @@ import numpy as np
 import trio
 
 from skippyd.runtime.llama import Context, LlamaError, Sampler
+from skippyd.stage.threads import ThreadChooser
 from skippyd.telemetry import span
 
 log = logging.getLogger(__name__)
@@ -228,7 +229,7 @@ class Scheduler:
     """
 
     def __init__(self, ctx: Context, *, max_batch_tokens: int | None = None,
-                 host_lock: HostComputeLock | None = None, decode_groups: int = 1):
+                 host_lock: HostComputeLock | None = None, decode_groups: int = 1, adapt_threads: bool = True):
         self.ctx = ctx
         self.host_lock = host_lock  # owned: closed when serve() ends
         self.max_batch_tokens = max_batch_tokens or ctx.n_batch
@@ -250,6 +251,9 @@ class Scheduler:
         self._batches_done = 0
         self._arrived: trio.Event | None = None  # set by submit() while _gather waits
         self._busy = False  # the serve task is between its wake-up and its next wait
+        # decode (and prefill) with the configured threads, or one while that is much faster
+        self.threads = ThreadChooser(ctx.params.n_threads, enabled=adapt_threads)
+        self._threads_now = ctx.params.n_threads
 
     # ---------------------------------------------------------------- clients
     async def submit(self, job: Job) -> object:
@@ -315,6 +319,7 @@ class Scheduler:
         try:
             with span("scheduler.decode", seqs=1, tokens=1):
                 try:
+                    threads = self._use_threads()
                     native, native_cpu = time.perf_counter(), time.thread_time()
                     if ctx.token_input:
                         ctx.decode_row(job.pos_start, job.seq, token=int(job.tokens[0]))
@@ -334,6 +339,7 @@ class Scheduler:
             self._fail([job], exc, started)
             return
         self._native_us, self._native_cpu_us, self._lock_wait_us = native_us, native_cpu_us, 0
+        self.threads.observe(threads, 1, native_us / 1e6)
         self._count_batch(1, 1)
         now = time.perf_counter()
         self.hot_path.loop_native_cpu_s += native_cpu_us / 1e6
@@ -579,6 +585,17 @@ class Scheduler:
             stats.decode_batches += 1
             stats.decode_jobs += n_jobs
 
+    def _use_threads(self) -> int:
+        """Set the context's thread count to the chooser's pick (for decode and prefill alike: other programs
+        on the cores slow a prefill's threads as much); the count."""
+        threads = self.threads.pick()
+        if threads != self._threads_now:
+            params = self.ctx.params
+            batch_threads = params.n_threads_batch or params.n_threads if threads == params.n_threads else threads
+            self.ctx.set_threads(threads, batch_threads)
+            self._threads_now = threads
+        return threads
+
     def _compute_sync(self, batch: list[Job], locked: bool = False) -> list[object]:
         """Worker thread: one llama_decode for the whole batch, then split the outputs (one per job)."""
         ctx = self.ctx
@@ -602,6 +619,7 @@ class Scheduler:
         if take_lock and not holding:
             self.stats.lock_timeouts = self.host_lock.timeouts
         try:
+            threads = self._use_threads()
             native = time.perf_counter()
             native_cpu = time.thread_time()
             if row is None:
@@ -615,6 +633,8 @@ class Scheduler:
         self.stats.lock_wait_s += native - waiting
         native = time.perf_counter() - native
         native_cpu = time.thread_time() - native_cpu
+        if n_tokens == len(batch):  # decode steps only: what the thread count is judged by
+            self.threads.observe(threads, n_tokens, native)
         self._count_batch(len(batch), n_tokens)
         if ctx.hidden_output:
             hidden = ctx.hidden()

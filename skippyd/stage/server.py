@@ -62,6 +62,7 @@ class StageConfig:
     # sharing the cores (two 2-thread stages on 2 cores: a third of the speed; see BENCHMARKS.md).
     thread_poll: int | None = 0
     compute_lock: bool = False  # take turns at the cores with the other stages on this host (HostComputeLock)
+    adapt_threads: bool = True  # one thread while it is much faster than n_threads (skippyd/stage/threads.py)
     flash_attn: str = "off"  # llama.cpp's flash attention: off | on | auto (see ContextParams)
     # the stages compute at the same time (hosts of their own): keep this many groups of sessions in flight
     # (Scheduler.decode_groups; the daemon resolves 0, auto, from the topology's hosts)
@@ -74,11 +75,12 @@ class StageConfig:
 
     def describe_compute(self) -> dict:
         return {"threads": self.n_threads, "thread_poll": self.thread_poll, "compute_lock": self.compute_lock,
-                "flash_attn": self.flash_attn, "decode_groups": self.decode_groups}
+                "adapt_threads": self.adapt_threads, "flash_attn": self.flash_attn,
+                "decode_groups": self.decode_groups}
 
     def scheduler(self, context: Context) -> Scheduler:
         return Scheduler(context, host_lock=HostComputeLock() if self.compute_lock else None,
-                         decode_groups=self.decode_groups)
+                         decode_groups=self.decode_groups, adapt_threads=self.adapt_threads)
 
     @property
     def link_shape(self) -> LinkShape:
@@ -205,6 +207,7 @@ class StageServer:
             draining=self.draining,
             scheduler=attrs.asdict(self.scheduler.stats) if self.scheduler else {},
             hot_path=self.scheduler.hot_path.describe() if self.scheduler else None,
+            threads=self.scheduler.threads.describe() if self.scheduler else None,
             compute=self.config.describe_compute(),
             queued=self.scheduler.queued if self.scheduler else 0,
             token_return=self.token_return.describe() if self.token_return else None,

@@ -1,0 +1,109 @@
+"""Decode speed while other programs keep the cores busy: a single-stage skippyd with 2 threads and
+--adapt-threads on (the default), the same with it off, and one with 1 thread.
+
+    .venv/bin/python bench/under_load.py [--hogs 0,1,2] [--rounds 3] [--tokens 64] [--json out.json]
+
+ggml's threads meet at a barrier after every op; a busy program that takes a core from one of them holds
+the others up, so a multi-threaded decode slows down far more than a single thread that shares its core
+(skippyd/stage/threads.py). Each round runs, for every number of hogs (busy-looping processes, started
+before and killed after the round's generations), one greedy generation of --tokens tokens on each
+daemon in turn (order reversed every other round). Printed: decode tokens/s, median (min-max) over the
+rounds, and each configuration's ratio to "2 threads, adapt off" with the same hogs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from skippyd.runtime.models import fetch_default_model  # noqa: E402
+from tests.procs import SingleStage  # noqa: E402
+
+PROMPT = "Write a long story about a dragon who learns to sail."
+CONFIGS = {
+    "2 threads, adapt on": ["--threads", "2"],
+    "2 threads, adapt off": ["--threads", "2", "--adapt-threads", "off"],
+    "1 thread": ["--threads", "1"],
+}
+REFERENCE = "2 threads, adapt off"
+
+
+def hogs(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def start(work: Path) -> dict[str, SingleStage]:
+    model = fetch_default_model()
+    common = ["--lanes", "1", "--ctx", "1024"]
+    return {name: SingleStage(model, work / f"d{i}", [*flags, *common])
+            for i, (name, flags) in enumerate(CONFIGS.items())}
+
+
+async def measure(args, daemons: dict[str, SingleStage]) -> dict[int, dict[str, list[float]]]:
+    levels = [int(h) for h in args.hogs.split(",")]
+    results = {h: {name: [] for name in CONFIGS} for h in levels}
+    for pipe in daemons.values():  # warm-up, and the adaptive chooser's unloaded baseline
+        await pipe.generate(prompt=PROMPT, raw=True, max_tokens=32)
+    for r in range(args.rounds):
+        for h in levels:
+            order = list(daemons.items())
+            if r % 2:
+                order.reverse()
+            running = hogs(h)
+            try:
+                await trio.sleep(0.5)
+                for name, pipe in order:
+                    got = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=args.tokens)
+                    results[h][name].append(got["timings"]["decode_tokens_per_s"])
+            finally:
+                for p in running:
+                    p.kill()
+                    p.wait()
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    return results
+
+
+def report(results: dict[int, dict[str, list[float]]]) -> None:
+    print("decode tok/s, single stage, median (min-max); ratio to 2 threads with adapt off, same hogs")
+    for h, by_name in results.items():
+        ref = statistics.median(by_name[REFERENCE])
+        print(f"  {h} busy program(s):")
+        for name, values in by_name.items():
+            med = statistics.median(values)
+            print(f"    {name:22} {med:7.2f} ({min(values):.1f}-{max(values):.1f})  x{med / ref:.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hogs", default="0,1,2", help="comma-separated numbers of busy programs")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="skippy-load-") as tmp:
+        work = Path(tmp)
+        for i in range(len(CONFIGS)):
+            (work / f"d{i}").mkdir()
+        daemons = start(work)
+        try:
+            results = trio.run(measure, args, daemons)
+        finally:
+            for pipe in daemons.values():
+                pipe.stop()
+    report(results)
+    if args.json:
+        args.json.write_text(json.dumps({str(h): v for h, v in results.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""How many threads a stage computes with: the configured count while it is fast, one thread while other
+programs hold the cores.
+
+ggml's threads meet at a barrier after every op of a graph (hundreds per decode step). When another
+program takes a core from one of them, the others wait at the next barrier until it runs again, so a
+multi-threaded step slows down many times over where one thread merely shares its core: on the 2-core
+development VM, with two busy programs beside it, a single stage decoded 8 tokens/s with 2 threads and
+26 with one (bench/under_load.py, BENCHMARKS.md). Operators cannot be expected to watch for that, so the
+scheduler times every decode batch (native time, no lock wait) and :class:`ThreadChooser` decides:
+
+- on the configured count, once its recent median is SLOWER times its own baseline (first measured when
+  the stage started decoding), it tries one thread for TRIAL_STEPS batches and keeps whichever count
+  was faster by GAIN; if one thread was no faster (a longer context slows every step too), the slow
+  median becomes the baseline, so it takes another such slowdown to try again;
+- on one thread, it tries the configured count again every RECHECK_S, and goes back to it once faster.
+
+A trial ends at once, lost, on a step more than ABORT times the current count's median: while the load
+lasts, a try of the configured count costs one slow step every RECHECK_S, and once it is gone the stage
+is back on all its threads within RECHECK_S.
+
+Batches are compared only with batches of as many rows (sessions).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+SLOWER = 1.5  # recent median / baseline on the configured count that makes it try one thread
+GAIN = 0.8  # a count on trial is kept when its median is below GAIN x the current count's
+TRIAL_STEPS = 4  # decode batches of one size a trial measures
+TRIAL_MAX_STEPS = 16  # a trial that saw no TRIAL_STEPS batches of one size by then ends with no change
+WINDOW = 8  # recent decode batches kept per thread count and batch size
+ABORT = 2.0  # a trial's step this many times slower than the current count's median ends it, lost
+RECHECK_S = 2.0  # on one thread: how often to try the configured count again
+
+
+class ThreadChooser:
+    def __init__(self, configured: int, *, enabled: bool = True, clock: Callable[[], float] = time.monotonic):
+        self.configured = configured
+        self.enabled = enabled and configured > 1
+        self.current = configured
+        self.switches = 0  # changes of the current count
+        self.trials = 0
+        self._clock = clock
+        self._trial: int | None = None  # the count on trial
+        self._trial_times: dict[int, list[float]] = {}  # rows -> the trial's times
+        self._trial_steps = 0
+        self._recent: dict[tuple[int, int], deque[float]] = {}  # (threads, rows) -> recent times
+        self._baseline: dict[int, float] = {}  # rows -> the configured count's median when judged fine
+        self._recheck_at = 0.0
+
+    def pick(self) -> int:
+        """The thread count for the next compute."""
+        return self._trial if self._trial is not None else self.current
+
+    def describe(self) -> dict:
+        return {"configured": self.configured, "now": self.pick(), "adaptive": self.enabled,
+                "switches": self.switches, "trials": self.trials}
+
+    def observe(self, threads: int, rows: int, seconds: float) -> None:
+        """A decode batch of `rows` sessions took `seconds` of native compute with `threads` threads."""
+        if not self.enabled:
+            return
+        if self._trial is not None:
+            if threads == self._trial:
+                self._observe_trial(rows, seconds)
+            return
+        if threads != self.current:
+            return
+        recent = self._recent.setdefault((threads, rows), deque(maxlen=WINDOW))
+        recent.append(seconds)
+        if len(recent) < WINDOW:
+            return
+        if self.current == self.configured:
+            now = statistics.median(recent)
+            base = self._baseline.setdefault(rows, now)
+            if now > SLOWER * base:
+                self._start_trial(1)
+        elif self._clock() >= self._recheck_at:
+            self._start_trial(self.configured)
+
+    def _start_trial(self, threads: int) -> None:
+        self._trial, self._trial_times, self._trial_steps = threads, {}, 0
+        self.trials += 1
+
+    def _observe_trial(self, rows: int, seconds: float) -> None:
+        times = self._trial_times.setdefault(rows, [])
+        times.append(seconds)
+        self._trial_steps += 1
+        recent = self._recent.get((self.current, rows))
+        current = statistics.median(recent) if recent else None
+        if current is not None and (len(times) >= TRIAL_STEPS or seconds > ABORT * current):
+            self._judge(rows, statistics.median(times), current)
+        elif self._trial_steps >= TRIAL_MAX_STEPS:
+            self._end_trial()
+
+    def _judge(self, rows: int, trial: float, current: float) -> None:
+        tried = self._trial
+        self._end_trial()
+        if trial < GAIN * current:
+            log.info("compute threads %d -> %d: a decode step of %d session(s) took %.1f ms with %d, %.1f ms with "
+                     "%d%s", self.current, tried, rows, current * 1e3, self.current, trial * 1e3, tried,
+                     " (other programs on the cores?)" if tried == 1 else "")
+            self.current = tried
+            self.switches += 1
+            # what was measured before the switch is stale: the load has changed
+            self._recent = {}
+            if tried == self.configured:
+                self._baseline = {rows: trial}
+        elif self.current == self.configured:
+            self._baseline[rows] = current  # slower, but one thread is no help: judge from here on
+        if self.current != self.configured:
+            self._recheck_at = self._clock() + RECHECK_S
+
+    def _end_trial(self) -> None:
+        self._trial, self._trial_times, self._trial_steps = None, {}, 0

@@ -1,0 +1,83 @@
+"""ThreadChooser: the configured thread count while it is fast, one thread while other programs hold the
+cores (its decisions, from given step times; tests/test_hot_path.py runs it on a real stage under load)."""
+
+from __future__ import annotations
+
+from skippyd.stage.threads import RECHECK_S, TRIAL_STEPS, WINDOW, ThreadChooser
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(chooser: ThreadChooser, steps: int, ms: dict[int, float], rows: int = 1) -> list[int]:
+    """`steps` decode batches, each taking ms[threads]; the thread counts picked."""
+    picked = []
+    for _ in range(steps):
+        threads = chooser.pick()
+        picked.append(threads)
+        chooser.observe(threads, rows, ms[threads] / 1e3)
+    return picked
+
+
+def test_a_steady_stage_keeps_its_threads_and_never_tries_one():
+    chooser = ThreadChooser(2)
+    assert set(run(chooser, 500, {2: 13.0, 1: 22.0})) == {2}
+    assert chooser.trials == 0
+
+
+def test_under_load_it_moves_to_one_thread_and_back_when_the_load_goes():
+    clock = Clock()
+    chooser = ThreadChooser(2, clock=clock)
+    run(chooser, 20, {2: 13.0, 1: 22.0})
+    picked = run(chooser, 40, {2: 120.0, 1: 30.0})  # two busy programs on the cores
+    assert picked[-1] == 1 and chooser.current == 1 and chooser.switches == 1
+    assert picked.count(1) >= 40 - WINDOW - 1  # it tried after a window of slow steps, and kept one thread
+    assert set(run(chooser, 50, {2: 13.0, 1: 22.0})) == {1}  # rechecks wait for RECHECK_S ...
+    clock.now += RECHECK_S
+    picked = run(chooser, 20, {2: 13.0, 1: 22.0})
+    # the step that finds RECHECK_S passed starts the trial
+    assert picked[1:1 + TRIAL_STEPS] == [2] * TRIAL_STEPS and chooser.current == 2 and chooser.switches == 2
+    assert set(picked[1:]) == {2}
+
+
+def test_while_the_load_stays_it_stays_on_one_thread_and_rechecks_rarely():
+    clock = Clock()
+    chooser = ThreadChooser(2, clock=clock)
+    run(chooser, 20, {2: 13.0, 1: 22.0})
+    run(chooser, 40, {2: 120.0, 1: 30.0})
+    for _ in range(5):
+        clock.now += RECHECK_S
+        picked = run(chooser, 40, {2: 120.0, 1: 30.0})
+        assert picked.count(2) == 1  # one trial per RECHECK_S, lost at its first step (ABORT)
+    assert chooser.current == 1 and chooser.switches == 1
+
+
+def test_a_slowdown_that_one_thread_does_not_help_is_the_new_baseline():
+    """A longer context slows every step: one trial, then no more until it slows as much again."""
+    chooser = ThreadChooser(2)
+    run(chooser, 20, {2: 13.0, 1: 22.0})
+    picked = run(chooser, 200, {2: 21.0, 1: 36.0})
+    assert picked.count(1) == TRIAL_STEPS and chooser.current == 2 and chooser.trials == 1
+    run(chooser, 100, {2: 33.0, 1: 55.0})
+    assert chooser.trials == 2 and chooser.current == 2
+
+
+def test_batch_sizes_are_judged_apart():
+    """A batch of 4 sessions takes longer than one session's step: no slowdown, no trial."""
+    chooser = ThreadChooser(2)
+    for _ in range(30):
+        run(chooser, 3, {2: 13.0, 1: 22.0}, rows=1)
+        run(chooser, 3, {2: 24.0, 1: 40.0}, rows=4)
+    assert chooser.trials == 0
+
+
+def test_one_configured_thread_or_adapt_off_never_changes():
+    for chooser in (ThreadChooser(1), ThreadChooser(2, enabled=False)):
+        run(chooser, 20, {1: 13.0, 2: 13.0})
+        assert set(run(chooser, 50, {1: 200.0, 2: 200.0})) == {chooser.configured}
+        assert chooser.trials == 0
