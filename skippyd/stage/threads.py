@@ -8,8 +8,9 @@ development VM, with two busy programs beside it, a single stage decoded 8 token
 26 with one (bench/under_load.py, BENCHMARKS.md). Operators cannot be expected to watch for that, so the
 scheduler times every decode batch (native time, no lock wait) and :class:`ThreadChooser` decides:
 
-- on the configured count, once its recent median is SLOWER times its own baseline (first measured when
-  the stage started decoding), it tries one thread for TRIAL_STEPS batches and keeps whichever count
+- once, as soon as the configured count has its first baseline (the median of its first WINDOW decode
+  batches), it tries one thread: a stage may start on a busy host;
+- on the configured count, once its recent median is SLOWER times its own baseline, it tries one thread for TRIAL_STEPS batches and keeps whichever count
   was faster by GAIN; if one thread was no faster (a longer context slows every step too), the slow
   median becomes the baseline, so it takes another such slowdown to try again;
 - on one thread, it tries the configured count again every RECHECK_S, and goes back to it once faster.
@@ -36,6 +37,7 @@ GAIN = 0.8  # a count on trial is kept when its median is below GAIN x the curre
 TRIAL_STEPS = 4  # decode batches of one size a trial measures
 TRIAL_MAX_STEPS = 16  # a trial that saw no TRIAL_STEPS batches of one size by then ends with no change
 WINDOW = 8  # recent decode batches kept per thread count and batch size
+JUDGE_EVERY = 4  # decode batches between two looks at the recent median
 ABORT = 2.0  # a trial's step this many times slower than the current count's median ends it, lost
 RECHECK_S = 2.0  # on one thread: how often to try the configured count again
 
@@ -54,6 +56,7 @@ class ThreadChooser:
         self._recent: dict[tuple[int, int], deque[float]] = {}  # (threads, rows) -> recent times
         self._baseline: dict[int, float] = {}  # rows -> the configured count's median when judged fine
         self._recheck_at = 0.0
+        self._observed = 0
 
     def pick(self) -> int:
         """The thread count for the next compute."""
@@ -73,14 +76,22 @@ class ThreadChooser:
             return
         if threads != self.current:
             return
-        recent = self._recent.setdefault((threads, rows), deque(maxlen=WINDOW))
+        key = (threads, rows)
+        recent = self._recent.get(key)
+        if recent is None:
+            recent = self._recent[key] = deque(maxlen=WINDOW)
         recent.append(seconds)
-        if len(recent) < WINDOW:
+        self._observed += 1
+        if len(recent) < WINDOW or self._observed % JUDGE_EVERY:  # a median per step would cost every step
             return
         if self.current == self.configured:
             now = statistics.median(recent)
-            base = self._baseline.setdefault(rows, now)
-            if now > SLOWER * base:
+            base = self._baseline.get(rows)
+            if base is None:
+                self._baseline[rows] = now
+                if not self.trials:
+                    self._start_trial(1)  # the first baseline may have been measured under load
+            elif now > SLOWER * base:
                 self._start_trial(1)
         elif self._clock() >= self._recheck_at:
             self._start_trial(self.configured)
