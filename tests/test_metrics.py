@@ -78,7 +78,8 @@ def fake_daemon():
         scheduler=SimpleNamespace(stats=SimpleNamespace(compute_s=1.5, batches=9, tokens=40)))
     pool = SimpleNamespace(capacity=4, describe=lambda: [{"state": "busy"}, {"state": "busy"}, {"state": "idle"}])
     stage = SimpleNamespace(index=1, sessions=SimpleNamespace(live=[object()], free_slots=3),
-                            scheduler=SimpleNamespace(stats=SimpleNamespace(compute_s=2.5, batches=11, tokens=44)))
+                            scheduler=SimpleNamespace(stats=SimpleNamespace(compute_s=2.5, batches=11, tokens=44),
+                                                      threads=SimpleNamespace(pick=lambda: 1)))
     return SimpleNamespace(head=SimpleNamespace(engine=engine, pool=pool), stages=[stage], draining=True)
 
 
@@ -96,6 +97,7 @@ def test_daemon_state_is_read_at_scrape_time():
     assert s[("skippy_stage_sessions", (("stage", "1"),))] == 1
     assert s[("skippy_stage_free_slots", (("stage", "1"),))] == 3
     assert s[("skippy_scheduler_compute_seconds_total", (("stage", "1"),))] == 2.5
+    assert s[("skippy_compute_threads", (("stage", "1"),))] == 1  # on one thread now (ThreadChooser)
     assert s[("skippy_head_generations_total", (("outcome", "error"),))] == 1
     assert s[("skippy_head_tokens_total", (("kind", "prompt"),))] == 70
     assert s[("skippy_draining", ())] == 1

@@ -192,6 +192,8 @@ class _DaemonCollector(Collector):
         batches = CounterMetricFamily("skippy_scheduler_batches", "llama_decode calls per local stage",
                                       labels=["stage"])
         tokens = CounterMetricFamily("skippy_scheduler_tokens", "Tokens computed per local stage", labels=["stage"])
+        threads = GaugeMetricFamily("skippy_compute_threads", "Threads the local stage computes with now "
+                                    "(fewer than configured while other programs hold the cores)", labels=["stage"])
         for index, table, scheduler in tables:
             k = str(index)
             if table is not None:
@@ -202,4 +204,7 @@ class _DaemonCollector(Collector):
                 compute.add_metric([k], stats.compute_s)
                 batches.add_metric([k], stats.batches)
                 tokens.add_metric([k], stats.tokens)
-        yield from (live, free, compute, batches, tokens)
+            chooser = getattr(scheduler, "threads", None)
+            if chooser is not None:
+                threads.add_metric([k], chooser.pick())
+        yield from (live, free, compute, batches, tokens, threads)
