@@ -110,7 +110,7 @@ class RuntimeSection:
     thread_poll: int = attrs.field(default=0, validator=_in_range(-1, 100))
     # skippy stages on one host take turns at the cores; auto: unless a stage has one thread
     compute_lock: str = attrs.field(default="auto", validator=_one_of(("auto", "on", "off")))
-    # with several threads: one thread while it is much faster (other programs on the cores; ThreadChooser)
+    # with several threads: fewer while that is much faster (other programs on the cores; ThreadChooser)
     adapt_threads: str = attrs.field(default="on", validator=_one_of(("on", "off")))
     # llama.cpp's flash attention; off: on this CPU build it halves decode at a few hundred tokens of context
     flash_attn: str = attrs.field(default="off", validator=_one_of(("off", "on", "auto")))

@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "threads (default auto: on unless a stage has 1 thread; off: the stages of the "
                           "topology on this host split the cores instead)")
     run.add_argument("--adapt-threads", choices=("on", "off"), default=None,
-                     help="with several threads: compute with one while that is much faster, as when other "
-                          "programs hold the cores and ggml's threads wait for each other (default on)")
+                     help="with several threads: compute with fewer (half, down to one) while that is much "
+                          "faster, as when other programs hold the cores and ggml's threads wait for each other "
+                          "(default on)")
     run.add_argument("--flash-attn", choices=("off", "on", "auto"), default=None,
                      help="llama.cpp's flash attention (default off: on this CPU build it halves decode speed "
                           "once a session holds a few hundred tokens; auto lets llama.cpp decide)")

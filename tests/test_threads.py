@@ -1,5 +1,6 @@
-"""ThreadChooser: the configured thread count while it is fast, one thread while other programs hold the
-cores (its decisions, from given step times; tests/test_hot_path.py runs it on a real stage under load)."""
+"""ThreadChooser: the configured thread count while it is fast, fewer (half, down to one) while other
+programs hold the cores (its decisions, from given step times; tests/test_hot_path.py runs it on a real
+stage under load)."""
 
 from __future__ import annotations
 
@@ -88,3 +89,19 @@ def test_one_configured_thread_or_adapt_off_never_changes():
         run(chooser, 20, {1: 13.0, 2: 13.0})
         assert set(run(chooser, 50, {1: 200.0, 2: 200.0})) == {chooser.configured}
         assert chooser.trials == 0
+
+
+def test_with_eight_threads_it_steps_down_to_the_fastest_count_and_back_up():
+    clock = Clock()
+    chooser = ThreadChooser(8, clock=clock)
+    idle = {8: 10.0, 4: 14.0, 2: 22.0, 1: 40.0}
+    run(chooser, 40, idle)
+    assert chooser.current == 8
+    run(chooser, 80, {8: 200.0, 4: 60.0, 2: 35.0, 1: 50.0})  # busy programs on some of the cores
+    assert chooser.current == 2 and chooser.switches == 2  # 8 -> 4 -> 2; 1 was tried, and slower
+    for want in (4, 8):  # the load gone: twice as many every RECHECK_S
+        clock.now += RECHECK_S
+        run(chooser, 20, idle)
+        assert chooser.current == want
+    assert set(run(chooser, 100, idle)) == {8}
+

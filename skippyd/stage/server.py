@@ -62,7 +62,7 @@ class StageConfig:
     # sharing the cores (two 2-thread stages on 2 cores: a third of the speed; see BENCHMARKS.md).
     thread_poll: int | None = 0
     compute_lock: bool = False  # take turns at the cores with the other stages on this host (HostComputeLock)
-    adapt_threads: bool = True  # one thread while it is much faster than n_threads (skippyd/stage/threads.py)
+    adapt_threads: bool = True  # fewer threads while that is much faster (skippyd/stage/threads.py)
     flash_attn: str = "off"  # llama.cpp's flash attention: off | on | auto (see ContextParams)
     # the stages compute at the same time (hosts of their own): keep this many groups of sessions in flight
     # (Scheduler.decode_groups; the daemon resolves 0, auto, from the topology's hosts)

@@ -1,4 +1,4 @@
-"""How many threads a stage computes with: the configured count while it is fast, one thread while other
+"""How many threads a stage computes with: the configured count while it is fast, fewer while other
 programs hold the cores.
 
 ggml's threads meet at a barrier after every op of a graph (hundreds per decode step). When another
@@ -6,18 +6,20 @@ program takes a core from one of them, the others wait at the next barrier until
 multi-threaded step slows down many times over where one thread merely shares its core: on the 2-core
 development VM, with two busy programs beside it, a single stage decoded 8 tokens/s with 2 threads and
 26 with one (bench/under_load.py, BENCHMARKS.md). Operators cannot be expected to watch for that, so the
-scheduler times every decode batch (native time, no lock wait) and :class:`ThreadChooser` decides:
+scheduler times every decode batch (native time, no lock wait) and :class:`ThreadChooser` decides,
+between the configured count and its halves down to one (8, 4, 2, 1):
 
 - once, as soon as the configured count has its first baseline (the median of its first WINDOW decode
-  batches), it tries one thread: a stage may start on a busy host;
-- on the configured count, once its recent median is SLOWER times its own baseline, it tries one thread for TRIAL_STEPS batches and keeps whichever count
-  was faster by GAIN; if one thread was no faster (a longer context slows every step too), the slow
+  batches), it tries half as many: a stage may start on a busy host;
+- once the recent median of the count in use is SLOWER times that count's baseline, it tries half as
+  many threads for TRIAL_STEPS batches and keeps them if they were faster by GAIN (then, after WINDOW
+  batches, tries half as many again); if not (a longer context slows every step too), the slow
   median becomes the baseline, so it takes another such slowdown to try again;
-- on one thread, it tries the configured count again every RECHECK_S, and goes back to it once faster.
+- below the configured count, it tries twice as many every RECHECK_S, and keeps them once faster.
 
 A trial ends at once, lost, on a step more than ABORT times the current count's median: while the load
-lasts, a try of the configured count costs one slow step every RECHECK_S, and once it is gone the stage
-is back on all its threads within RECHECK_S.
+lasts, a try of more threads costs one slow step every RECHECK_S, and once it is gone the stage is back
+on all its threads within a few RECHECK_S.
 
 Batches are compared only with batches of as many rows (sessions).
 """
@@ -32,14 +34,14 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-SLOWER = 1.5  # recent median / baseline on the configured count that makes it try one thread
+SLOWER = 1.5  # recent median / the count's baseline that makes it try half as many threads
 GAIN = 0.8  # a count on trial is kept when its median is below GAIN x the current count's
 TRIAL_STEPS = 4  # decode batches of one size a trial measures
 TRIAL_MAX_STEPS = 16  # a trial that saw no TRIAL_STEPS batches of one size by then ends with no change
 WINDOW = 8  # recent decode batches kept per thread count and batch size
 JUDGE_EVERY = 4  # decode batches between two looks at the recent median
 ABORT = 2.0  # a trial's step this many times slower than the current count's median ends it, lost
-RECHECK_S = 2.0  # on one thread: how often to try the configured count again
+RECHECK_S = 2.0  # below the configured count: how often to try twice as many threads
 
 
 class ThreadChooser:
@@ -54,9 +56,10 @@ class ThreadChooser:
         self._trial_times: dict[int, list[float]] = {}  # rows -> the trial's times
         self._trial_steps = 0
         self._recent: dict[tuple[int, int], deque[float]] = {}  # (threads, rows) -> recent times
-        self._baseline: dict[int, float] = {}  # rows -> the configured count's median when judged fine
+        self._baseline: dict[tuple[int, int], float] = {}  # (threads, rows) -> the median when judged fine
         self._recheck_at = 0.0
         self._observed = 0
+        self._descending = False  # half as many won the last trial: try half again after a WINDOW of them
 
     def pick(self) -> int:
         """The thread count for the next compute."""
@@ -84,17 +87,20 @@ class ThreadChooser:
         self._observed += 1
         if len(recent) < WINDOW or self._observed % JUDGE_EVERY:  # a median per step would cost every step
             return
-        if self.current == self.configured:
-            now = statistics.median(recent)
-            base = self._baseline.get(rows)
-            if base is None:
-                self._baseline[rows] = now
-                if not self.trials:
-                    self._start_trial(1)  # the first baseline may have been measured under load
-            elif now > SLOWER * base:
-                self._start_trial(1)
-        elif self._clock() >= self._recheck_at:
-            self._start_trial(self.configured)
+        if self._descending and threads > 1:  # half as many just won: not necessarily the last halving
+            self._start_trial(threads // 2)
+            return
+        if threads < self.configured and self._clock() >= self._recheck_at:
+            self._start_trial(min(self.configured, threads * 2))
+            return
+        now = statistics.median(recent)
+        base = self._baseline.get(key)
+        if base is None:
+            self._baseline[key] = now
+            if not self.trials and threads > 1:
+                self._start_trial(threads // 2)  # the first baseline may have been measured under load
+        elif now > SLOWER * base and threads > 1:
+            self._start_trial(threads // 2)
 
     def _start_trial(self, threads: int) -> None:
         self._trial, self._trial_times, self._trial_steps = threads, {}, 0
@@ -114,19 +120,19 @@ class ThreadChooser:
     def _judge(self, rows: int, trial: float, current: float) -> None:
         tried = self._trial
         self._end_trial()
+        self._descending = tried < self.current and trial < GAIN * current
         if trial < GAIN * current:
             log.info("compute threads %d -> %d: a decode step of %d session(s) took %.1f ms with %d, %.1f ms with "
                      "%d%s", self.current, tried, rows, current * 1e3, self.current, trial * 1e3, tried,
-                     " (other programs on the cores?)" if tried == 1 else "")
+                     " (other programs on the cores?)" if tried < self.current else "")
             self.current = tried
             self.switches += 1
             # what was measured before the switch is stale: the load has changed
             self._recent = {}
-            if tried == self.configured:
-                self._baseline = {rows: trial}
-        elif self.current == self.configured:
-            self._baseline[rows] = current  # slower, but one thread is no help: judge from here on
-        if self.current != self.configured:
+            self._baseline = {(tried, rows): trial}
+        elif tried < self.current:
+            self._baseline[(self.current, rows)] = current  # slower, but fewer threads are no help
+        if self.current < self.configured:
             self._recheck_at = self._clock() + RECHECK_S
 
     def _end_trial(self) -> None:
