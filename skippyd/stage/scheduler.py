@@ -21,6 +21,8 @@ Stages that share a host may take turns at the cores (``HostComputeLock``):
 ggml's workers spin at every barrier inside a graph, so two stages computing
 at once with all cores each would take each other's time slices; taking turns,
 each graph runs with every core and nothing spins against a descheduled peer.
+Other programs on the cores cannot take turns: while they slow the stage's
+threads down, it computes with fewer (``ThreadChooser``, threads.py).
 """
 
 from __future__ import annotations
@@ -251,7 +253,7 @@ class Scheduler:
         self._batches_done = 0
         self._arrived: trio.Event | None = None  # set by submit() while _gather waits
         self._busy = False  # the serve task is between its wake-up and its next wait
-        # decode (and prefill) with the configured threads, or one while that is much faster
+        # decode (and prefill) with the configured threads, or fewer while that is much faster (threads.py)
         self.threads = ThreadChooser(ctx.params.n_threads, enabled=adapt_threads)
         self._threads_now = ctx.params.n_threads
 
