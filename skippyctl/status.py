@@ -19,7 +19,8 @@ def _yes(value) -> str:
 def _table(data: dict) -> Table:
     model = data.get("model") or {}
     load = data.get("load") or {}
-    table = Table("stage", "address", "layers", "local", "reachable", "protocol",
+    threads = _threads(data)
+    table = Table("stage", "address", "layers", "local", "threads", "reachable", "protocol",
                   title=f"{data['role']} · {model.get('name', '?')} · up {data['uptime_s']:.0f}s"
                         + (" · draining" if data.get("draining") else ""),
                   caption=f"{load.get('live_generations', 0)} generations running, "
@@ -27,12 +28,25 @@ def _table(data: dict) -> Table:
                           + _down((data.get("head") or {}).get("downstream")) + _listening(data.get("listeners")))
     for s in (data.get("topology") or {}).get("stages", []):
         table.add_row(str(s["index"]), s["address"], f"[{s['layers'][0]},{s['layers'][1]})",
-                      "yes" if s["local"] else "no", _yes(s["reachable"]), _dash(s.get("version")))
+                      "yes" if s["local"] else "no", threads.get(s["index"], "-"), _yes(s["reachable"]),
+                      _dash(s.get("version")))
     if not data.get("topology"):  # a single-model daemon (--model)
         for s in data.get("local_stages", []):
             table.add_row(str(s["index"]), s["listen"] or "-", f"[{s['layers'][0]},{s['layers'][1]})", "yes",
-                          "yes", str(data.get("protocol_version")))
+                          threads.get(s["index"], "-"), "yes", str(data.get("protocol_version")))
     return table
+
+
+def _threads(data: dict) -> dict[int, str]:
+    """The compute threads of each stage this daemon runs: "N", or "N of M" while it computes with fewer than
+    its M (other programs busy on its cores; skippyd --adapt-threads)."""
+    out = {}
+    for snap in [data.get("head"), *(data.get("stages") or [])]:
+        t = (snap or {}).get("threads")
+        if t:
+            now, configured = t["now"], t["configured"]
+            out[snap["stage_index"]] = str(now) if now == configured else f"{now} of {configured}"
+    return out
 
 
 def _down(watch: dict | None) -> str:

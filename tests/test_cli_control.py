@@ -107,8 +107,27 @@ def test_status(smol2):
     assert [(s["index"], s["layers"], s["local"]) for s in topo["stages"]] == [(0, [0, 15], True),
                                                                                (1, [15, 30], False)]
     assert all(s["reachable"] is True and s["version"] == topo["protocol_version"] for s in topo["stages"])
+    assert data["head"]["threads"]["now"] == data["head"]["threads"]["configured"] >= 1
     table = ctl(smol2.head, "status")
-    assert table.exit_code == 0 and "head" in table.stdout and "[15,30)" in table.stdout
+    assert table.exit_code == 0 and "head" in table.stdout and "[15,30)" in table.stdout and "threads" in table.stdout
+
+
+def test_status_table_shows_a_stage_on_fewer_threads():
+    from rich.console import Console
+
+    from skippyctl.status import _table
+
+    data = {"role": "head", "uptime_s": 5, "version": "0", "model": {"name": "m"},
+            "topology": {"stages": [{"index": 0, "address": "a:1", "layers": [0, 15], "local": True,
+                                     "reachable": True, "version": 3},
+                                    {"index": 1, "address": "b:1", "layers": [15, 30], "local": True,
+                                     "reachable": True, "version": 3}]},
+            "head": {"stage_index": 0, "threads": {"configured": 4, "now": 4}},
+            "stages": [{"stage_index": 1, "threads": {"configured": 4, "now": 1}}]}
+    console = Console(width=120, record=True)
+    console.print(_table(data))
+    rows = [line for line in console.export_text().splitlines() if "a:1" in line or "b:1" in line]
+    assert "│ 4 " in rows[0] and "1 of 4" in rows[1], rows
 
 
 def test_status_of_a_stage_daemon(smol2):
