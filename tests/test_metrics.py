@@ -79,7 +79,7 @@ def fake_daemon():
     pool = SimpleNamespace(capacity=4, describe=lambda: [{"state": "busy"}, {"state": "busy"}, {"state": "idle"}])
     stage = SimpleNamespace(index=1, sessions=SimpleNamespace(live=[object()], free_slots=3),
                             scheduler=SimpleNamespace(stats=SimpleNamespace(compute_s=2.5, batches=11, tokens=44),
-                                                      threads=SimpleNamespace(pick=lambda: 1)))
+                                                      threads=SimpleNamespace(current=1)))
     return SimpleNamespace(head=SimpleNamespace(engine=engine, pool=pool), stages=[stage], draining=True)
 
 

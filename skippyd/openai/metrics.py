@@ -206,5 +206,5 @@ class _DaemonCollector(Collector):
                 tokens.add_metric([k], stats.tokens)
             chooser = getattr(scheduler, "threads", None)
             if chooser is not None:
-                threads.add_metric([k], chooser.pick())
+                threads.add_metric([k], chooser.current)
         yield from (live, free, compute, batches, tokens, threads)

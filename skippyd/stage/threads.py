@@ -66,7 +66,7 @@ class ThreadChooser:
         return self._trial if self._trial is not None else self.current
 
     def describe(self) -> dict:
-        return {"configured": self.configured, "now": self.pick(), "adaptive": self.enabled,
+        return {"configured": self.configured, "now": self.current, "trying": self._trial, "adaptive": self.enabled,
                 "switches": self.switches, "trials": self.trials}
 
     def observe(self, threads: int, rows: int, seconds: float) -> None:
