@@ -1,13 +1,14 @@
-"""Decode speed while other programs keep the cores busy: a single-stage skippyd with 2 threads and
---adapt-threads on (the default), the same with it off, and one with 1 thread.
+"""Decode speed while other programs keep the cores busy: a single-stage skippyd (or a 2-stage pipeline on
+loopback, --stages 2) with 2 threads per stage and --adapt-threads on (the default), the same with it off,
+and one with 1 thread.
 
-    .venv/bin/python bench/under_load.py [--hogs 0,1,2] [--rounds 3] [--tokens 64] [--json out.json]
+    .venv/bin/python bench/under_load.py [--stages 1] [--hogs 0,1,2] [--rounds 3] [--tokens 64] [--json out.json]
 
 ggml's threads meet at a barrier after every op; a busy program that takes a core from one of them holds
 the others up, so a multi-threaded decode slows down far more than a single thread that shares its core
 (skippyd/stage/threads.py). Each round runs, for every number of hogs (busy-looping processes, started
 before and killed after the round's generations), one greedy generation of --tokens tokens on each
-daemon in turn (order reversed every other round). Printed: decode tokens/s, median (min-max) over the
+configuration in turn (order reversed every other round). Printed: decode tokens/s, median (min-max) over the
 rounds, and each configuration's ratio to "2 threads, adapt off" with the same hogs.
 """
 
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from skippyd.runtime.models import fetch_default_model  # noqa: E402
-from tests.procs import SingleStage  # noqa: E402
+from tests.procs import Pipeline, SingleStage, split_for_test  # noqa: E402
 
 PROMPT = "Write a long story about a dragon who learns to sail."
 CONFIGS = {
@@ -42,14 +43,26 @@ def hogs(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-def start(work: Path) -> dict[str, SingleStage]:
+def start(work: Path, stages: int) -> dict[str, Pipeline]:
     model = fetch_default_model()
     common = ["--lanes", "1", "--ctx", "1024"]
-    return {name: SingleStage(model, work / f"d{i}", [*flags, *common])
-            for i, (name, flags) in enumerate(CONFIGS.items())}
+    out: dict[str, Pipeline] = {}
+    try:
+        for i, (name, flags) in enumerate(CONFIGS.items()):
+            where = work / f"d{i}"
+            if stages == 1:
+                out[name] = SingleStage(model, where, [*flags, *common])
+            else:
+                split_for_test(model, stages, where)
+                out[name] = Pipeline(where / "topology.toml", where, extra=[*flags, *common]).start()
+    except BaseException:
+        for pipe in out.values():
+            pipe.stop()
+        raise
+    return out
 
 
-async def measure(args, daemons: dict[str, SingleStage]) -> dict[int, dict[str, list[float]]]:
+async def measure(args, daemons: dict[str, Pipeline]) -> dict[int, dict[str, list[float]]]:
     levels = [int(h) for h in args.hogs.split(",")]
     results = {h: {name: [] for name in CONFIGS} for h in levels}
     for pipe in daemons.values():  # warm-up, and the adaptive chooser's unloaded baseline
@@ -73,8 +86,8 @@ async def measure(args, daemons: dict[str, SingleStage]) -> dict[int, dict[str, 
     return results
 
 
-def report(results: dict[int, dict[str, list[float]]]) -> None:
-    print("decode tok/s, single stage, median (min-max); ratio to 2 threads with adapt off, same hogs")
+def report(results: dict[int, dict[str, list[float]]], shape: str) -> None:
+    print(f"decode tok/s, {shape}, median (min-max); ratio to 2 threads with adapt off, same hogs")
     for h, by_name in results.items():
         ref = statistics.median(by_name[REFERENCE])
         print(f"  {h} busy program(s):")
@@ -85,6 +98,7 @@ def report(results: dict[int, dict[str, list[float]]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stages", type=int, default=1, choices=(1, 2, 3), help="1: skippyd --model; 2-3: a pipeline")
     ap.add_argument("--hogs", default="0,1,2", help="comma-separated numbers of busy programs")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
@@ -94,13 +108,13 @@ def main() -> None:
         work = Path(tmp)
         for i in range(len(CONFIGS)):
             (work / f"d{i}").mkdir()
-        daemons = start(work)
+        daemons = start(work, args.stages)
         try:
             results = trio.run(measure, args, daemons)
         finally:
             for pipe in daemons.values():
                 pipe.stop()
-    report(results)
+    report(results, "single stage" if args.stages == 1 else f"{args.stages}-stage pipeline")
     if args.json:
         args.json.write_text(json.dumps({str(h): v for h, v in results.items()}, indent=2))
 
