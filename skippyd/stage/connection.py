@@ -338,7 +338,7 @@ class UpstreamConnection:
             await self.reply(ErrorReply(msg.request_id, msg.session_id, error.code, error.message,
                                         stats=merge(own, folded)))
         elif unacked:
-            session.unreported = merge(session.unreported, merge(own, folded) if folded is not NO_STATS else own)
+            session.unreported = merge(session.unreported, merge(own, folded))
             self.server.returns_only["unacked"] += 1
         else:  # every token: the ids are the message's
             await self.reply(TRUSTED[Ack](msg.request_id, msg.session_id, merge(own, folded)))
