@@ -628,12 +628,13 @@ class _Run:
         # direct return: stage 1 acks as soon as it has forwarded the message, so the ack arrives before the
         # prediction can; the prediction comes on the session's channel, which the token-return connection feeds
         started = time.perf_counter()
+        acked = not (type(msg) is DecodeStep and msg.direct_return)  # else it owes no ack (see _unacked_step)
         with self._sending():
-            if type(msg) is DecodeStep and msg.direct_return:  # owes no ack (see _unacked_step)
-                sent, write_us = await self.lane.link.send(msg)
-            else:
+            if acked:
                 sent, write_us = await self.lane.link.send_expecting_ack(msg)
-        return _InFlight(msg, sent, write_us, started)
+            else:
+                sent, write_us = await self.lane.link.send(msg)
+        return _InFlight(msg, sent, write_us, started, acked)
 
     async def _predict_finish(self, sent: _InFlight) -> int:
         """The waiting half of :meth:`_predict`: the predicted token."""
@@ -650,7 +651,7 @@ class _Run:
             self.engine.token_paths["relayed"] += 1
             return int(reply.token)
         lane = self.lane
-        acked = not (type(msg) is DecodeStep and msg.direct_return)
+        acked = sent.acked
         if acked:
             with self._watched(), span("head.hop", request=self.live.request_id, session=self.live.session_id,
                                        kind=type(msg).__name__, lane=lane.lane_id, direct=1):
@@ -884,6 +885,7 @@ class _InFlight:
     bytes: int
     write_us: int
     started: float = 0.0  # direct return: when the send began
+    acked: bool = True  # ... and whether stage 1 acknowledges it on the lane (not a DIRECT_RETURN decode step)
 
 
 # stage errors worth retrying shortly: a full or draining stage, or one further down that died or hung
