@@ -94,7 +94,7 @@ def two_threads(default_model_path, tmp_path):
 async def test_a_stage_computes_with_one_thread_while_other_programs_hold_the_cores(two_threads):
     """Busy programs on every core: ggml's two threads wait for each other at every barrier, one thread
     only shares its core. The stage moves to one thread, generates the same tokens, and goes back to two
-    once the cores are free again (after RECHECK_S)."""
+    once the cores are free again (within a few RECHECK_S)."""
     import os
 
     import trio
@@ -120,11 +120,16 @@ async def test_a_stage_computes_with_one_thread_while_other_programs_hold_the_co
             hog.wait()
     assert loaded["tokens"] == want["tokens"]  # greedy parity at either thread count
     assert during["now"] == 1 and during["switches"] >= 1, during
-    await trio.sleep(RECHECK_S)
-    again = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=32)
-    after = await threads()
+    # the load gone: a try of two threads every RECHECK_S; one may lose to a noisy moment of a busy CI host,
+    # so a few generations, each after RECHECK_S
+    for _ in range(5):
+        await trio.sleep(RECHECK_S)
+        again = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=32)
+        assert again["tokens"] == want["tokens"][:32]
+        after = await threads()
+        if after["now"] == 2:
+            break
     assert after["now"] == 2 and after["switches"] > during["switches"], after
-    assert again["tokens"] == want["tokens"][:32]
 
 
 def test_chunk_grows_to_cover_the_link_round_trip_and_no_further():

@@ -124,7 +124,7 @@ class ThreadChooser:
         if trial < GAIN * current:
             log.info("compute threads %d -> %d: a decode step of %d session(s) took %.1f ms with %d, %.1f ms with "
                      "%d%s", self.current, tried, rows, current * 1e3, self.current, trial * 1e3, tried,
-                     " (other programs on the cores?)" if tried < self.current else "")
+                     " (other programs on the cores, or steps too small to share?)" if tried < self.current else "")
             self.current = tried
             self.switches += 1
             # what was measured before the switch is stale: the load has changed
