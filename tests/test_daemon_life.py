@@ -346,3 +346,31 @@ async def test_status_probe_reads_a_stages_version_and_sees_a_dead_one(split, st
     assert dead["reachable"] is False and dead["version"] is None and dead["error"]
     # the probe opened no session on the stage
     assert (await stage1.astatus())["stages"][0]["live_sessions"] == 0
+
+
+@pytest.mark.parametrize("listener", ["stage", "control", "openai"])
+def test_an_address_in_use_is_named_with_the_flag_that_moves_it(split, default_model_path, tmp_path, listener):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = f"127.0.0.1:{taken.getsockname()[1]}"
+    free = f"127.0.0.1:{free_ports(1)[0]}"
+    token = ["--control-token-file", str(tmp_path / "control.token")]
+    args, expected = {
+        "stage": (["--topology", str(split), "--stage", "1", "--listen", busy, "--no-control"],
+                  f"stage 1: cannot listen on {busy}: address already in use; another program (another skippyd?) "
+                  "listens there: give this daemon another address with --listen HOST:PORT"),
+        "control": (["--topology", str(split), "--stage", "1", "--listen", free, "--control", busy, *token],
+                    f"control channel: cannot listen on {busy}: address already in use; another program (another "
+                    "skippyd?) listens there: give this daemon another address with --control HOST:PORT"),
+        "openai": (["--model", str(default_model_path), "--no-control", "--openai", busy],
+                   f"OpenAI API: cannot listen on {busy}: address already in use; another program (another "
+                   "skippyd?) listens there: give this daemon another address with --openai HOST:PORT"),
+    }[listener]
+    try:
+        proc = run_skippyd(*args)
+    finally:
+        taken.close()
+    assert proc.returncode == 1, proc.stderr
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr and "Errno" not in proc.stderr

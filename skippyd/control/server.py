@@ -26,6 +26,7 @@ from skippyd.control import messages as m
 from skippyd.control.token import default_token_file, load_or_create_token
 from skippyd.head.engine import GenerationError, GenerationRequest
 from skippyd.head.piece_relay import ClientStalled, PieceRelay
+from skippyd.listening import explain_bind_errors
 
 log = logging.getLogger("skippyd.control")
 
@@ -54,7 +55,9 @@ class ControlServer:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            server = await nursery.start(serve_websocket, self._handle, self.host, self.port, None)
+            with explain_bind_errors("control channel", self.host, self.port,
+                                     "--control HOST:PORT (or --no-control)"):
+                server = await nursery.start(serve_websocket, self._handle, self.host, self.port, None)
             self.port = server.port
             log.info("control channel on ws://%s:%d (token in %s)", self.host, self.port, self.token_file)
             task_status.started(self)

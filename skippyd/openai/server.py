@@ -9,6 +9,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from skippyd.listening import explain_bind_errors
 from skippyd.openai.app import OpenAIApp
 from skippyd.openai.metrics import Metrics
 
@@ -50,9 +51,10 @@ class OpenAIServer:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(lambda task_status: serve(self.app, self._config(),
-                                                                  shutdown_trigger=self._shutdown.wait,
-                                                                  task_status=task_status))
+            with explain_bind_errors("OpenAI API", self.host, self.port, "--openai HOST:PORT"):
+                binds = await nursery.start(lambda task_status: serve(self.app, self._config(),
+                                                                      shutdown_trigger=self._shutdown.wait,
+                                                                      task_status=task_status))
             if binds:
                 self.port = int(binds[0].rsplit(":", 1)[1])
             log.info("OpenAI API on http://%s:%d/v1 (model %s)", self.host, self.port, self.app.model_id)

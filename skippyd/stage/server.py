@@ -19,6 +19,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from skippyd.listening import explain_bind_errors
 from skippyd.runtime.llama import Context, ContextParams, Model
 from skippyd.stage.access import UpstreamAllow
 from skippyd.stage.conditioning import LinkShape
@@ -147,7 +148,8 @@ class StageServer:
                 host = cfg.listen_host or self.spec.host
                 port = self.spec.port if cfg.listen_port is None else cfg.listen_port
                 # trio's SocketStream turns on TCP_NODELAY for every accepted connection
-                listeners = await trio.open_tcp_listeners(port, host=host)
+                with explain_bind_errors(f"stage {self.index}", host, port, "--listen HOST:PORT (or the topology)"):
+                    listeners = await trio.open_tcp_listeners(port, host=host)
                 self.port = listeners[0].socket.getsockname()[1]
                 nursery.start_soon(trio.serve_listeners, self._handle, listeners)
                 log.info("stage %d: layers [%d,%d) of %s listening on %s:%d", self.index, self.spec.layer_start,
