@@ -60,13 +60,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--thread-poll", type=int, default=0,
+                    help="each context's ggml thread pool polls this long before sleeping, as skippyd's "
+                         "--thread-poll (default 0, skippyd's default); -1: llama.cpp's threads per graph")
     ap.add_argument("--prompt-tokens", type=int, default=500)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
 
     model = fetch_default_model()
-    params = ContextParams(n_ctx_per_seq=2048, n_seq_max=1, n_batch=512, n_ubatch=512, n_threads=args.threads)
+    params = ContextParams(n_ctx_per_seq=2048, n_seq_max=1, n_batch=512, n_ubatch=512, n_threads=args.threads,
+                           threadpool_poll=None if args.thread_poll < 0 else args.thread_poll)
     with tempfile.TemporaryDirectory() as tmp:
         topo = split_model(model, None, tmp, stages=2)
         configs = {"unsplit": [model], "split-2": [s.file for s in topo.stages]}
