@@ -346,7 +346,7 @@ async def test_lanes_drain_and_undrain(smol2):
             busy = [lane for lane in drained["lanes"] if lane["state"] == "busy"]
             assert len(busy) == 1 and busy[0]["session_id"] is not None
             refused = await actl(smol2.head, "generate", "--prompt", "hi", "--max-tokens", "4")
-            assert_clean_error(refused, "draining")
+            assert_clean_error(refused, "no new generations until `skippyctl lanes undrain`")
             await gen.done.wait()
         # the running generation was not disturbed
         assert gen.error is None and gen.result["finish_reason"] in ("length", "stop")

@@ -221,7 +221,8 @@ class ControlServer:
 
     async def on_lanes_drain(self, req: m.LanesDrain, send) -> None:
         if self.pool is not None:
-            await self.pool.drain()
+            await self.pool.drain("the head's lanes are drained (skippyctl lanes drain): no new generations "
+                                  "until `skippyctl lanes undrain`")
         await send(m.Data(req.id, self._lanes()))
 
     async def on_lanes_undrain(self, req: m.LanesUndrain, send) -> None:

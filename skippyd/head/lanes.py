@@ -56,6 +56,8 @@ class Lane:
 
 
 class LanePool:
+    DRAINING = "the head is draining: no new generations"
+
     def __init__(self, host: str, port: int, hello: Hello, *, capacity: int = 4, credit_limit: int = 2,
                  connect_timeout: float = 5.0, reply_timeout: float = 30.0, queue_timeout: float = 30.0,
                  shape: LinkShape | None = None, nursery: trio.Nursery | None = None):
@@ -72,6 +74,7 @@ class LanePool:
         self._idle: list[Lane] = []
         self._slots = trio.Semaphore(capacity)
         self.draining = False
+        self.drain_reason = self.DRAINING
         self.last_error: str | None = None
 
     @property
@@ -118,14 +121,14 @@ class LanePool:
 
     async def checkout(self) -> Lane:
         if self.draining:
-            raise Draining("the head is draining: no new generations")
+            raise Draining(self.drain_reason)
         with trio.move_on_after(self.queue_timeout) as scope:
             await self._slots.acquire()
         if scope.cancelled_caught:
             raise NoLaneAvailable(f"no lane free within {self.queue_timeout:g} s")
         try:
             if self.draining:
-                raise Draining("the head is draining: no new generations")
+                raise Draining(self.drain_reason)
             while self._idle:
                 lane = self._idle.pop()
                 if lane.link.looks_alive():
@@ -159,8 +162,10 @@ class LanePool:
         if lane.link is not None:
             await lane.link.aclose()
 
-    async def drain(self) -> None:
+    async def drain(self, reason: str = DRAINING) -> None:
+        """Refuse new generations (with `reason`) and close the idle lanes; busy ones close when released."""
         self.draining = True
+        self.drain_reason = reason
         while self._idle:
             await self._discard(self._idle.pop())
 
