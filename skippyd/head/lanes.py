@@ -171,6 +171,7 @@ class LanePool:
 
     def undrain(self) -> None:
         self.draining = False
+        self.drain_reason = self.DRAINING
 
     @property
     def busy(self) -> int:
