@@ -40,6 +40,10 @@ def _die_with_parent() -> None:
 
 
 _port_picker = random.Random()  # its own: tests may seed the module's (hypothesis does)
+# every port handed out in this test run: a port picked for a topology is free until its daemon starts, and
+# a second pick (a daemon's control port) must not hand it out again meanwhile
+_handed_out: set[int] = set()
+_handing_out = threading.Lock()
 
 
 def _ephemeral_low() -> int:
@@ -53,19 +57,22 @@ def free_ports(n: int) -> list[int]:
     """`n` distinct ports free on 127.0.0.1 now, for daemons to listen on later. Below the kernel's ephemeral
     range: a port bind(0) picks comes from that range, where the outgoing connections of daemons started
     meanwhile take their local ports, and a daemon started later found its port taken ("Address already
-    in use", seen when a benchmark split three pipelines before starting them one by one)."""
+    in use", seen when a benchmark split three pipelines before starting them one by one). Never a port it
+    handed out before in this run (seen: stage 2's control port was stage 0's listener in the topology)."""
     low = min(_ephemeral_low(), 65536)
     ports: list[int] = []
-    while len(ports) < n:
-        port = _port_picker.randrange(10000, low) if low > 11000 else _port_picker.randrange(1024, 65536)
-        if port in ports:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
+    with _handing_out:
+        while len(ports) < n:
+            port = _port_picker.randrange(10000, low) if low > 11000 else _port_picker.randrange(1024, 65536)
+            if port in _handed_out:
                 continue
-        ports.append(port)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            ports.append(port)
     return ports
 
 
