@@ -73,8 +73,7 @@ class LanePool:
         self._ids = itertools.count(1)
         self._idle: list[Lane] = []
         self._slots = trio.Semaphore(capacity)
-        self.draining = False
-        self.drain_reason = self.DRAINING
+        self.refusal: str | None = None  # why new generations are refused (None: they are not)
         self.last_error: str | None = None
 
     @property
@@ -121,14 +120,14 @@ class LanePool:
 
     async def checkout(self) -> Lane:
         if self.draining:
-            raise Draining(self.drain_reason)
+            raise Draining(self.refusal)
         with trio.move_on_after(self.queue_timeout) as scope:
             await self._slots.acquire()
         if scope.cancelled_caught:
             raise NoLaneAvailable(f"no lane free within {self.queue_timeout:g} s")
         try:
             if self.draining:
-                raise Draining(self.drain_reason)
+                raise Draining(self.refusal)
             while self._idle:
                 lane = self._idle.pop()
                 if lane.link.looks_alive():
@@ -164,21 +163,23 @@ class LanePool:
 
     async def drain(self, reason: str = DRAINING) -> None:
         """Refuse new generations (with `reason`) and close the idle lanes; busy ones close when released."""
-        self.draining = True
-        self.drain_reason = reason
+        self.refusal = reason
         while self._idle:
             await self._discard(self._idle.pop())
 
     def undrain(self) -> None:
-        self.draining = False
-        self.drain_reason = self.DRAINING
+        self.refusal = None
+
+    @property
+    def draining(self) -> bool:
+        return self.refusal is not None
 
     @property
     def busy(self) -> int:
         return sum(1 for lane in self.lanes.values() if lane.state == "busy")
 
     async def aclose(self) -> None:
-        self.draining = True
+        self.refusal = self.refusal or self.DRAINING
         for lane in list(self.lanes.values()):
             await self._discard(lane)
 
