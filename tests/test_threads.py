@@ -105,3 +105,21 @@ def test_with_eight_threads_it_steps_down_to_the_fastest_count_and_back_up():
         assert chooser.current == want
     assert set(run(chooser, 100, idle)) == {8}
 
+
+def test_the_scheduler_sets_prefill_threads_with_decode_ones():
+    """A reduced count applies to prefill (the batch count) too, also where a batch count is configured;
+    back on the configured count, the configured batch count returns."""
+    from types import SimpleNamespace
+
+    from skippyd.runtime.llama import ContextParams
+    from skippyd.stage.scheduler import Scheduler
+
+    calls = []
+    ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=4, n_threads_batch=6),
+                          set_threads=lambda n, nb: calls.append((n, nb)))
+    scheduler = Scheduler(ctx)
+    scheduler.threads._trial = 2  # a trial of half as many (the chooser's decisions are tested above)
+    assert scheduler._use_threads() == 2
+    scheduler.threads._trial = None
+    assert scheduler._use_threads() == 4
+    assert calls == [(2, 2), (4, 6)]

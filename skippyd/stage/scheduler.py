@@ -593,7 +593,8 @@ class Scheduler:
         threads = self.threads.pick()
         if threads != self._threads_now:
             params = self.ctx.params
-            batch_threads = params.n_threads_batch or params.n_threads if threads == params.n_threads else threads
+            # the configured batch count while on the configured count, else the reduced one for prefill too
+            batch_threads = (params.n_threads_batch or params.n_threads) if threads == params.n_threads else threads
             self.ctx.set_threads(threads, batch_threads)
             self._threads_now = threads
         return threads
