@@ -202,6 +202,7 @@ class Daemon:
         self._link_auth = b""  # the link secret's Hello auth (status probes present it too)
         self.head = None
         self.control = None
+        self.openai = None
         self.started = time.time()
         self.ready = False
         self.draining = False
@@ -335,7 +336,8 @@ class Daemon:
             if self.head is not None and getattr(a, "openai", None):
                 from skippyd.openai.server import OpenAIServer
 
-                await nursery.start(OpenAIServer(self, *a.openai, model_id=getattr(a, "model_id", None)).run)
+                self.openai = await nursery.start(OpenAIServer(self, *a.openai,
+                                                               model_id=getattr(a, "model_id", None)).run)
             elif getattr(a, "openai", None):
                 log.info("--openai: this daemon runs no head (stage 0): no OpenAI API here")
             # --- end OpenAI API and telemetry ---
@@ -370,7 +372,11 @@ class Daemon:
     def _running(self) -> int:
         """Generations running on the head, or sessions held by this daemon's stages."""
         if self.head is not None and self.head.engine is not None:
-            return len(self.head.engine.live)
+            # a generation has left the engine before its client has the last of it (the queued pieces,
+            # the result): a drain that stopped there would cut the reply off
+            answering = sum(server.answering for server in (self.control, self.openai and self.openai.app)
+                            if server is not None)
+            return max(len(self.head.engine.live), answering)
         return sum(s.sessions.snapshot()["live_sessions"] for s in self.stages)
 
     async def _report_status(self) -> None:

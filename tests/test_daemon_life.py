@@ -14,7 +14,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
+import openai
 import pytest
 import trio
 
@@ -23,6 +26,7 @@ from skippyd import config as cfgmod
 from skippyd.config import Config, ConfigError, Settings, find_config, load
 from skippyd.control import messages as m
 from skippyd.daemon import _JournalFormatter, _notify, build_parser
+from skippyd.head.engine import GenerationResult
 from tests.procs import REPO, Daemon, Pipeline, free_ports, split_for_test
 
 
@@ -151,6 +155,72 @@ def test_journald_priority_prefixes(monkeypatch):
     assert fmt.format(record) == "<4>skippyd: disk full"
     monkeypatch.delenv("JOURNAL_STREAM")
     assert _JournalFormatter().format(record).endswith("warning skippyd: disk full")
+
+
+# ---------------------------------------------------------------- drain (in-process, a stand-in engine)
+class SlowToAnswerEngine:
+    """Enough of HeadEngine for both channels. Its generation leaves `live` a while before its caller has
+    the result (the moments between the engine's cleanup and the reply's last message, long on a crawling
+    host): a drain that watched `live` alone cancelled the daemon there and cut the reply off."""
+
+    model = SimpleNamespace(n_vocab=1000)
+    context = SimpleNamespace(n_ctx_seq=64)
+    sessions = SimpleNamespace(n_seq_max=2)
+
+    def __init__(self):
+        self.live: dict = {}
+        self.release = trio.Event()
+
+    def prompt_tokens(self, req):
+        return np.arange(1, 6, dtype=np.int32)
+
+    async def generate(self, req, on_piece=None):
+        self.live[1] = object()
+        await self.release.wait()
+        del self.live[1]
+        await trio.sleep(0.3)
+        return GenerationResult(request_id=1, session_id=1, text=" done", tokens=[7], finish_reason="stop",
+                                prompt_tokens=5, ttft_ms=1.0, decode_tokens_per_s=1.0, elapsed_ms=1.0)
+
+
+@pytest.mark.parametrize("channel", ["control", "openai"])
+async def test_a_drain_ends_once_every_reply_is_sent_not_when_the_engine_lets_go(tmp_path, channel):
+    from skippyd.control.server import ControlServer
+    from skippyd.daemon import Daemon as SkippyDaemon
+    from skippyd.openai.server import OpenAIServer
+
+    daemon = SkippyDaemon(build_parser().parse_args(["--model", "m.gguf"]))
+    engine = SlowToAnswerEngine()
+    daemon.head = SimpleNamespace(engine=engine, pool=None)
+    token = tmp_path / "token"
+    token.write_text("the-token\n")
+    got: list = []
+
+    async def ask_control(port: int) -> None:
+        async with open_control(f"ws://127.0.0.1:{port}", token) as client:
+            got.extend([r async for r in client.replies(m.Generate(id="g", prompt="hi", max_tokens=4))])
+
+    def ask_openai(port: int) -> None:
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=10)
+        got.append(api.completions.create(model="m", prompt="hi", max_tokens=4))
+
+    async with trio.open_nursery() as clients:
+        async with trio.open_nursery() as daemon_tasks:  # the daemon's own nursery
+            if channel == "control":
+                daemon.control = await daemon_tasks.start(ControlServer(daemon, "127.0.0.1", 0, token_file=token).run)
+                clients.start_soon(ask_control, daemon.control.port)
+            else:
+                daemon.openai = await daemon_tasks.start(OpenAIServer(daemon, "127.0.0.1", 0, model_id="m").run)
+                clients.start_soon(trio.to_thread.run_sync, ask_openai, daemon.openai.port)
+            while not engine.live:
+                await trio.sleep(0.01)
+            engine.release.set()  # the generation ends while the drain below runs
+            assert await daemon.drain(10)
+            daemon_tasks.cancel_scope.cancel()  # what the daemon's shutdown does once the drain is over
+    if channel == "control":
+        assert isinstance(got[-1], m.Result) and got[-1].result["text"] == " done"
+    else:
+        assert got[0].choices[0].text == " done"
 
 
 # ---------------------------------------------------------------- real daemons

@@ -52,6 +52,7 @@ class ControlServer:
         self.host, self.port = host, port
         self.token_file = token_file or default_token_file()
         self.token = load_or_create_token(self.token_file)
+        self.answering = 0  # generation requests whose last message is not sent yet (a drain waits for them)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -91,6 +92,8 @@ class ControlServer:
             log.error("control: connection handler failed", exc_info=group)
 
     async def _serve_request(self, req, send) -> None:
+        counted = isinstance(req, m.Generate)
+        self.answering += counted
         try:
             handler = getattr(self, f"on_{m._snake(type(req))}")
             await handler(req, send)
@@ -106,6 +109,8 @@ class ControlServer:
         except Exception as exc:  # a bug must not take the connection down
             log.exception("control: %s failed", type(req).__name__)
             await send(m.Error(req.id, f"internal error: {exc}", code="failed"))
+        finally:
+            self.answering -= counted
 
     # ---------------------------------------------------------------- operations
     @property

@@ -238,6 +238,7 @@ class OpenAIApp:
         self.queue_timeout_s = queue_timeout_s
         self.created = int(time.time())
         self._slots: trio.Semaphore | None = None
+        self.answering = 0  # generation requests whose response has not ended yet (a drain waits for them)
         self.routes: dict[tuple[str, str], Callable[[Exchange], Awaitable[None]]] = {
             ("GET", "/v1/models"): self.list_models,
             ("POST", "/v1/chat/completions"): self.chat_completions,
@@ -304,6 +305,8 @@ class OpenAIApp:
     async def _http(self, ex: Exchange) -> None:
         endpoint, handler = self._route(ex)
         started = time.perf_counter()
+        counted = handler in (self.chat_completions, self.completions)
+        self.answering += counted
         try:
             with span("http.request", request=ex.id, method=ex.method, endpoint=endpoint):
                 if handler is None:
@@ -321,6 +324,7 @@ class OpenAIApp:
             if ex.status is None and not ex.disconnected:
                 await ex.error(ApiError(500, f"internal error: {exc}", code="internal_error"))
         finally:
+            self.answering -= counted
             if ex.disconnected and not ex.finished:
                 status = 499
             else:
