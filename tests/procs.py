@@ -223,6 +223,13 @@ class Pipeline:
         codes = {key: d.wait_exit() for key, d in daemons.items()}
         return {k: codes[id(d)] for k, d in self.stages.items()}
 
+    def stop_cleanly(self) -> None:
+        """`stop`, asserting that every daemon exited 0; the message has each failed daemon's log tail."""
+        codes = self.stop()
+        failed = {k: code for k, code in codes.items() if code != 0}
+        assert not failed, "\n".join(f"stage {k} exited with {code}; its log ends:\n{self.stages[k].log()[-4000:]}"
+                                      for k, code in failed.items())
+
     async def stage_sessions(self) -> dict[int, dict]:
         """Per stage: live sessions and free slots (head included; every stage of a `--stage all` daemon)."""
         out = {}

@@ -42,7 +42,7 @@ def two(default_model_path, tmp_path_factory):
     split_for_test(default_model_path, 2, work)
     pipe = Pipeline(work / "topology.toml", work, extra=["--lanes", "2", "--ctx", "512"]).start()
     yield pipe
-    assert all(code == 0 for code in pipe.stop().values())
+    pipe.stop_cleanly()
 
 
 async def _snapshots(pipe: Pipeline) -> list[dict]:

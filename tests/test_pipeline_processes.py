@@ -47,37 +47,32 @@ def _start(model_path, n_stages: int, tmp_path_factory, name: str, *, extra: tup
     return pipe.start()
 
 
-def _stop(pipe: Pipeline) -> None:
-    codes = pipe.stop()
-    assert all(c == 0 for c in codes.values()), codes
-
-
 @pytest.fixture(scope="module")
 def smol2(default_model_path, tmp_path_factory):
     pipe = _start(default_model_path, 2, tmp_path_factory, "smol2")
     yield pipe
-    _stop(pipe)
+    pipe.stop_cleanly()
 
 
 @pytest.fixture(scope="module")
 def smol3(default_model_path, tmp_path_factory):
     pipe = _start(default_model_path, 3, tmp_path_factory, "smol3", extra=("--prefill-chunk", str(CHUNK)))
     yield pipe
-    _stop(pipe)
+    pipe.stop_cleanly()
 
 
 @pytest.fixture(scope="module")
 def tiny2(tiny_model_path, tmp_path_factory):
     pipe = _start(tiny_model_path, 2, tmp_path_factory, "tiny2", extra=("--prefill-chunk", str(CHUNK)))
     yield pipe
-    _stop(pipe)
+    pipe.stop_cleanly()
 
 
 @pytest.fixture(scope="module")
 def tiny3(tiny_model_path, tmp_path_factory):
     pipe = _start(tiny_model_path, 3, tmp_path_factory, "tiny3", extra=("--prefill-chunk", str(CHUNK)))
     yield pipe
-    _stop(pipe)
+    pipe.stop_cleanly()
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +127,7 @@ def tiny3_all_in_one(tiny3, tmp_path_factory):
     pipe = Pipeline(retarget(tiny3.topology_path, work), work, extra=["--prefill-chunk", str(CHUNK)])
     pipe.start_all_in_one()
     yield pipe
-    _stop(pipe)
+    pipe.stop_cleanly()
 
 
 async def test_stage_all_in_one_daemon_matches_unsplit(tiny3_all_in_one, tiny_model_path):
