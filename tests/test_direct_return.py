@@ -72,10 +72,10 @@ async def wait_until(predicate, timeout: float = 2.0) -> None:
 
 async def test_predictions_reach_the_waiting_session(hub, final_link):
     assert await final_link.ensure()
-    returns = hub.open_session(7)
+    returns = hub.open_session(7, 1)
     await final_link.send(PredictedToken(1, 7, 42))
     await final_link.send(PredictedToken(1, 99, 1))  # nobody waits for session 99: dropped, counted
-    await final_link.send(ErrorReply(2, 7, ErrorCode.COMPUTE_FAILED, "boom"))
+    await final_link.send(ErrorReply(1, 7, ErrorCode.COMPUTE_FAILED, "boom"))
     with trio.fail_after(2):
         first, second = await returns.receive(), await returns.receive()
     assert first == PredictedToken(1, 7, 42)
@@ -90,6 +90,21 @@ async def test_predictions_reach_the_waiting_session(hub, final_link):
         assert stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
 
 
+async def test_a_reply_owed_to_an_attempt_given_up_does_not_reach_the_replay(hub, final_link):
+    """A final stage stopped mid-step (SIGSTOP) sends the step's prediction once it runs again, on the return
+    connection, which outlives the lane the head gave up; by then the generation may be replaying, waiting
+    on its session's channel opened again. Taking that prediction would shift every later token by one."""
+    assert await final_link.ensure()
+    hub.open_session(7, 1)
+    replay = hub.open_session(7, 2)  # the resume: same session, the next request id
+    await final_link.send(PredictedToken(1, 7, 42))  # the first attempt's, late
+    await final_link.send(ErrorReply(1, 7, ErrorCode.COMPUTE_FAILED, "the first attempt's lane closed"))
+    await final_link.send(PredictedToken(2, 7, 43))
+    with trio.fail_after(2):
+        assert await replay.receive() == PredictedToken(2, 7, 43)
+    assert hub.stats.stale == 2 and hub.stats.tokens == 1 and hub.stats.errors == 0
+
+
 async def test_a_lane_cannot_dial_the_return_listener(hub):
     host, port = hub.address.rsplit(":", 1)
     with pytest.raises(DownstreamError, match="role mismatch"):
@@ -101,7 +116,7 @@ async def test_a_lane_cannot_dial_the_return_listener(hub):
 async def test_lost_connection_fails_waiting_sessions_and_is_dialed_again(hub, final_link, nursery):
     assert await final_link.ensure()
     await wait_until(lambda: hub.connections == 1)
-    returns = hub.open_session(5)
+    returns = hub.open_session(5, 1)
     await hub.disconnect()  # the head side goes away: the waiting session hears it at once
     with trio.fail_after(2):
         item = await returns.receive()
@@ -118,7 +133,7 @@ async def test_an_overdue_prediction_wakes_its_wait_with_return_lost(nursery):
     prediction_timeout gets a ReturnLost that says so; another session's prediction still arrives."""
     hub = TokenReturnHub(hello(0, 0, 10), prediction_timeout=0.3)
     await nursery.start(hub.serve, "127.0.0.1", 0)
-    late, prompt = hub.open_session(1), hub.open_session(2)
+    late, prompt = hub.open_session(1, 9), hub.open_session(2, 9)
     started = trio.current_time()
     hub.begin_wait(1)
     hub.begin_wait(2)
@@ -142,7 +157,7 @@ async def test_an_overdue_prediction_wakes_its_wait_with_return_lost(nursery):
 
 
 async def test_interrupt_wakes_a_waiting_session(hub):
-    returns = hub.open_session(3)
+    returns = hub.open_session(3, 1)
     hub.interrupt(3, "stage 1 did not answer a ping")
     hub.interrupt(4, "nobody waits: ignored")
     with trio.fail_after(1):

@@ -298,7 +298,7 @@ class HeadEngine:
         if len(prompt) >= n_ctx:
             raise PromptTooLong(f"the prompt has {len(prompt)} tokens; the context holds {n_ctx} per session")
         max_tokens = min(req.max_tokens, n_ctx - len(prompt))
-        request_id = next(self._request_ids)
+        request_id = self.new_request_id()
         session_id = secrets.randbits(63)
         live = LiveGeneration(request_id, session_id, len(prompt), time.monotonic(), trio.CancelScope())
         self.live[session_id] = live
@@ -320,6 +320,9 @@ class HeadEngine:
             self.live.pop(session_id, None)
             self._record(run)
         return run.result()
+
+    def new_request_id(self) -> int:
+        return next(self._request_ids)
 
     def kill(self, session_id: int) -> bool:
         live = self.live.get(session_id)
@@ -356,6 +359,10 @@ class _Run:
     def __init__(self, engine: HeadEngine, req: GenerationRequest, live: LiveGeneration, prompt: np.ndarray,
                  max_tokens: int, sampling: llama.SamplingParams, on_piece: PieceCallback | None, started: float):
         self.engine, self.req, self.live = engine, req, live
+        # the request id on the wire: a new one for each replay, so that a reply owed to an attempt given up
+        # (a stopped final stage sends it once it runs again, on the token-return connection, which outlives
+        # lanes) is told apart from the replay's own replies, which carry the same session id
+        self.wire_request_id = live.request_id
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.sampling = sampling
@@ -455,6 +462,8 @@ class _Run:
         then (a replay) each token generated so far, in the same chunks and steps as the first time.
         Returns the next new token."""
         engine = self.engine
+        if self.live.resumes:
+            self.wire_request_id = engine.new_request_id()
         self.lane = await self._checkout()
         self.lane.session_id = self.live.session_id
         self.live.lane_id = self.lane.lane_id
@@ -570,9 +579,9 @@ class _Run:
     async def _configure(self) -> None:
         """Open the session down the lane: with direct token return if the pipeline offers it."""
         engine = self.engine
-        msg = ConfigureGeneration(self.live.request_id, self.live.session_id, _wire_sampling(self.sampling))
+        msg = ConfigureGeneration(self.wire_request_id, self.live.session_id, _wire_sampling(self.sampling))
         if engine.wants_direct_return:
-            self.returns = engine.hub.open_session(self.live.session_id)
+            self.returns = engine.hub.open_session(self.live.session_id, self.wire_request_id)
             reply = await self._request(attrs.evolve(msg, direct_return=True),
                                         tolerate=ErrorCode.DIRECT_RETURN_UNAVAILABLE)
             if not isinstance(reply, ErrorReply):
@@ -707,7 +716,7 @@ class _Run:
             native_before = self.native_us
             hidden = await self._compute(part, lo, want_token=False)
             compute_us += self.native_us - native_before
-            msg = PrefillChunk(self.live.request_id, self.live.session_id, lo, part, hidden, final=final)
+            msg = PrefillChunk(self.wire_request_id, self.live.session_id, lo, part, hidden, final=final)
             if not final:
                 with self._watched(), span("head.forward_write", request=self.live.request_id,
                                            session=self.live.session_id, pos=lo, tokens=len(part)):
@@ -772,7 +781,7 @@ class _Run:
         # built without the class's checks: the head made every value (its ids, its position, an int32 array of
         # its token, the context's float32 rows of the hidden state), and the checks would cost as much again
         # as building and sending the frame
-        sent = await self._predict_begin(_trusted_step(self.live.request_id, self.live.session_id, pos, tokens,
+        sent = await self._predict_begin(_trusted_step(self.wire_request_id, self.live.session_id, pos, tokens,
                                                        hidden, self.returns is not None and self._unacked_step()))
         if self.batched:
             # the other sessions of this batch send their steps before any of them goes on (streams its
@@ -866,7 +875,7 @@ class _Run:
         try:
             if not lane.link.settled:
                 await lane.link.settle()
-            reply, *_ = await lane.link.request(Stop(self.live.request_id, self.live.session_id))
+            reply, *_ = await lane.link.request(Stop(self.wire_request_id, self.live.session_id))
         except DownstreamError as exc:
             log.warning("head: stop for session %d failed: %s", self.live.session_id, exc)
             return False

@@ -56,6 +56,7 @@ class HubStats:
     tokens: int = 0  # PredictedToken/PredictedTokens delivered to a waiting session
     errors: int = 0  # ErrorReply delivered to a waiting session
     unknown: int = 0  # replies for a session nobody waits for (ended already)
+    stale: int = 0  # replies owed to an earlier attempt of a resumed session (dropped)
 
 
 class TokenReturnHub:
@@ -72,21 +73,23 @@ class TokenReturnHub:
         self.connections = 0  # live return connections
         self.stats = HubStats()
         self._sessions: dict[int, trio.MemorySendChannel] = {}
+        self._request_ids: dict[int, int] = {}  # session -> the request id its replies carry (this attempt's)
         self._waits: dict[int, float] = {}  # session -> trio time its wait for a prediction began
         self._streams: set[trio.SocketStream] = set()
         self._ids = itertools.count(1)
 
     # ---------------------------------------------------------------- generations
-    def open_session(self, session_id: int) -> trio.MemoryReceiveChannel:
-        """Register a session; its predictions (or a ReturnLost) arrive on the returned channel."""
+    def open_session(self, session_id: int, request_id: int) -> trio.MemoryReceiveChannel:
+        """Register a session; its predictions carrying `request_id` (or a ReturnLost) arrive on the returned
+        channel. A replay opens it again with a new request id: what an earlier attempt was owed is dropped."""
         send, receive = trio.open_memory_channel(SESSION_BUFFER)
-        old = self._sessions.pop(session_id, None)
-        if old is not None:
-            old.close()
+        self.close_session(session_id)
         self._sessions[session_id] = send
+        self._request_ids[session_id] = request_id
         return receive
 
     def close_session(self, session_id: int) -> None:
+        self._request_ids.pop(session_id, None)
         send = self._sessions.pop(session_id, None)
         if send is not None:
             send.close()
@@ -148,6 +151,11 @@ class TokenReturnHub:
         if send is None:
             self.stats.unknown += 1
             log.debug("head: token-return: reply for session %d, which is not waiting", reply.session_id)
+            return
+        if reply.request_id != self._request_ids.get(reply.session_id):
+            self.stats.stale += 1
+            log.info("head: token-return: dropped a reply of session %d owed to an attempt given up (request %d)",
+                     reply.session_id, reply.request_id)
             return
         try:
             send.send_nowait(reply)
