@@ -51,5 +51,5 @@ class PrefillChunker:
         return int(min(self.ceiling, max(self.floor, needed)))
 
     def describe(self) -> dict:
-        return {"prefill_chunk": self.size, "floor": self.floor, "ceiling": self.ceiling,
+        return {"prefill_chunk": self.size, "floor": self.floor, "ceiling": self.ceiling, "credit": self.credit,
                 "us_per_token": round(self.us_per_token, 1), "round_trip_us": round(self.round_trip_us, 1)}
