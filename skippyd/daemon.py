@@ -430,14 +430,15 @@ class Daemon:
         return self._running() == 0
 
     async def _cancel_running(self) -> None:
-        """Kill every running generation through the engine's cleanup path, and wait a moment for it."""
+        """Kill every running generation through the engine's cleanup path, and wait a moment for it (and for
+        its client to be told)."""
         engine = self.head.engine if self.head is not None else None
         if engine is None:
             return
         for session_id in list(engine.live):
             engine.kill(session_id)
         with trio.move_on_after(KILL_WAIT_S):
-            while engine.live:
+            while self._running():
                 await trio.sleep(0.02)
 
     def reload(self) -> None:

@@ -161,35 +161,41 @@ def test_journald_priority_prefixes(monkeypatch):
 class SlowToAnswerEngine:
     """Enough of HeadEngine for both channels. Its generation leaves `live` a while before its caller has
     the result (the moments between the engine's cleanup and the reply's last message, long on a crawling
-    host): a drain that watched `live` alone cancelled the daemon there and cut the reply off."""
+    host): a shutdown that watched `live` alone cancelled the daemon there and cut the reply off."""
 
     model = SimpleNamespace(n_vocab=1000)
     context = SimpleNamespace(n_ctx_seq=64)
     sessions = SimpleNamespace(n_seq_max=2)
 
     def __init__(self):
-        self.live: dict = {}
+        self.live: dict[int, trio.CancelScope] = {}
         self.release = trio.Event()
 
     def prompt_tokens(self, req):
         return np.arange(1, 6, dtype=np.int32)
 
+    def kill(self, session_id: int) -> None:
+        self.live[session_id].cancel()
+
     async def generate(self, req, on_piece=None):
-        self.live[1] = object()
-        await self.release.wait()
+        with trio.CancelScope() as self.live[1]:
+            await self.release.wait()
         del self.live[1]
         await trio.sleep(0.3)
-        return GenerationResult(request_id=1, session_id=1, text=" done", tokens=[7], finish_reason="stop",
+        return GenerationResult(request_id=1, session_id=1, text=" done", tokens=[7],
+                                finish_reason="cancelled" if self.release.is_set() is False else "stop",
                                 prompt_tokens=5, ttft_ms=1.0, decode_tokens_per_s=1.0, elapsed_ms=1.0)
 
 
 @pytest.mark.parametrize("channel", ["control", "openai"])
-async def test_a_drain_ends_once_every_reply_is_sent_not_when_the_engine_lets_go(tmp_path, channel):
+@pytest.mark.parametrize("ends", ["within-grace", "past-grace"])
+async def test_a_shutdown_waits_until_every_reply_is_sent_not_until_the_engine_lets_go(tmp_path, channel, ends):
     from skippyd.control.server import ControlServer
     from skippyd.daemon import Daemon as SkippyDaemon
     from skippyd.openai.server import OpenAIServer
 
-    daemon = SkippyDaemon(build_parser().parse_args(["--model", "m.gguf"]))
+    grace = "5" if ends == "within-grace" else "0.2"
+    daemon = SkippyDaemon(build_parser().parse_args(["--model", "m.gguf", "--drain-grace", grace]))
     engine = SlowToAnswerEngine()
     daemon.head = SimpleNamespace(engine=engine, pool=None)
     token = tmp_path / "token"
@@ -202,7 +208,10 @@ async def test_a_drain_ends_once_every_reply_is_sent_not_when_the_engine_lets_go
 
     def ask_openai(port: int) -> None:
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=10)
-        got.append(api.completions.create(model="m", prompt="hi", max_tokens=4))
+        try:
+            got.append(api.completions.create(model="m", prompt="hi", max_tokens=4))
+        except openai.APIError as exc:
+            got.append(exc)
 
     async with trio.open_nursery() as clients:
         async with trio.open_nursery() as daemon_tasks:  # the daemon's own nursery
@@ -214,13 +223,16 @@ async def test_a_drain_ends_once_every_reply_is_sent_not_when_the_engine_lets_go
                 clients.start_soon(trio.to_thread.run_sync, ask_openai, daemon.openai.port)
             while not engine.live:
                 await trio.sleep(0.01)
-            engine.release.set()  # the generation ends while the drain below runs
-            assert await daemon.drain(10)
-            daemon_tasks.cancel_scope.cancel()  # what the daemon's shutdown does once the drain is over
-    if channel == "control":
-        assert isinstance(got[-1], m.Result) and got[-1].result["text"] == " done"
+            if ends == "within-grace":
+                engine.release.set()  # the generation ends while the drain runs
+            await daemon._shutdown(daemon_tasks.cancel_scope)  # SIGTERM's: drain, cancel what is left, stop
+    reply = got[-1]
+    if ends == "within-grace":
+        assert (reply.result["text"] if channel == "control" else reply.choices[0].text) == " done", reply
+    elif channel == "control":
+        assert isinstance(reply, m.Result) and reply.result["finish_reason"] == "cancelled", reply
     else:
-        assert got[0].choices[0].text == " done"
+        assert isinstance(reply, openai.APIStatusError) and reply.status_code == 503 and "cancelled" in str(reply)
 
 
 # ---------------------------------------------------------------- real daemons
