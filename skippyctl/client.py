@@ -86,7 +86,7 @@ class ControlClient:
                 if not isinstance(reply, m.Piece):
                     return
         except ConnectionClosed as exc:
-            raise ControlError(f"skippyd at {self.url} closed the connection ({exc.reason})") from None
+            raise ControlError(f"skippyd at {self.url} closed the connection {_how(exc.reason)}") from None
         finally:
             if not kept:
                 self._kept.pop(request.id, None)
@@ -115,6 +115,13 @@ def check_url(url: str) -> str:
     if parts.scheme not in ("ws", "wss") or not parts.hostname:
         raise ControlError(f"invalid --url {url!r}: expected ws://HOST:PORT", code="bad_request")
     return url
+
+
+def _how(reason) -> str:
+    """How a websocket close reads to an operator: without a close frame (1006), the daemon went away."""
+    if reason is None or reason.code == 1006:
+        return "abruptly (the daemon stopped or crashed: its log says which)"
+    return f"({reason.code} {reason.name}{': ' + reason.reason if reason.reason else ''})"
 
 
 @asynccontextmanager

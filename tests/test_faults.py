@@ -258,7 +258,7 @@ def check_clean_error(s: Stream, victim: int) -> None:
     assert s.result is None, f"a generation with a dead stage {victim} finished: {s.result}"
     assert s.error is not None
     if victim == 0:
-        assert "closed the connection" in str(s.error)  # the head itself is gone
+        assert "closed the connection abruptly (the daemon stopped or crashed" in str(s.error)  # the head is gone
     else:  # the head's own link failed (or the token-return connection), or a stage says its downstream did
         assert str(s.error).startswith(("pipeline failed: ", "stage error (downstream_failed): stage ")), \
             describe_error(s.error, s.retryable)
