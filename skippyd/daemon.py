@@ -411,6 +411,8 @@ class Daemon:
             log.warning("drain: grace period over with %d still running: cancelling them", self._running())
             await self._cancel_running()
         log.info("stopping")
+        if self.control is not None:
+            await self.control.close_all("skippyd is shutting down")
         scope.cancel()
 
     async def drain(self, grace_s: float) -> bool:

@@ -20,6 +20,7 @@ import numpy as np
 import openai
 import pytest
 import trio
+from trio_websocket import ConnectionClosed
 
 from skippyctl.client import open_control
 from skippyd import config as cfgmod
@@ -206,6 +207,14 @@ async def test_a_shutdown_waits_until_every_reply_is_sent_not_until_the_engine_l
         async with open_control(f"ws://127.0.0.1:{port}", token) as client:
             got.extend([r async for r in client.replies(m.Generate(id="g", prompt="hi", max_tokens=4))])
 
+    async def stay_idle(port: int) -> None:  # a client connected, asking nothing: told why it is closed
+        async with open_control(f"ws://127.0.0.1:{port}", token) as client:
+            with pytest.raises(ConnectionClosed) as closed:
+                await client.ws.get_message()
+            idle.append(closed.value.reason)
+
+    idle: list = []
+
     def ask_openai(port: int) -> None:
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=10)
         try:
@@ -218,15 +227,18 @@ async def test_a_shutdown_waits_until_every_reply_is_sent_not_until_the_engine_l
             if channel == "control":
                 daemon.control = await daemon_tasks.start(ControlServer(daemon, "127.0.0.1", 0, token_file=token).run)
                 clients.start_soon(ask_control, daemon.control.port)
+                clients.start_soon(stay_idle, daemon.control.port)
             else:
                 daemon.openai = await daemon_tasks.start(OpenAIServer(daemon, "127.0.0.1", 0, model_id="m").run)
                 clients.start_soon(trio.to_thread.run_sync, ask_openai, daemon.openai.port)
-            while not engine.live:
+            while not engine.live or (daemon.control is not None and len(daemon.control._open) < 2):
                 await trio.sleep(0.01)
             if ends == "within-grace":
                 engine.release.set()  # the generation ends while the drain runs
             await daemon._shutdown(daemon_tasks.cancel_scope)  # SIGTERM's: drain, cancel what is left, stop
     reply = got[-1]
+    if channel == "control":
+        assert [(r.code, r.reason) for r in idle] == [(1001, "skippyd is shutting down")]
     if ends == "within-grace":
         assert (reply.result["text"] if channel == "control" else reply.choices[0].text) == " done", reply
     elif channel == "control":

@@ -53,6 +53,7 @@ class ControlServer:
         self.token_file = token_file or default_token_file()
         self.token = load_or_create_token(self.token_file)
         self.answering = 0  # generation requests whose last message is not sent yet (a drain waits for them)
+        self._open: set = set()  # the accepted websockets (told why when the daemon stops)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -75,6 +76,7 @@ class ControlServer:
             await request.reject(401, body=b"missing or wrong control token")
             return
         ws = await request.accept()
+        self._open.add(ws)
         try:
             async with trio.open_nursery() as nursery:
                 send = _Connection(ws, nursery)
@@ -90,6 +92,16 @@ class ControlServer:
             pass  # the client went away: its generations were cancelled with the nursery
         except* Exception as group:  # a bug must not take the daemon down
             log.error("control: connection handler failed", exc_info=group)
+        finally:
+            self._open.discard(ws)
+
+    async def close_all(self, reason: str, timeout: float = 1.0) -> None:
+        """Close every client's connection with 1001 (going away) and `reason`, rather than let the daemon's
+        exit drop them without a word."""
+        with trio.move_on_after(timeout):
+            async with trio.open_nursery() as nursery:
+                for ws in list(self._open):
+                    nursery.start_soon(ws.aclose, 1001, reason)
 
     async def _serve_request(self, req, send) -> None:
         counted = isinstance(req, m.Generate)
