@@ -268,6 +268,7 @@ class SingleStage(Pipeline):
         self.stages = {0: Daemon(["--model", str(model), *extra], workdir, "single")}
         self.stages[0].wait_ready()
 
+
 class Stage0Driver:
     """Plays stage 0 in the test process: runs the stage-0 slice and speaks the wire protocol to stage 1.
 
