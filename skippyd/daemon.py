@@ -438,7 +438,8 @@ class Daemon:
         if engine is None:
             return
         for session_id in list(engine.live):
-            engine.kill(session_id)
+            engine.kill(session_id, f"the daemon is shutting down (its drain grace of {self.args.drain_grace:g} s "
+                                    f"is over)")
         with trio.move_on_after(KILL_WAIT_S):
             while self._running():
                 await trio.sleep(0.02)

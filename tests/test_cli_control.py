@@ -325,6 +325,7 @@ async def test_sessions_list_show_kill(smol2):
         assert killed == {"killed": s["session_id"], "released": True}
         await gen.done.wait()
     assert gen.result["finish_reason"] == "cancelled"
+    assert gen.result["error"] == "killed by an operator (skippyctl sessions kill)"
     assert 0 < gen.result["usage"]["completion_tokens"] < 400
     await smol2.wait_all_released()
     assert await actl_json(smol2.head, "sessions", "list") == []

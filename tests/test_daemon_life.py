@@ -171,11 +171,13 @@ class SlowToAnswerEngine:
     def __init__(self):
         self.live: dict[int, trio.CancelScope] = {}
         self.release = trio.Event()
+        self.killed: str | None = None
 
     def prompt_tokens(self, req):
         return np.arange(1, 6, dtype=np.int32)
 
-    def kill(self, session_id: int) -> None:
+    def kill(self, session_id: int, why: str) -> None:
+        self.killed = why
         self.live[session_id].cancel()
 
     async def generate(self, req, on_piece=None):
@@ -184,7 +186,7 @@ class SlowToAnswerEngine:
         del self.live[1]
         await trio.sleep(0.3)
         return GenerationResult(request_id=1, session_id=1, text=" done", tokens=[7],
-                                finish_reason="cancelled" if self.release.is_set() is False else "stop",
+                                finish_reason="stop" if self.killed is None else "cancelled", error=self.killed,
                                 prompt_tokens=5, ttft_ms=1.0, decode_tokens_per_s=1.0, elapsed_ms=1.0)
 
 
@@ -244,7 +246,8 @@ async def test_a_shutdown_waits_until_every_reply_is_sent_not_until_the_engine_l
     elif channel == "control":
         assert isinstance(reply, m.Result) and reply.result["finish_reason"] == "cancelled", reply
     else:
-        assert isinstance(reply, openai.APIStatusError) and reply.status_code == 503 and "cancelled" in str(reply)
+        assert isinstance(reply, openai.APIStatusError) and reply.status_code == 503
+        assert "ended early (cancelled): the daemon is shutting down (its drain grace of 0.2 s is over)" in str(reply)
 
 
 # ---------------------------------------------------------------- real daemons
@@ -416,6 +419,7 @@ async def test_sigint_past_the_grace_period_cancels_and_exits_0(split, stage1, t
             head.signal(signal.SIGINT)
             await gen["done"].wait()
         assert gen["result"]["finish_reason"] == "cancelled", gen
+        assert gen["result"]["error"] == "the daemon is shutting down (its drain grace of 0.5 s is over)"
         assert time.monotonic() - signalled < 5
         rc = await trio.to_thread.run_sync(lambda: head.wait_exit(20))
         assert rc == 0, head.log()

@@ -201,7 +201,7 @@ class LiveGeneration:
     generated: int = 0
     position: int = 0
     state: str = "queued"
-    killed: bool = False
+    killed: str | None = None  # why it was killed (see HeadEngine.kill)
     resumes: int = 0  # replays after a stage failure
 
     def describe(self) -> dict:
@@ -309,6 +309,7 @@ class HeadEngine:
                 sp.set(tokens=len(run.tokens), finish=run.finish_reason)
             if live.cancel_scope.cancelled_caught:
                 run.finish_reason = "cancelled"
+                run.error = live.killed
         except GenerationError as exc:
             self.totals["errors"] += 1
             run.error = str(exc)
@@ -324,11 +325,12 @@ class HeadEngine:
     def new_request_id(self) -> int:
         return next(self._request_ids)
 
-    def kill(self, session_id: int) -> bool:
+    def kill(self, session_id: int, why: str = "killed by an operator (skippyctl sessions kill)") -> bool:
+        """Cancel the generation; it ends through its normal cleanup, "cancelled", with `why` as its error."""
         live = self.live.get(session_id)
         if live is None:
             return False
-        live.killed = True
+        live.killed = why
         live.cancel_scope.cancel()
         return True
 
@@ -413,7 +415,7 @@ class _Run:
             request_id=self.live.request_id, session_id=self.live.session_id, text="".join(self.text_parts),
             tokens=list(self.tokens), finish_reason=self.finish_reason or "error", prompt_tokens=len(self.prompt),
             ttft_ms=self.ttft_ms, decode_tokens_per_s=tps, elapsed_ms=self.elapsed_ms(),
-            stage_stats=attrs.asdict(self.stats))
+            stage_stats=attrs.asdict(self.stats), error=self.error)
 
     # ------------------------------------------------------------------ steps
     async def execute(self) -> None:
