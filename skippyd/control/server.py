@@ -217,7 +217,7 @@ class ControlServer:
         with ``wait`` only once the session is released everywhere (or KILL_WAIT_S).
         """
         self._live(req.session_id)
-        self.engine.kill(req.session_id)
+        self.engine.kill(req.session_id, "killed by an operator (skippyctl sessions kill)")
         if req.wait:
             with trio.move_on_after(KILL_WAIT_S):
                 while req.session_id in self.engine.live:

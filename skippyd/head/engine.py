@@ -325,7 +325,7 @@ class HeadEngine:
     def new_request_id(self) -> int:
         return next(self._request_ids)
 
-    def kill(self, session_id: int, why: str = "killed by an operator (skippyctl sessions kill)") -> bool:
+    def kill(self, session_id: int, why: str) -> bool:
         """Cancel the generation; it ends through its normal cleanup, "cancelled", with `why` as its error."""
         live = self.live.get(session_id)
         if live is None:

@@ -59,6 +59,14 @@ class HubStats:
     stale: int = 0  # replies owed to an earlier attempt of a resumed session (dropped)
 
 
+@attrs.frozen
+class _Waiting:
+    """A session's channel, and the request id of the attempt it is for."""
+
+    request_id: int
+    send: trio.MemorySendChannel
+
+
 class TokenReturnHub:
     def __init__(self, hello: Hello, *, handshake_timeout: float = 5.0, read_deadline: float = READ_DEADLINE_S,
                  allow: UpstreamAllow | None = None, prediction_timeout: float = 30.0):
@@ -72,8 +80,7 @@ class TokenReturnHub:
         self.address: str | None = None
         self.connections = 0  # live return connections
         self.stats = HubStats()
-        self._sessions: dict[int, trio.MemorySendChannel] = {}
-        self._request_ids: dict[int, int] = {}  # session -> the request id its replies carry (this attempt's)
+        self._sessions: dict[int, _Waiting] = {}
         self._waits: dict[int, float] = {}  # session -> trio time its wait for a prediction began
         self._streams: set[trio.SocketStream] = set()
         self._ids = itertools.count(1)
@@ -84,15 +91,13 @@ class TokenReturnHub:
         channel. A replay opens it again with a new request id: what an earlier attempt was owed is dropped."""
         send, receive = trio.open_memory_channel(SESSION_BUFFER)
         self.close_session(session_id)
-        self._sessions[session_id] = send
-        self._request_ids[session_id] = request_id
+        self._sessions[session_id] = _Waiting(request_id, send)
         return receive
 
     def close_session(self, session_id: int) -> None:
-        self._request_ids.pop(session_id, None)
-        send = self._sessions.pop(session_id, None)
-        if send is not None:
-            send.close()
+        waiting = self._sessions.pop(session_id, None)
+        if waiting is not None:
+            waiting.send.close()
 
     @property
     def waiting(self) -> int:
@@ -113,10 +118,10 @@ class TokenReturnHub:
 
     def wake(self, session_id: int, item: ReturnLost | LaneSpoke) -> None:
         """Put `item` on the session's channel, if it has one (best effort: a full channel is not waited)."""
-        send = self._sessions.get(session_id)
-        if send is not None:
+        waiting = self._sessions.get(session_id)
+        if waiting is not None:
             try:
-                send.send_nowait(item)
+                waiting.send.send_nowait(item)
             except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
                 pass
 
@@ -136,8 +141,8 @@ class TokenReturnHub:
             for session_id, since in list(self._waits.items()):
                 if since + timeout > now:
                     continue
-                send = self._sessions.get(session_id)
-                if send is not None and send.statistics().current_buffer_used:
+                waiting = self._sessions.get(session_id)
+                if waiting is not None and waiting.send.statistics().current_buffer_used:
                     # its prediction is there, the waiting task has not run yet (this process was not
                     # running): the wait ends at once, but is not timed out meanwhile
                     self._waits[session_id] = now
@@ -147,18 +152,18 @@ class TokenReturnHub:
                                            f"within {timeout:g} s")
 
     def _deliver(self, reply: Reply) -> None:
-        send = self._sessions.get(reply.session_id)
-        if send is None:
+        waiting = self._sessions.get(reply.session_id)
+        if waiting is None:
             self.stats.unknown += 1
             log.debug("head: token-return: reply for session %d, which is not waiting", reply.session_id)
             return
-        if reply.request_id != self._request_ids.get(reply.session_id):
+        if reply.request_id != waiting.request_id:
             self.stats.stale += 1
             log.info("head: token-return: dropped a reply of session %d owed to an attempt given up (request %d)",
                      reply.session_id, reply.request_id)
             return
         try:
-            send.send_nowait(reply)
+            waiting.send.send_nowait(reply)
         except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
             log.warning("head: token-return: session %d did not take its replies; dropping one", reply.session_id)
             return
