@@ -245,6 +245,11 @@ class Daemon:
     def _config(self, n_local: int) -> StageConfig:
         a = self.args
         cores = os.cpu_count() or 2
+        if a.threads and a.threads > cores:
+            then = (f"computing with {cores} and trying more now and then (kept only if faster)"
+                    if a.adapt_threads == "on" else f"give --threads {cores} or fewer")
+            log.warning("--threads %d is more than this host's %d cores: ggml's threads wait for each other at "
+                        "every barrier, which slows a step down several times; %s", a.threads, cores, then)
         poll = a.thread_poll if a.thread_poll >= 0 else None
         # ggml's workers spin at every barrier, so stages computing on the same cores at once slow each
         # other down badly (two 2-thread stages on 2 cores: a third of the speed, BENCHMARKS.md). Taking

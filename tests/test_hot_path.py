@@ -7,6 +7,7 @@ right things and that the lock excludes what it must.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from skippyd.stage.scheduler import HostComputeLock
 from tests.procs import Pipeline, split_for_test
 
 PROMPT = "Write a long story about a dragon who learns to sail."
+CORES = os.cpu_count() or 2
 
 
 def test_host_lock_excludes_other_handles_and_processes(tmp_path):
@@ -74,8 +76,6 @@ async def test_every_stage_counts_its_decode_steps_and_python_time(two):
 
 
 async def test_stages_sharing_a_host_use_every_core_and_take_turns(two):
-    import os
-
     # one host (loopback): one group of decoding sessions, the stages take turns at the cores
     for snap in await _snapshots(two):
         assert snap["compute"] == {"threads": os.cpu_count(), "thread_poll": 0, "compute_lock": os.cpu_count() > 1,
@@ -96,8 +96,6 @@ async def test_a_stage_computes_with_one_thread_while_other_programs_hold_the_co
     """Busy programs on every core: ggml's two threads wait for each other at every barrier, one thread
     only shares its core. The stage moves to one thread, generates the same tokens, and goes back to two
     once the cores are free again (within a few RECHECK_S)."""
-    import os
-
     import trio
 
     from skippyd.stage.threads import RECHECK_S
@@ -131,6 +129,27 @@ async def test_a_stage_computes_with_one_thread_while_other_programs_hold_the_co
         if after["now"] == 2:
             break
     assert after["now"] == 2 and after["switches"] > during["switches"], after
+
+
+@pytest.fixture
+def twice_the_cores(default_model_path, tmp_path):
+    from tests.procs import SingleStage
+
+    pipe = SingleStage(default_model_path, tmp_path, ["--threads", str(2 * CORES), "--lanes", "1", "--ctx", "512"])
+    yield pipe
+    pipe.stop_cleanly()
+
+
+async def test_more_threads_than_cores_are_warned_of_and_computed_with_as_many_as_cores(twice_the_cores):
+    """Twice as many threads as cores: the daemon says so at startup, and the stage computes with as many
+    threads as cores (it tries the configured count now and then, and keeps it only if it is faster)."""
+    pipe, cores = twice_the_cores, CORES
+    assert f"--threads {2 * cores} is more than this host's {cores} cores" in pipe.stages[0].log()
+    assert (await pipe.stages[0].astatus())["head"]["threads"]["now"] == cores
+    first = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=48)
+    threads = (await pipe.stages[0].astatus())["head"]["threads"]
+    assert threads["configured"] == 2 * cores and threads["now"] == cores and threads["trials"] >= 1, threads
+    assert (await pipe.generate(prompt=PROMPT, raw=True, max_tokens=48))["tokens"] == first["tokens"]
 
 
 def test_chunk_grows_to_cover_the_link_round_trip_and_no_further():

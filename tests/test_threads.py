@@ -106,9 +106,31 @@ def test_with_eight_threads_it_steps_down_to_the_fastest_count_and_back_up():
     assert set(run(chooser, 100, idle)) == {8}
 
 
-def test_the_scheduler_sets_prefill_threads_with_decode_ones():
+def test_more_threads_than_cores_start_on_the_cores_and_try_the_configured_count_now_and_then():
+    clock = Clock()
+    chooser = ThreadChooser(8, cores=2, clock=clock)
+    assert chooser.pick() == 2 and chooser.describe()["now"] == 2 and chooser.describe()["configured"] == 8
+    over = {8: 36.0, 4: 31.0, 2: 15.0, 1: 25.0}  # 8 threads on 2 cores: each barrier waits for a core
+    assert set(run(chooser, 100, over)) <= {2, 4}  # 4 is tried once (lost at once: ABORT), 8 never yet
+    assert chooser.current == 2 and chooser.trials == 1
+    for _ in range(3):
+        clock.now += RECHECK_S
+        run(chooser, 40, over)
+    assert chooser.current == 2 and chooser.trials == 4 and chooser.switches == 0
+    # a host where more threads do help after all (cores the count did not see): it climbs to them
+    faster = {8: 8.0, 4: 11.0, 2: 15.0, 1: 25.0}
+    for want in (4, 8):
+        clock.now += RECHECK_S
+        run(chooser, 20, faster)
+        assert chooser.current == want
+    # cores not known, or adapting off: the configured count
+    assert ThreadChooser(8).pick() == 8 and ThreadChooser(8, cores=2, enabled=False).pick() == 8
+
+
+def test_the_scheduler_sets_prefill_threads_with_decode_ones(monkeypatch):
     """A reduced count applies to prefill (the batch count) too, also where a batch count is configured;
     back on the configured count, the configured batch count returns."""
+    import os
     from types import SimpleNamespace
 
     from skippyd.runtime.llama import ContextParams
@@ -117,6 +139,7 @@ def test_the_scheduler_sets_prefill_threads_with_decode_ones():
     calls = []
     ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=4, n_threads_batch=6),
                           set_threads=lambda n, nb: calls.append((n, nb)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)  # 4 threads fit: the scheduler starts on them
     scheduler = Scheduler(ctx)
     scheduler.threads._trial = 2  # a trial of half as many (the chooser's decisions are tested above)
     assert scheduler._use_threads() == 2

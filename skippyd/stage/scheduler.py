@@ -254,7 +254,7 @@ class Scheduler:
         self._arrived: trio.Event | None = None  # set by submit() while _gather waits
         self._busy = False  # the serve task is between its wake-up and its next wait
         # decode (and prefill) with the configured threads, or fewer while that is much faster (threads.py)
-        self.threads = ThreadChooser(ctx.params.n_threads, enabled=adapt_threads)
+        self.threads = ThreadChooser(ctx.params.n_threads, enabled=adapt_threads, cores=os.cpu_count())
         self._threads_now = ctx.params.n_threads
 
     # ---------------------------------------------------------------- clients

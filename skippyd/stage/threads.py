@@ -9,6 +9,8 @@ development VM, with two busy programs beside it, a single stage decoded 8 token
 scheduler times every decode batch (native time, no lock wait) and :class:`ThreadChooser` decides,
 between the configured count and its halves down to one (8, 4, 2, 1):
 
+- a configured count above the host's cores starts on as many threads as there are cores (and, being
+  below the configured count, tries it every RECHECK_S: see the last point);
 - once, as soon as the configured count has its first baseline (the median of its first WINDOW decode
   batches), it tries half as many: a stage may start on a busy host;
 - once the recent median of the count in use is SLOWER times that count's baseline, it tries half as
@@ -45,10 +47,14 @@ RECHECK_S = 2.0  # below the configured count: how often to try twice as many th
 
 
 class ThreadChooser:
-    def __init__(self, configured: int, *, enabled: bool = True, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, configured: int, *, enabled: bool = True, cores: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.configured = configured
         self.enabled = enabled and configured > 1
-        self.current = configured
+        # more threads than cores wait for each other at every barrier: start on as many as there are cores
+        # and try the configured count every RECHECK_S, as after a halving (a single lost trial of fewer
+        # threads kept a stage of 8 threads on 2 cores at 40% of its speed)
+        self.current = min(configured, cores) if self.enabled and cores else configured
         self.switches = 0  # changes of the current count
         self.trials = 0
         self._clock = clock
@@ -118,10 +124,11 @@ class ThreadChooser:
             self._end_trial()
 
     def _judge(self, rows: int, trial: float, current: float) -> None:
-        tried = self._trial
+        tried, steps = self._trial, len(self._trial_times.get(rows, ()))
         self._end_trial()
-        self._descending = tried < self.current and trial < GAIN * current
-        if trial < GAIN * current:
+        won = trial < GAIN * current
+        self._descending = tried < self.current and won
+        if won:
             log.info("compute threads %d -> %d: a decode step of %d session(s) took %.1f ms with %d, %.1f ms with "
                      "%d%s", self.current, tried, rows, current * 1e3, self.current, trial * 1e3, tried,
                      " (other programs on the cores, or steps too small to share?)" if tried < self.current else "")
@@ -130,8 +137,11 @@ class ThreadChooser:
             # what was measured before the switch is stale: the load has changed
             self._recent = {}
             self._baseline = {(tried, rows): trial}
-        elif tried < self.current:
-            self._baseline[(self.current, rows)] = current  # slower, but fewer threads are no help
+        else:
+            log.debug("compute threads: kept %d: a decode step of %d session(s) took %.1f ms with it, %.1f ms with "
+                      "%d (%d steps tried)", self.current, rows, current * 1e3, trial * 1e3, tried, steps)
+            if tried < self.current:
+                self._baseline[(self.current, rows)] = current  # slower, but fewer threads are no help
         if self.current < self.configured:
             self._recheck_at = self._clock() + RECHECK_S
 
