@@ -203,7 +203,8 @@ async def test_a_shutdown_waits_until_every_reply_is_sent_not_until_the_engine_l
     daemon.head = SimpleNamespace(engine=engine, pool=None)
     token = tmp_path / "token"
     token.write_text("the-token\n")
-    got: list = []
+    got: list = []  # the generation's replies
+    idle: list = []  # the close reasons an idle control client got
 
     async def ask_control(port: int) -> None:
         async with open_control(f"ws://127.0.0.1:{port}", token) as client:
@@ -214,8 +215,6 @@ async def test_a_shutdown_waits_until_every_reply_is_sent_not_until_the_engine_l
             with pytest.raises(ConnectionClosed) as closed:
                 await client.ws.get_message()
             idle.append(closed.value.reason)
-
-    idle: list = []
 
     def ask_openai(port: int) -> None:
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=10)
@@ -245,6 +244,7 @@ async def test_a_shutdown_waits_until_every_reply_is_sent_not_until_the_engine_l
         assert (reply.result["text"] if channel == "control" else reply.choices[0].text) == " done", reply
     elif channel == "control":
         assert isinstance(reply, m.Result) and reply.result["finish_reason"] == "cancelled", reply
+        assert reply.result["error"] == "the daemon is shutting down (its drain grace of 0.2 s is over)"
     else:
         assert isinstance(reply, openai.APIStatusError) and reply.status_code == 503
         assert "ended early (cancelled): the daemon is shutting down (its drain grace of 0.2 s is over)" in str(reply)
