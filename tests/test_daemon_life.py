@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import openai
 import pytest
 import trio
@@ -29,6 +28,7 @@ from skippyd.control import messages as m
 from skippyd.daemon import _JournalFormatter, _notify, build_parser
 from skippyd.head.engine import GenerationResult
 from tests.procs import REPO, Daemon, Pipeline, free_ports, split_for_test
+from tests.test_openai import FakeEngine
 
 
 def run_skippyd(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -159,22 +159,16 @@ def test_journald_priority_prefixes(monkeypatch):
 
 
 # ---------------------------------------------------------------- drain (in-process, a stand-in engine)
-class SlowToAnswerEngine:
-    """Enough of HeadEngine for both channels. Its generation leaves `live` a while before its caller has
-    the result (the moments between the engine's cleanup and the reply's last message, long on a crawling
-    host): a shutdown that watched `live` alone cancelled the daemon there and cut the reply off."""
-
-    model = SimpleNamespace(n_vocab=1000)
-    context = SimpleNamespace(n_ctx_seq=64)
-    sessions = SimpleNamespace(n_seq_max=2)
+class SlowToAnswerEngine(FakeEngine):
+    """The OpenAI tests' stand-in engine, killable, for both channels. Its generation leaves `live` a while
+    before its caller has the result (the moments between the engine's cleanup and the reply's last
+    message, long on a crawling host): a shutdown that watched `live` alone cancelled the daemon there and
+    cut the reply off."""
 
     def __init__(self):
-        self.live: dict[int, trio.CancelScope] = {}
+        super().__init__(behave=None)
         self.release = trio.Event()
         self.killed: str | None = None
-
-    def prompt_tokens(self, req):
-        return np.arange(1, 6, dtype=np.int32)
 
     def kill(self, session_id: int, why: str) -> None:
         self.killed = why
