@@ -173,8 +173,9 @@ def decode_steps_per_batch(before: dict, after: dict) -> float:
 async def test_concurrent_generations_batch_and_match_alone(two):
     # the head waits for a group of sessions still on stage 1, so the 8 decode as one batch, not two of 4
     # (the sessions start decoding one prefill apart and end apart, so fewer than 8 per batch on average:
-    # 6.3-7.4 here). One burst in a few full-suite runs read 3.8 (not reproduced alone, in 40 runs): a
-    # second burst then decides; broken merging fails both.
+    # 6.3-7.4 here). A burst in a few full-suite runs read 3.8: a busy host's steps outlasted the head's fixed
+    # 20 ms wait for the other group (two busy programs beside this test: 3.6 and 3.8 then, 7.0-7.4 with the
+    # wait scaled to the compute). A second burst still decides; broken merging fails both.
     figures = []
     for _ in range(2):
         before, after = await alone_then_together(two, 8, 16)
@@ -186,6 +187,24 @@ async def test_concurrent_generations_batch_and_match_alone(two):
             break
     assert figures[-1] >= 5, f"the head decoded {figures} steps per batch: the sessions did not merge"
     await two.wait_all_released()
+
+
+def test_the_heads_wait_for_a_group_on_another_stage_grows_with_its_compute():
+    """The head waits for the group on the other stage as long as a few of its own decode computes, at least
+    GATHER_MAX_LOCKED_S: a fixed 20 ms kept 8 sessions in two groups for good once two busy programs slowed
+    every step past it (test_concurrent_generations_batch_and_match_alone read 3.6 steps per batch)."""
+    from types import SimpleNamespace
+
+    from skippyd.runtime.llama import ContextParams
+    from skippyd.stage.scheduler import GATHER_LOCKED_COMPUTES, GATHER_MAX_LOCKED_S, Scheduler
+
+    ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=1, n_threads_batch=1), set_threads=None)
+    scheduler = Scheduler(ctx, adapt_threads=False)
+    assert scheduler._locked_window() == GATHER_MAX_LOCKED_S  # nothing decoded yet
+    scheduler._decode_native_us = 2_000  # a small model: the floor
+    assert scheduler._locked_window() == GATHER_MAX_LOCKED_S
+    scheduler._decode_native_us = 60_000  # a big model, or a busy host
+    assert scheduler._locked_window() == pytest.approx(GATHER_LOCKED_COMPUTES * 0.06)
 
 
 async def test_decode_groups_keep_sessions_in_groups_one_in_flight_per_stage(default_model_path, tmp_path):

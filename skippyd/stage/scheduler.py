@@ -98,7 +98,8 @@ INLINE_MAX_SEQS = 8
 INLINE_MAX_US = 20_000
 GATHER_MAX_S = 0.002  # a decode batch waits at most this long for the last batch's other sessions ...
 GATHER_SHARE = 0.2  # ... and at most this share of that batch's compute
-GATHER_MAX_LOCKED_S = 0.02  # the head with the host lock: this long (see _gather)
+GATHER_MAX_LOCKED_S = 0.02  # the head with the host lock: this long (see _gather) ...
+GATHER_LOCKED_COMPUTES = 3  # ... or this many times its last decode's compute, if longer
 GATHER_GROUP_S = 0.0005  # a later stage with decode groups: the head sends a group's steps back to back
 LOCK_MAX_WAIT_S = 1.0  # longer than any other stage's one compute should hold the host lock ...
 LOCK_BYPASS_S = 5.0  # ... past that the holder is taken to be stuck: go without the lock this long
@@ -417,13 +418,13 @@ class Scheduler:
             # the head keeps groups apart and sends each group's steps back to back: wait for those only
             window = min(GATHER_GROUP_S, GATHER_SHARE * self._decode_native_us / 1e6)
         elif self.decode_groups > 1:
-            window = GATHER_MAX_LOCKED_S  # the head merging groups: the next one is a stage's compute away
+            window = self._locked_window()  # the head merging groups: the next one is a stage's compute away
         elif self.host_lock is not None and self.ctx.token_input:
             # the head, taking turns at the cores (the host lock): a group that is not here is on another stage,
             # using the cores, so waiting for it costs no compute, and one batch of both groups costs much less
             # than two (here a batch of 8 ~1.2 of 4). Only the head waits this long: groups form here, and a
             # later stage waiting for a group the head holds would hold the head's group in turn.
-            window = GATHER_MAX_LOCKED_S
+            window = self._locked_window()
         else:
             window = min(GATHER_MAX_S, GATHER_SHARE * self._decode_native_us / 1e6)
         self._arrived = trio.Event()
@@ -436,6 +437,12 @@ class Scheduler:
         self._expected &= queued  # one that did not come back is not waited for again
         self._previous &= queued
         self.stats.gathers += 1
+
+    def _locked_window(self) -> float:
+        """How long the head waits for a group on another stage: that stage's compute of it, which is about the
+        head's own (a bigger model, or a busy host, takes longer than GATHER_MAX_LOCKED_S: a fixed 20 ms split
+        8 sessions into two groups for good when two busy programs slowed every step beyond it)."""
+        return max(GATHER_MAX_LOCKED_S, GATHER_LOCKED_COMPUTES * self._decode_native_us / 1e6)
 
     def _gathered(self, queued: set[int]) -> bool:
         """Whether a decode batch may start with the sessions `queued`: every session of the last two decode
