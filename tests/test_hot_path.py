@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from skippyd.head.chunking import MARGIN
-from skippyd.stage.scheduler import HostComputeLock
+from skippyd.stage.host_lock import HostComputeLock
 from tests.procs import Pipeline, split_for_test
 
 PROMPT = "Write a long story about a dragon who learns to sail."
@@ -27,7 +27,7 @@ def test_host_lock_excludes_other_handles_and_processes(tmp_path):
     try:
         assert a.try_acquire()
         assert not b.try_acquire()  # another open file description: a second stage in this process
-        probe = ("import sys; from skippyd.stage.scheduler import HostComputeLock; "
+        probe = ("import sys; from skippyd.stage.host_lock import HostComputeLock; "
                  "sys.exit(0 if HostComputeLock(sys.argv[1]).try_acquire() else 3)")
         assert subprocess.run([sys.executable, "-c", probe, str(path)]).returncode == 3
         a.release()

@@ -24,7 +24,8 @@ from skippyd.runtime.llama import Context, ContextParams, Model
 from skippyd.stage.access import UpstreamAllow
 from skippyd.stage.conditioning import LinkShape
 from skippyd.stage.connection import UpstreamConnection
-from skippyd.stage.scheduler import HostComputeLock, Scheduler
+from skippyd.stage.host_lock import HostComputeLock
+from skippyd.stage.scheduler import Scheduler
 from skippyd.stage.sessions import SessionTable, StageSession
 from skippyd.stage.token_return import TokenReturnLink
 from skippyd.topology import StageSpec, Topology
