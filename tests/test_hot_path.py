@@ -7,9 +7,11 @@ right things and that the lock excludes what it must.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -193,31 +195,94 @@ async def test_a_delayed_link_makes_the_head_measure_it_and_grow_its_chunk(defau
         await trio.to_thread.run_sync(pipe.stop)
 
 
-def test_a_stuck_holder_costs_one_bounded_wait_then_is_bypassed(tmp_path):
-    """A stage that stops while it holds the lock (SIGSTOP) must not stall the others: they wait at most
-    max_wait_s once, then compute without the lock for bypass_s."""
-    import time
+HOLDER = """
+import fcntl, os, signal, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+if sys.argv[2] == "stop":
+    os.kill(os.getpid(), signal.SIGSTOP)
+else:
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+@contextlib.contextmanager
+def lock_held_by_another_process(path, how: str):
+    """A process that takes the lock at `path`, then stops itself ("stop") or holds it for `how` seconds."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), how], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_stopped_holder_is_bypassed_at_once_and_left_alone_for_bypass_s(tmp_path):
+    """A stage that stops while it holds the lock (SIGSTOP) must not stall the others: a waiter sees it is
+    stopped (well before max_wait_s) and computes without the lock for bypass_s."""
+    from skippyd.stage.host_lock import lock_holder, process_stopped
 
     path = tmp_path / "compute.lock"
-    stuck, waiter = HostComputeLock(path), HostComputeLock(path, max_wait_s=0.3, bypass_s=60)
+    waiter = HostComputeLock(path, max_wait_s=30, bypass_s=60)
     try:
-        assert stuck.try_acquire()
-        started = time.monotonic()
-        assert waiter.acquire() is False
-        assert 0.3 <= time.monotonic() - started < 1.0
-        started = time.monotonic()
-        assert waiter.acquire() is False  # bypassed: no second wait
-        assert time.monotonic() - started < 0.05
-        assert waiter.timeouts == 1
-        stuck.release()
+        with lock_held_by_another_process(path, "stop") as holder:
+            while not process_stopped(holder.pid):
+                time.sleep(0.01)
+            assert lock_holder(waiter._fd) == holder.pid
+            started = time.monotonic()
+            assert waiter.acquire() is False
+            assert time.monotonic() - started < 1.0
+            started = time.monotonic()
+            assert waiter.acquire() is False  # bypassed: no second wait
+            assert time.monotonic() - started < 0.05
+            assert waiter.timeouts == 1
     finally:
-        stuck.close()
+        waiter.close()
+
+
+def test_a_running_holder_is_waited_for_beyond_max_wait_s_up_to_running_max_s(tmp_path):
+    """One compute of a big model takes seconds: a holder that runs is waited for (computing beside it would
+    slow both), and taken to be wedged only after running_max_s."""
+    path = tmp_path / "compute.lock"
+    waiter = HostComputeLock(path, max_wait_s=0.2, running_max_s=30)
+    try:
+        with lock_held_by_another_process(path, "1.2"):
+            started = time.monotonic()
+            assert waiter.acquire() is True
+            assert 0.8 <= time.monotonic() - started < 10
+            waiter.release()
+        assert waiter.timeouts == 0
+        wedged = HostComputeLock(path, max_wait_s=0.2, running_max_s=0.6)
+        with lock_held_by_another_process(path, "30"):
+            started = time.monotonic()
+            assert wedged.acquire() is False
+            assert 0.6 <= time.monotonic() - started < 5
+        assert wedged.timeouts == 1
+        wedged.close()
+    finally:
+        waiter.close()
+
+
+def test_a_holder_that_cannot_be_looked_at_is_bypassed_after_max_wait_s(tmp_path, monkeypatch):
+    """No /proc/locks entry to name the holder (another pid namespace): the bounded wait of old."""
+    from skippyd.stage import host_lock
+
+    monkeypatch.setattr(host_lock, "lock_holder", lambda fd: None)
+    path = tmp_path / "compute.lock"
+    waiter = HostComputeLock(path, max_wait_s=0.3, bypass_s=60)
+    try:
+        with lock_held_by_another_process(path, "30"):
+            started = time.monotonic()
+            assert waiter.acquire() is False
+            assert 0.3 <= time.monotonic() - started < 2
+    finally:
         waiter.close()
 
 
 def test_a_free_lock_is_taken_at_once_and_a_busy_one_after_its_release(tmp_path):
     import threading
-    import time
 
     path = tmp_path / "compute.lock"
     holder, waiter = HostComputeLock(path), HostComputeLock(path)
