@@ -280,9 +280,12 @@ def main() -> int:
     ap.add_argument("--delay-ms", type=float, default=10.0, help="one-way link delay for the WAN section (0: skip)")
     ap.add_argument("--no-reference", action="store_true", help="skip llama-cpp-python")
     ap.add_argument("--no-overlap", action="store_true", help="skip the stages-on-their-own-cores section")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="GGUF to measure (default: the embedded default model); a bigger one shows the compute-"
+                         "bound regime of the models a pipeline is for")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    model = fetch_default_model()
+    model = args.model or fetch_default_model()
     if not args.no_reference:
         from bench.reference import ensure_reference
 
