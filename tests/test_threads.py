@@ -75,6 +75,18 @@ def test_a_slowdown_that_one_thread_does_not_help_is_the_new_baseline():
     assert chooser.trials == 3 and chooser.current == 2
 
 
+def test_a_stage_that_started_under_load_judges_a_later_load_from_its_idle_speed():
+    """Its first baseline was measured under load and its first trial lost (noise: one thread no faster then);
+    once the load went, the faster steps are the baseline, so when the load comes back it halves."""
+    chooser = ThreadChooser(2)
+    run(chooser, 20, {2: 60.0, 1: 55.0})  # busy at the start; the trial of one thread is lost
+    assert chooser.current == 2 and chooser.trials == 1
+    run(chooser, 40, {2: 13.0, 1: 22.0})  # the load is gone
+    assert chooser.current == 2 and chooser.trials == 1
+    run(chooser, 40, {2: 60.0, 1: 30.0})  # back: not 1.5x the first baseline, 4.6x the idle one
+    assert chooser.current == 1 and chooser.switches == 1
+
+
 def test_batch_sizes_are_judged_apart():
     """A batch of 4 sessions takes longer than one session's step: no slowdown, no trial."""
     chooser = ThreadChooser(2)

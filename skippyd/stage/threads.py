@@ -16,7 +16,8 @@ between the configured count and its halves down to one (8, 4, 2, 1):
 - once the recent median of the count in use is SLOWER times that count's baseline, it tries half as
   many threads for TRIAL_STEPS batches and keeps them if they were faster by GAIN (then, after WINDOW
   batches, tries half as many again); if not (a longer context slows every step too), the slow
-  median becomes the baseline, so it takes another such slowdown to try again;
+  median becomes the baseline, so it takes another such slowdown to try again; a median below the
+  baseline becomes the baseline too (the first one may have been measured under load);
 - below the configured count, it tries twice as many every RECHECK_S, and keeps them once faster.
 
 A trial ends at once, lost, on a step more than ABORT times the current count's median: while the load
@@ -107,6 +108,10 @@ class ThreadChooser:
                 self._start_trial(threads // 2)  # the first baseline may have been measured under load
         elif now > SLOWER * base and threads > 1:
             self._start_trial(threads // 2)
+        elif now < base:
+            # faster than its baseline: that was measured under load (a stage that started on a busy host and
+            # lost its first trial to noise), or on a longer context; a later load is judged from this one
+            self._baseline[key] = now
 
     def _start_trial(self, threads: int) -> None:
         self._trial, self._trial_times, self._trial_steps = threads, {}, 0
