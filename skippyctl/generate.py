@@ -10,7 +10,7 @@ import trio
 import typer
 
 from skippyctl.client import ControlError, open_control
-from skippyctl.render import EXIT_USAGE, fail
+from skippyctl.render import EXIT_USAGE, fail, waiting_line
 from skippyd.control import messages as m
 
 
@@ -40,15 +40,17 @@ def generate(
     async def go() -> dict:
         nonlocal printed
         async with open_control(g.url, g.token_file) as client:
-            async for reply in client.replies(request):
-                if isinstance(reply, m.Piece):
-                    sys.stdout.write(reply.text)
-                    sys.stdout.flush()
-                    printed = True
-                elif isinstance(reply, m.Error):
-                    raise ControlError(reply.message, code=reply.code)
-                elif isinstance(reply, m.Result):
-                    return reply.result
+            with waiting_line("reading the prompt, then the first token") as first_token:
+                async for reply in client.replies(request):
+                    if isinstance(reply, m.Piece):
+                        first_token()
+                        sys.stdout.write(reply.text)
+                        sys.stdout.flush()
+                        printed = True
+                    elif isinstance(reply, m.Error):
+                        raise ControlError(reply.message, code=reply.code)
+                    elif isinstance(reply, m.Result):
+                        return reply.result
         raise ControlError("the daemon ended the generation without a result")
 
     try:

@@ -19,7 +19,9 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    SpinnerColumn,
     TextColumn,
+    TimeElapsedColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
@@ -86,3 +88,23 @@ def byte_progress(description: str) -> Iterator[Callable[[int, int], None]]:
             progress.update(task, completed=done, total=total or None)
 
         yield update
+
+
+@contextlib.contextmanager
+def waiting_line(description: str) -> Iterator[Callable[[], None]]:
+    """A spinner with the time elapsed on stderr, for a wait that reports nothing (a long prompt's prefill
+    before the first token: tens of seconds with a big model); yields `stop()`, which clears it, as does the
+    block's end. Nothing is drawn when stderr is not a terminal."""
+    console = stderr_console()
+    if not console.is_terminal:
+        yield lambda: None
+        return
+    progress = Progress(SpinnerColumn(), TextColumn(description), TimeElapsedColumn(), console=console,
+                        transient=True)
+    progress.add_task(description, total=None)
+    progress.start()
+    try:
+        yield progress.stop
+    finally:
+        progress.stop()
+

@@ -277,10 +277,47 @@ async def test_two_streams_on_one_connection_stay_whole_and_apart(smol2):
         assert result["tokens"] == alone[prompt]["tokens"]
 
 
+CTL_MAIN = "from skippyctl.app import main; sys.argv[0] = 'skippyctl'; main()"
+
+
+def test_generate_on_a_terminal_shows_what_it_waits_for_until_the_first_token(smol2):
+    """Before the first token (a long prompt's prefill: tens of seconds with a big model) stderr, when it is
+    a terminal, shows a spinner saying what it waits for, cleared at the first token; stdout has the text."""
+    import pty
+
+    primary, secondary = pty.openpty()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", f"import sys; {CTL_MAIN}", "--url", smol2.head.url, "--token-file",
+             str(smol2.head.token_file), "generate", *GREEDY, "--max-tokens", "8"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=secondary, env=dict(os.environ, TERM="xterm"), timeout=60)
+        os.close(secondary)
+        secondary = -1
+        screen = b""
+        while True:
+            try:
+                chunk = os.read(primary, 4096)
+            except OSError:  # EIO: every writer has closed the terminal
+                break
+            if not chunk:
+                break
+            screen += chunk
+    finally:
+        os.close(primary)
+        if secondary >= 0:
+            os.close(secondary)
+    assert proc.returncode == 0, screen
+    assert b"reading the prompt, then the first token" in screen
+    assert b"[length: " in screen  # the summary, after the line was cleared
+    want = ctl_json(smol2.head, "generate", *GREEDY, "--max-tokens", "8")["text"]
+    assert proc.stdout.decode() == want + "\n"
+    # not a terminal (CliRunner, pipes): no such line, for scripts and logs
+    assert "reading the prompt" not in ctl(smol2.head, "generate", *GREEDY, "--max-tokens", "8").stderr
+
+
 async def test_ctrl_c_cancels_the_generation_on_every_stage(smol2):
     # `python -c`, so that SIGINT has its default handler even when the test runner ignores it
-    code = "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); " \
-           "from skippyctl.app import main; sys.argv[0] = 'skippyctl'; main()"
+    code = f"import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); {CTL_MAIN}"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "--url", smol2.head.url, "--token-file", str(smol2.head.token_file),
          "generate", "--prompt", STORY, "--max-tokens", "400"],
