@@ -107,4 +107,3 @@ def waiting_line(description: str) -> Iterator[Callable[[], None]]:
         yield progress.stop
     finally:
         progress.stop()
-

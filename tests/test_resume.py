@@ -22,8 +22,8 @@ from skippyd.control import messages as m
 from tests.procs import Pipeline, retarget
 from tests.test_faults import COUNT, LONG, wait_prefilling
 
-# --compute-lock off: a stage stopped (SIGSTOP) while it holds the host-wide compute lock would stall every
-# other skippy process of this user on the host (other test runs) until SIGCONT
+# --compute-lock off: a stage stopped (SIGSTOP) while it holds the host-wide compute lock would make every
+# other skippy process of this user on the host (other test runs) compute without the lock for a while
 FLAGS = ["--prefill-chunk", "32", "--lanes", "2", "--ctx", "512", "--compute-lock", "off"]
 DECODE = dict(prompt=COUNT, raw=True, max_tokens=96)
 # seeded sampling: the final stage's sampler is new after the replay, and the replayed steps draw from it
