@@ -26,6 +26,7 @@ import trio
 
 from skippyd import config as cfgmod
 from skippyd.config import ConfigError, Settings, parse_hostport
+from skippyd.head.engine import STOP_TIMEOUT_S
 from skippyd.hosts import THIS_MACHINE, Machines
 from skippyd.runtime.llama import LlamaError
 from skippyd.stage.server import StageConfig, StageServer
@@ -35,7 +36,11 @@ from skippyd.wire.messages import PROTOCOL_VERSION
 log = logging.getLogger("skippyd")
 
 DEFAULT_CONTROL = cfgmod.DEFAULT_CONTROL
-KILL_WAIT_S = 3.0  # after the grace period: how long cancelled generations get to clean up
+# after the grace period: how long cancelled generations get to clean up and answer. A generation's
+# cleanup waits at most STOP_TIMEOUT_S twice (the stop down its lane, then its KV clear, which waits for the
+# compute in progress: seconds with a big model); 3 s cut that short and the client got the daemon's
+# going-away close instead of its "cancelled" result.
+KILL_WAIT_S = 2 * STOP_TIMEOUT_S + 1.0
 STATUS_EVERY_S = 5.0  # how often systemd's STATUS= line is refreshed (when it changed)
 PROBE_TTL_S = 1.0  # status: a stage's reachability is probed at most this often
 

@@ -165,10 +165,11 @@ class SlowToAnswerEngine(FakeEngine):
     message, long on a crawling host): a shutdown that watched `live` alone cancelled the daemon there and
     cut the reply off."""
 
-    def __init__(self):
+    def __init__(self, cleanup_s: float = 0.0):
         super().__init__(behave=None)
         self.release = trio.Event()
         self.killed: str | None = None
+        self.cleanup_s = cleanup_s  # once cancelled, it stays live this long (the real one's shielded cleanup)
 
     def kill(self, session_id: int, why: str) -> None:
         self.killed = why
@@ -177,6 +178,8 @@ class SlowToAnswerEngine(FakeEngine):
     async def generate(self, req, on_piece=None):
         with trio.CancelScope() as self.live[1]:
             await self.release.wait()
+        if self.killed is not None:
+            await trio.sleep(self.cleanup_s)
         del self.live[1]
         await trio.sleep(0.3)
         return GenerationResult(request_id=1, session_id=1, text=" done", tokens=[7],
@@ -185,15 +188,19 @@ class SlowToAnswerEngine(FakeEngine):
 
 
 @pytest.mark.parametrize("channel", ["control", "openai"])
-@pytest.mark.parametrize("ends", ["within-grace", "past-grace"])
+@pytest.mark.parametrize("ends", ["within-grace", "past-grace", "past-grace-slow-cleanup"])
 async def test_a_shutdown_waits_until_every_reply_is_sent_not_until_the_engine_lets_go(tmp_path, channel, ends):
+    """past-grace-slow-cleanup: a cancelled generation's cleanup may wait STOP_TIMEOUT_S twice (its stop
+    down the lane, its KV clear behind a long compute); a 3 s limit on that wait closed the client's
+    connection before the result (seen with a 1.3 GB model split in two)."""
     from skippyd.control.server import ControlServer
     from skippyd.daemon import Daemon as SkippyDaemon
+    from skippyd.head.engine import STOP_TIMEOUT_S
     from skippyd.openai.server import OpenAIServer
 
     grace = "5" if ends == "within-grace" else "0.2"
     daemon = SkippyDaemon(build_parser().parse_args(["--model", "m.gguf", "--drain-grace", grace]))
-    engine = SlowToAnswerEngine()
+    engine = SlowToAnswerEngine(cleanup_s=2 * STOP_TIMEOUT_S - 0.3 if ends.endswith("slow-cleanup") else 0.0)
     daemon.head = SimpleNamespace(engine=engine, pool=None)
     token = tmp_path / "token"
     token.write_text("the-token\n")
