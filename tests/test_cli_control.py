@@ -280,11 +280,17 @@ async def test_two_streams_on_one_connection_stay_whole_and_apart(smol2):
 CTL_MAIN = "from skippyctl.app import main; sys.argv[0] = 'skippyctl'; main()"
 
 
-def test_generate_on_a_terminal_shows_what_it_waits_for_until_the_first_token(smol2):
+# rich takes these over whether stderr is a terminal
+TERMINAL_OVERRIDES = ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")
+
+
+def test_generate_on_a_terminal_shows_what_it_waits_for_until_the_first_token(smol2, monkeypatch):
     """Before the first token (a long prompt's prefill: tens of seconds with a big model) stderr, when it is
     a terminal, shows a spinner saying what it waits for, cleared at the first token; stdout has the text."""
     import pty
 
+    for name in TERMINAL_OVERRIDES:
+        monkeypatch.delenv(name, raising=False)
     primary, secondary = pty.openpty()
     try:
         proc = subprocess.run(
