@@ -404,9 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--malloc-arena-max", type=int, default=None,
                    help="run the daemons with MALLOC_ARENA_MAX=N (glibc's per-thread arenas grow the head's RSS "
                         "in steps of ~12 MiB before it levels off)")
-    p.add_argument("--model", type=Path, default=None, help="GGUF to split (default: the embedded default model). A random-weight model's logits "
-                   "are near ties, which batching with other sessions flips in llama.cpp itself (a single stage "
-                   "too): its 'wrong tokens' are no pipeline fault")
+    p.add_argument("--model", type=Path, default=None,
+                   help="GGUF to split (default: the embedded default model). A random-weight model's logits are "
+                        "near ties, which batching with other sessions flips in llama.cpp itself (a single stage "
+                        "too): its 'wrong tokens' are no pipeline fault")
     p.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = p.parse_args(argv)
 
