@@ -3,12 +3,12 @@ the two versions' pipelines measured in interleaved rounds in the same run (this
 difference of 10% between runs minutes apart).
 
     .venv/bin/python bench/ab_trees.py --base b10951d [--rounds 5] [--stages 2,3] [--link-delay-ms 10]
-                                       [--streamed 4] [--json out.json]
+                                       [--streamed 4] [--model PATH] [--json out.json]
 
 ``--base`` is a git revision, checked out in a temporary worktree; the other side is this working tree.
 Both run on this tree's native build (skippyd/_native): the comparison is of the Python. For each stage
-count, a pipeline of each version (one skippyd per stage, loopback, default model) stays up for the whole
-run; each round measures every pipeline in turn (order reversed every other round) over two 96-token
+count, a pipeline of each version (one skippyd per stage, loopback, the default model or ``--model``) stays up
+for the whole run; each round measures every pipeline in turn (order reversed every other round) over two 96-token
 generations, after one of the same as warm-up. Printed: medians (min-max) of the event loop's CPU per step
 outside llama.cpp (``loop_cpu_s`` less ``loop_native_cpu_s`` of each stage's ``hot_path``), the handler's
 CPU per step, native compute per step, the generations' decode time per token, and this tree's ratio to
@@ -69,13 +69,15 @@ def main() -> int:
     ap.add_argument("--stages", default="2,3", help="comma-separated stage counts")
     ap.add_argument("--link-delay-ms", type=float, default=0.0, help="one-way delay on every link (0: none)")
     ap.add_argument("--streamed", type=int, default=0, help="also N concurrent streamed generations per round")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="GGUF to measure (default: the embedded default model), as bench_pipeline.py's")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     extra = ["--lanes", str(max(2, args.streamed)), "--ctx", "1024"]
     if args.link_delay_ms > 0:
         extra += ["--link-delay-ms", str(args.link_delay_ms)]
     stage_counts = [int(n) for n in args.stages.split(",")]
-    model = fetch_default_model()
+    model = args.model or fetch_default_model()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         base = tmp / "base"

@@ -4,7 +4,7 @@ stage under load)."""
 
 from __future__ import annotations
 
-from skippyd.stage.threads import JUDGE_EVERY, RECHECK_S, TRIAL_STEPS, WINDOW, ThreadChooser
+from skippyd.stage.threads import JUDGE_EVERY, RECHECK_S, WINDOW, ThreadChooser
 
 
 class Clock:
@@ -28,8 +28,8 @@ def run(chooser: ThreadChooser, steps: int, ms: dict[int, float], rows: int = 1)
 def test_a_steady_stage_keeps_its_threads_and_tries_one_only_once():
     chooser = ThreadChooser(2)
     picked = run(chooser, 500, {2: 13.0, 1: 22.0})
-    assert picked[WINDOW:WINDOW + TRIAL_STEPS] == [1] * TRIAL_STEPS  # once it has a baseline
-    assert picked.count(1) == TRIAL_STEPS and chooser.trials == 1 and chooser.current == 2
+    assert picked[WINDOW] == 1  # once it has a baseline; the trial's step is slower than two threads': lost
+    assert picked.count(1) == 1 and chooser.trials == 1 and chooser.current == 2
 
 
 def test_a_stage_started_on_a_busy_host_moves_to_one_thread_at_once():
@@ -70,7 +70,7 @@ def test_a_slowdown_that_one_thread_does_not_help_is_the_new_baseline():
     chooser = ThreadChooser(2)
     run(chooser, 20, {2: 13.0, 1: 22.0})
     picked = run(chooser, 200, {2: 21.0, 1: 36.0})
-    assert picked.count(1) == TRIAL_STEPS and chooser.current == 2 and chooser.trials == 2
+    assert picked.count(1) == 1 and chooser.current == 2 and chooser.trials == 2  # lost at its first step
     run(chooser, 100, {2: 33.0, 1: 55.0})
     assert chooser.trials == 3 and chooser.current == 2
 

@@ -20,9 +20,12 @@ between the configured count and its halves down to one (8, 4, 2, 1):
   baseline becomes the baseline too (the first one may have been measured under load);
 - below the configured count, it tries twice as many every RECHECK_S, and keeps them once faster.
 
-A trial ends at once, lost, on a step more than ABORT times the current count's median: while the load
-lasts, a try of more threads costs one slow step every RECHECK_S, and once it is gone the stage is back
-on all its threads within a few RECHECK_S.
+A trial ends at once, lost, on a step slower than the current count's median: a count that wins is
+faster step by step (under load, by 2-3 times), and one that loses costs one slow step instead of
+TRIAL_STEPS of them. That matters on a host whose speed wanders by more than SLOWER (a shared VM): a
+step of a 60 ms model, tried on one thread of two, took 1.8 times as long, four times per trial and some
+ten trials per 400 steps, some 5% of the decode time. While a load lasts, a try of more threads costs one
+slow step every RECHECK_S, and once it is gone the stage is back on all its threads within a few RECHECK_S.
 
 Batches are compared only with batches of as many rows (sessions).
 """
@@ -43,7 +46,7 @@ TRIAL_STEPS = 4  # decode batches of one size a trial measures
 TRIAL_MAX_STEPS = 16  # a trial that saw no TRIAL_STEPS batches of one size by then ends with no change
 WINDOW = 8  # recent decode batches kept per thread count and batch size
 JUDGE_EVERY = 4  # decode batches between two looks at the recent median
-ABORT = 2.0  # a trial's step this many times slower than the current count's median ends it, lost
+ABORT = 1.0  # a trial's step this many times slower than the current count's median ends it, lost
 RECHECK_S = 2.0  # below the configured count: how often to try twice as many threads
 
 
