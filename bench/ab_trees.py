@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import tests.procs as procs  # noqa: E402
-from bench.bench_pipeline import concurrent_decode, generate, hot_paths, per_step  # noqa: E402
+from bench.bench_pipeline import concurrent_decode, generate, hot_paths, per_step, stage_status  # noqa: E402
 from skippyctl.client import open_control  # noqa: E402
 from skippyd.runtime.models import fetch_default_model  # noqa: E402
 
@@ -51,8 +51,10 @@ async def measure(pipe: procs.Pipeline, streamed: int = 0) -> dict[str, list[flo
         rates = [(await generate(client, prompt=PROMPT, max_tokens=TOKENS))["timings"]["decode_tokens_per_s"]
                  for _ in range(2)]
         _py, cpu, loop, native = per_step(before, await hot_paths(pipe))
+    threads = await stage_status(pipe, "threads")  # the thread chooser's counts so far (each stage's, as all)
     out = {"loop_cpu_ms": loop, "handler_cpu_ms": cpu, "native_ms": native,
-           "ms_per_token": [1e3 / statistics.median(rates)]}
+           "ms_per_token": [1e3 / statistics.median(rates)],
+           "thread_trials": [t["trials"] for t in threads], "thread_switches": [t["switches"] for t in threads]}
     if streamed:
         out["streamed_tok_s"] = [(await concurrent_decode(head, streamed))[0]]
     return out
@@ -117,6 +119,8 @@ def main() -> int:
             print(f"  {'':5} handler CPU ms    " + " / ".join(fmt(v) for v in per_stage["handler_cpu_ms"]))
             print(f"  {'':5} native ms         " + " / ".join(fmt(v) for v in per_stage["native_ms"]))
             print(f"  {'':5} ms per token      " + fmt(per_stage["ms_per_token"][0]))
+            print(f"  {'':5} thread trials / switches over the run  "
+                  + " / ".join(f"{t} {s}" for t, s in zip(rows[-1]["thread_trials"], rows[-1]["thread_switches"])))
             if args.streamed:
                 print(f"  {'':5} {args.streamed} streamed, tok/s " + fmt(per_stage["streamed_tok_s"][0]))
             if args.link_delay_ms > 0:

@@ -84,13 +84,18 @@ async def generate(client, **kw) -> dict:
     return await client.call(m.Generate(id=client.new_id(), stream=False, raw=True, **kw))
 
 
-async def hot_paths(pipe: Pipeline) -> list[dict]:
-    """Each stage's hot_path counters, stage 0 first."""
+async def stage_status(pipe: Pipeline, field: str) -> list[dict]:
+    """Each stage's `field` of its status (``hot_path``, ``threads``, ...), stage 0 first."""
     out = []
     for k in sorted(pipe.stages):
         status = await pipe.stages[k].astatus()
-        out.append(status["head"]["hot_path"] if k == 0 else status["stages"][0]["hot_path"])
+        out.append(status["head"][field] if k == 0 else status["stages"][0][field])
     return out
+
+
+async def hot_paths(pipe: Pipeline) -> list[dict]:
+    """Each stage's hot_path counters, stage 0 first."""
+    return await stage_status(pipe, "hot_path")
 
 
 def per_step(before: list[dict], after: list[dict]) -> tuple[list[float], list[float], list[float], list[float]]:
