@@ -4,7 +4,7 @@ stage under load)."""
 
 from __future__ import annotations
 
-from skippyd.stage.threads import JUDGE_EVERY, RECHECK_S, WINDOW, ThreadChooser
+from skippyd.stage.threads import JUDGE_EVERY, RECHECK_MIN_S, RECHECK_S, WINDOW, ThreadChooser
 
 
 class Clock:
@@ -22,6 +22,19 @@ def run(chooser: ThreadChooser, steps: int, ms: dict[int, float], rows: int = 1)
         threads = chooser.pick()
         picked.append(threads)
         chooser.observe(threads, rows, ms[threads] / 1e3)
+    return picked
+
+
+def run_timed(chooser: ThreadChooser, clock: Clock, seconds: float, ms: dict[int, float]) -> list[tuple[float, int]]:
+    """Decode batches of one session for `seconds` of `clock`, each advancing it by ms[threads]; (time, count)
+    of each."""
+    picked = []
+    end = clock.now + seconds
+    while clock.now < end:
+        threads = chooser.pick()
+        picked.append((clock.now, threads))
+        chooser.observe(threads, 1, ms[threads] / 1e3)
+        clock.now += ms[threads] / 1e3
     return picked
 
 
@@ -63,6 +76,36 @@ def test_while_the_load_stays_it_stays_on_one_thread_and_rechecks_rarely():
         picked = run(chooser, 40, {2: 120.0, 1: 30.0})
         assert picked.count(2) == 1  # one trial per RECHECK_S, lost at its first step (ABORT)
     assert chooser.current == 1 and chooser.switches == 1
+
+
+def test_after_a_short_spell_of_load_it_is_back_on_all_threads_within_a_fraction_of_a_second():
+    """Another guest of a shared VM takes a core for a while: the stage halves, and once the spell is over it
+    is back on two threads after RECHECK_MIN_S and the window of steps it takes to judge, not after RECHECK_S."""
+    clock = Clock()
+    chooser = ThreadChooser(2, clock=clock)
+    idle, loaded = {2: 13.0, 1: 22.0}, {2: 120.0, 1: 30.0}
+    run_timed(chooser, clock, 1.0, idle)
+    while chooser.current == 2:  # the spell lasts until the stage has halved
+        run_timed(chooser, clock, loaded[chooser.pick()] / 1e3, loaded)  # one step
+    switched = clock.now
+    picked = run_timed(chooser, clock, RECHECK_S, idle)
+    back = next(t for t, threads in picked if threads == 2)
+    assert back - switched < RECHECK_MIN_S + (WINDOW + JUDGE_EVERY) * idle[1] / 1e3 < RECHECK_S / 2
+    assert chooser.current == 2 and chooser.switches == 2
+
+
+def test_while_a_load_stays_the_tries_of_more_threads_thin_out_to_one_per_recheck_s():
+    clock = Clock()
+    chooser = ThreadChooser(2, clock=clock)
+    loaded = {2: 120.0, 1: 30.0}
+    run_timed(chooser, clock, 1.0, {2: 13.0, 1: 22.0})
+    while chooser.current == 2:
+        run_timed(chooser, clock, loaded[chooser.pick()] / 1e3, loaded)  # one step
+    tries = [t for t, threads in run_timed(chooser, clock, 6 * RECHECK_S, loaded) if threads == 2]
+    gaps = [round(b - a, 2) for a, b in zip(tries, tries[1:])]
+    assert 4 <= len(tries) <= 9, tries  # 0.25, 0.5, 1, 2, 2, ... s apart (each lost at its first step)
+    assert gaps == sorted(gaps) and gaps[-1] >= RECHECK_S and gaps[0] < RECHECK_S / 2, gaps
+    assert chooser.current == 1
 
 
 def test_a_slowdown_that_one_thread_does_not_help_is_the_new_baseline():

@@ -10,7 +10,7 @@ scheduler times every decode batch (native time, no lock wait) and :class:`Threa
 between the configured count and its halves down to one (8, 4, 2, 1):
 
 - a configured count above the host's cores starts on as many threads as there are cores (and, being
-  below the configured count, tries it every RECHECK_S: see the last point);
+  below the configured count, tries it now and then: see the last point);
 - once, as soon as the configured count has its first baseline (the median of its first WINDOW decode
   batches), it tries half as many: a stage may start on a busy host;
 - once the recent median of the count in use is SLOWER times that count's baseline, it tries half as
@@ -18,14 +18,19 @@ between the configured count and its halves down to one (8, 4, 2, 1):
   batches, tries half as many again); if not (a longer context slows every step too), the slow
   median becomes the baseline, so it takes another such slowdown to try again; a median below the
   baseline becomes the baseline too (the first one may have been measured under load);
-- below the configured count, it tries twice as many every RECHECK_S, and keeps them once faster.
+- below the configured count, it tries twice as many RECHECK_MIN_S after the switch, then twice as long
+  after each lost try, up to every RECHECK_S, and keeps them once faster. On a shared VM, other guests
+  take a core from time to time for a second or so: the stage halves near the end of such a spell and,
+  with a fixed 2 s, computed at ~0.55 of its speed for 2 s after it (a 2-stage pipeline of a 463 MB model
+  decoded 17% slower than with the chooser off in a round with two such switches); under a load that
+  stays, the early tries cost one slow step each (see below).
 
 A trial ends at once, lost, on a step slower than the current count's median: a count that wins is
 faster step by step (under load, by 2-3 times), and one that loses costs one slow step instead of
 TRIAL_STEPS of them. That matters on a host whose speed wanders by more than SLOWER (a shared VM): a
 step of a 60 ms model, tried on one thread of two, took 1.8 times as long, four times per trial and some
 ten trials per 400 steps, some 5% of the decode time. While a load lasts, a try of more threads costs one
-slow step every RECHECK_S, and once it is gone the stage is back on all its threads within a few RECHECK_S.
+slow step every RECHECK_S, and once it is gone the stage is back on all its threads within RECHECK_S.
 
 Batches are compared only with batches of as many rows (sessions).
 """
@@ -47,7 +52,8 @@ TRIAL_MAX_STEPS = 16  # a trial that saw no TRIAL_STEPS batches of one size by t
 WINDOW = 8  # recent decode batches kept per thread count and batch size
 JUDGE_EVERY = 4  # decode batches between two looks at the recent median
 ABORT = 1.0  # a trial's step this many times slower than the current count's median ends it, lost
-RECHECK_S = 2.0  # below the configured count: how often to try twice as many threads
+RECHECK_MIN_S = 0.25  # below the configured count: the first try of twice as many threads, after a switch
+RECHECK_S = 2.0  # ... and the longest wait between two tries (each lost one doubles it)
 
 
 class ThreadChooser:
@@ -56,7 +62,7 @@ class ThreadChooser:
         self.configured = configured
         self.enabled = enabled and configured > 1
         # more threads than cores wait for each other at every barrier: start on as many as there are cores
-        # and try the configured count every RECHECK_S, as after a halving (a single lost trial of fewer
+        # and try the configured count now and then, as after a halving (a single lost trial of fewer
         # threads kept a stage of 8 threads on 2 cores at 40% of its speed)
         self.current = min(configured, cores) if self.enabled and cores else configured
         self.switches = 0  # changes of the current count
@@ -68,6 +74,7 @@ class ThreadChooser:
         self._recent: dict[tuple[int, int], deque[float]] = {}  # (threads, rows) -> recent times
         self._baseline: dict[tuple[int, int], float] = {}  # (threads, rows) -> the median when judged fine
         self._recheck_at = 0.0
+        self._recheck_s = RECHECK_MIN_S  # the wait before the next try of more threads
         self._observed = 0
         self._descending = False  # half as many won the last trial: try half again after a WINDOW of them
 
@@ -150,8 +157,12 @@ class ThreadChooser:
                       "%d (%d steps tried)", self.current, rows, current * 1e3, trial * 1e3, tried, steps)
             if tried < self.current:
                 self._baseline[(self.current, rows)] = current  # slower, but fewer threads are no help
+        if won:
+            self._recheck_s = RECHECK_MIN_S
+        elif tried > self.current:  # more threads lost: the load stays, so try less often
+            self._recheck_s = min(RECHECK_S, 2 * self._recheck_s)
         if self.current < self.configured:
-            self._recheck_at = self._clock() + RECHECK_S
+            self._recheck_at = self._clock() + self._recheck_s
 
     def _end_trial(self) -> None:
         self._trial, self._trial_times, self._trial_steps = None, {}, 0
