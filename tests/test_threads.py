@@ -108,6 +108,18 @@ def test_while_a_load_stays_the_tries_of_more_threads_thin_out_to_one_per_rechec
     assert chooser.current == 1
 
 
+def test_fewer_threads_must_undo_the_slowdown_that_started_their_trial():
+    """One thread a little faster than two slowed down (a noisy spell of a shared VM, or steps too small to
+    share well): a switch would cost more in the steps it takes to come back than it gains while the spell
+    lasts, so two are kept. Under a real load one thread is 2-3x faster, and wins."""
+    chooser = ThreadChooser(2)
+    run(chooser, 20, {2: 13.0, 1: 22.0})
+    run(chooser, 40, {2: 21.0, 1: 15.0})  # 1.6x slower; one thread 0.71x of it, not 1 / SLOWER
+    assert chooser.current == 2 and chooser.trials == 2
+    run(chooser, 40, {2: 60.0, 1: 30.0})
+    assert chooser.current == 1 and chooser.switches == 1
+
+
 def test_a_slowdown_that_one_thread_does_not_help_is_the_new_baseline():
     """A longer context slows every step: one trial, then no more until it slows as much again."""
     chooser = ThreadChooser(2)

@@ -14,12 +14,14 @@ between the configured count and its halves down to one (8, 4, 2, 1):
 - once, as soon as the configured count has its first baseline (the median of its first WINDOW decode
   batches), it tries half as many: a stage may start on a busy host;
 - once the recent median of the count in use is SLOWER times that count's baseline, it tries half as
-  many threads for TRIAL_STEPS batches and keeps them if they were faster by GAIN (then, after WINDOW
-  batches, tries half as many again); if not (a longer context slows every step too), the slow
-  median becomes the baseline, so it takes another such slowdown to try again; a median below the
-  baseline becomes the baseline too (the first one may have been measured under load);
+  many threads for TRIAL_STEPS batches and keeps them if they undid that slowdown (FEWER_GAIN, 1 /
+  SLOWER: under a real load one thread of two is 2-3x faster, while on a wandering VM a switch for less
+  costs more in the steps back than it gains during a spell), then, after WINDOW batches, tries half as
+  many again; if not (a longer context slows every step too), the slow median becomes the baseline, so
+  it takes another such slowdown to try again; a median below the baseline becomes the baseline too
+  (the first one may have been measured under load);
 - below the configured count, it tries twice as many RECHECK_MIN_S after the switch, then twice as long
-  after each lost try, up to every RECHECK_S, and keeps them once faster. On a shared VM, other guests
+  after each lost try, up to every RECHECK_S, and keeps them once faster by GAIN. On a shared VM, other guests
   take a core from time to time for a second or so: the stage halves near the end of such a spell and,
   with a fixed 2 s, computed at ~0.55 of its speed for 2 s after it (a 2-stage pipeline of a 463 MB model
   decoded 17% slower than with the chooser off in a round with two such switches); under a load that
@@ -46,7 +48,8 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 SLOWER = 1.5  # recent median / the count's baseline that makes it try half as many threads
-GAIN = 0.8  # a count on trial is kept when its median is below GAIN x the current count's
+GAIN = 0.8  # a count on trial is kept when its median is below GAIN x the current count's ...
+FEWER_GAIN = 1 / SLOWER  # ... or below this, for fewer threads: they must undo the slowdown that starts a trial
 TRIAL_STEPS = 4  # decode batches of one size a trial measures
 TRIAL_MAX_STEPS = 16  # a trial that saw no TRIAL_STEPS batches of one size by then ends with no change
 WINDOW = 8  # recent decode batches kept per thread count and batch size
@@ -141,7 +144,7 @@ class ThreadChooser:
     def _judge(self, rows: int, trial: float, current: float) -> None:
         tried, steps = self._trial, len(self._trial_times.get(rows, ()))
         self._end_trial()
-        won = trial < GAIN * current
+        won = trial < (FEWER_GAIN if tried < self.current else GAIN) * current
         self._descending = tried < self.current and won
         if won:
             log.info("compute threads %d -> %d: a decode step of %d session(s) took %.1f ms with %d, %.1f ms with "
