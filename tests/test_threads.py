@@ -38,6 +38,16 @@ def run_timed(chooser: ThreadChooser, clock: Clock, seconds: float, ms: dict[int
     return picked
 
 
+def halved_by_a_load(loaded: dict[int, float]) -> tuple[ThreadChooser, Clock]:
+    """A stage of two threads, idle for a second, then under `loaded` step times until it moved to one."""
+    clock = Clock()
+    chooser = ThreadChooser(2, clock=clock)
+    run_timed(chooser, clock, 1.0, {2: 13.0, 1: 22.0})
+    while chooser.current == 2:
+        run_timed(chooser, clock, loaded[chooser.pick()] / 1e3, loaded)  # one step
+    return chooser, clock
+
+
 def test_a_steady_stage_keeps_its_threads_and_tries_one_only_once():
     chooser = ThreadChooser(2)
     picked = run(chooser, 500, {2: 13.0, 1: 22.0})
@@ -81,12 +91,8 @@ def test_while_the_load_stays_it_stays_on_one_thread_and_rechecks_rarely():
 def test_after_a_short_spell_of_load_it_is_back_on_all_threads_within_a_fraction_of_a_second():
     """Another guest of a shared VM takes a core for a while: the stage halves, and once the spell is over it
     is back on two threads after RECHECK_MIN_S and the window of steps it takes to judge, not after RECHECK_S."""
-    clock = Clock()
-    chooser = ThreadChooser(2, clock=clock)
-    idle, loaded = {2: 13.0, 1: 22.0}, {2: 120.0, 1: 30.0}
-    run_timed(chooser, clock, 1.0, idle)
-    while chooser.current == 2:  # the spell lasts until the stage has halved
-        run_timed(chooser, clock, loaded[chooser.pick()] / 1e3, loaded)  # one step
+    idle = {2: 13.0, 1: 22.0}
+    chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0})  # the spell lasts until the stage has halved
     switched = clock.now
     picked = run_timed(chooser, clock, RECHECK_S, idle)
     back = next(t for t, threads in picked if threads == 2)
@@ -95,12 +101,8 @@ def test_after_a_short_spell_of_load_it_is_back_on_all_threads_within_a_fraction
 
 
 def test_while_a_load_stays_the_tries_of_more_threads_thin_out_to_one_per_recheck_s():
-    clock = Clock()
-    chooser = ThreadChooser(2, clock=clock)
     loaded = {2: 120.0, 1: 30.0}
-    run_timed(chooser, clock, 1.0, {2: 13.0, 1: 22.0})
-    while chooser.current == 2:
-        run_timed(chooser, clock, loaded[chooser.pick()] / 1e3, loaded)  # one step
+    chooser, clock = halved_by_a_load(loaded)
     tries = [t for t, threads in run_timed(chooser, clock, 6 * RECHECK_S, loaded) if threads == 2]
     gaps = [round(b - a, 2) for a, b in zip(tries, tries[1:])]
     assert 4 <= len(tries) <= 9, tries  # 0.25, 0.5, 1, 2, 2, ... s apart (each lost at its first step)

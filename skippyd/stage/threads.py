@@ -21,18 +21,17 @@ between the configured count and its halves down to one (8, 4, 2, 1):
   it takes another such slowdown to try again; a median below the baseline becomes the baseline too
   (the first one may have been measured under load);
 - below the configured count, it tries twice as many RECHECK_MIN_S after the switch, then twice as long
-  after each lost try, up to every RECHECK_S, and keeps them once faster by GAIN. On a shared VM, other guests
-  take a core from time to time for a second or so: the stage halves near the end of such a spell and,
+  after each lost try, up to every RECHECK_S, and keeps them once faster by GAIN. On a shared VM other
+  guests take a core for a second or so now and then: the stage halves near the end of such a spell and,
   with a fixed 2 s, computed at ~0.55 of its speed for 2 s after it (a 2-stage pipeline of a 463 MB model
-  decoded 17% slower than with the chooser off in a round with two such switches); under a load that
-  stays, the early tries cost one slow step each (see below).
+  decoded 17% slower than with the chooser off in a round with two such switches).
 
 A trial ends at once, lost, on a step slower than the current count's median: a count that wins is
 faster step by step (under load, by 2-3 times), and one that loses costs one slow step instead of
 TRIAL_STEPS of them. That matters on a host whose speed wanders by more than SLOWER (a shared VM): a
-step of a 60 ms model, tried on one thread of two, took 1.8 times as long, four times per trial and some
-ten trials per 400 steps, some 5% of the decode time. While a load lasts, a try of more threads costs one
-slow step every RECHECK_S, and once it is gone the stage is back on all its threads within RECHECK_S.
+step of a 50 ms model, tried on one thread of two, took 1.8 times as long, four times per trial, 7 trials
+in ~400 steps. While a load lasts, a try of more threads costs one slow step, at most every RECHECK_S once
+the load has lasted a few seconds; once it is gone the stage is back on all its threads within RECHECK_S.
 
 Batches are compared only with batches of as many rows (sessions).
 """
