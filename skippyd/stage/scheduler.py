@@ -91,10 +91,12 @@ class SchedulerStats:
 
 
 # Decode batches up to this many sessions compute on the event loop's thread, while the last such
-# batch's compute took less than INLINE_MAX_US (a big model's decode step stays off the loop, which
-# must answer liveness pings promptly).
+# batch's compute took less than INLINE_MAX_US. The worker-thread round trip costs a lone session ~1 ms
+# of wall time per step on 2 cores busy with the compute (the loop's thread waits for a core to wake on),
+# 3% of a 463 MB model's 40 ms step; a tenth of the liveness ping's 1 s timeout keeps pings answered
+# in time (a very big model's decode step still stays off the loop).
 INLINE_MAX_SEQS = 8
-INLINE_MAX_US = 20_000
+INLINE_MAX_US = 100_000
 GATHER_MAX_S = 0.002  # a decode batch waits at most this long for the last batch's other sessions ...
 GATHER_SHARE = 0.2  # ... and at most this share of that batch's compute
 GATHER_MAX_LOCKED_S = 0.02  # the head with the host lock: this long (see _gather) ...
@@ -431,10 +433,11 @@ class Scheduler:
     def _inline(self, batch: list[Job]) -> bool:
         """Whether to compute `batch` on the event loop's thread (then holding the host lock, if any).
 
-        A worker-thread round trip costs about 0.1 ms, a third of what a decode
+        A worker-thread round trip costs from 0.1 ms (an idle core to wake on)
+        to over 1 ms (both cores computing), up to three times what a decode
         step may spend outside llama.cpp, so a batch of a few decode steps
-        (milliseconds of compute) runs inline; the loop is blocked only that
-        long. Prefill chunks, decode steps measured slower than INLINE_MAX_US,
+        (up to INLINE_MAX_US of compute) runs inline; the loop is blocked only
+        that long. Prefill chunks, decode steps measured slower than INLINE_MAX_US,
         and any batch that would have to wait for the host lock go to the
         worker thread so that the loop keeps serving the network.
         """
