@@ -4,7 +4,9 @@ stage under load)."""
 
 from __future__ import annotations
 
-from skippyd.stage.threads import JUDGE_EVERY, RECHECK_MIN_S, RECHECK_S, WINDOW, ThreadChooser
+import math
+
+from skippyd.stage.threads import JUDGE_EVERY, RECHECK_MIN_S, RECHECK_S, TICK_S, WINDOW, ThreadChooser
 
 
 class Clock:
@@ -38,10 +40,37 @@ def run_timed(chooser: ThreadChooser, clock: Clock, seconds: float, ms: dict[int
     return picked
 
 
-def halved_by_a_load(loaded: dict[int, float]) -> tuple[ThreadChooser, Clock]:
+class HostCpu:
+    """/proc/stat's (idle, all) core time of a host of `cores` cores on `clock`, `busy` cores in use."""
+
+    def __init__(self, clock: Clock, cores: int = 2) -> None:
+        self.clock, self.cores, self.busy = clock, cores, 0.0
+        self.idle_ticks = self.all_ticks = 0.0
+        self.at = clock.now
+
+    def __call__(self) -> tuple[float, float]:
+        elapsed, self.at = self.clock.now - self.at, self.clock.now
+        self.idle_ticks += (self.cores - self.busy) * elapsed
+        self.all_ticks += self.cores * elapsed
+        return self.idle_ticks, self.all_ticks
+
+    def idle(self, chooser: ThreadChooser, seconds: float, busy: float) -> None:
+        """`seconds` of the scheduler waiting for work (a tick every tick_s), `busy` cores taken meanwhile."""
+        self()
+        self.busy = busy
+        end = self.clock.now + seconds
+        while self.clock.now + chooser.tick_s() <= end:
+            self.clock.now += chooser.tick_s()
+            chooser.tick()
+        self.clock.now = end
+        self()
+        self.busy = 0.0
+
+
+def halved_by_a_load(loaded: dict[int, float], cpu: HostCpu | None = None) -> tuple[ThreadChooser, Clock]:
     """A stage of two threads, idle for a second, then under `loaded` step times until it moved to one."""
-    clock = Clock()
-    chooser = ThreadChooser(2, clock=clock)
+    clock = cpu.clock if cpu is not None else Clock()
+    chooser = ThreadChooser(2, clock=clock, cpu_times=cpu, cores=2)
     run_timed(chooser, clock, 1.0, {2: 13.0, 1: 22.0})
     while chooser.current == 2:
         run_timed(chooser, clock, loaded[chooser.pick()] / 1e3, loaded)  # one step
@@ -63,7 +92,7 @@ def test_a_stage_started_on_a_busy_host_moves_to_one_thread_at_once():
 
 def test_under_load_it_moves_to_one_thread_and_back_when_the_load_goes():
     clock = Clock()
-    chooser = ThreadChooser(2, clock=clock)
+    chooser = ThreadChooser(2, clock=clock, cpu_times=None)
     run(chooser, 20, {2: 13.0, 1: 22.0})
     picked = run(chooser, 40, {2: 120.0, 1: 30.0})  # two busy programs on the cores
     assert picked[-1] == 1 and chooser.current == 1 and chooser.switches == 1
@@ -78,7 +107,7 @@ def test_under_load_it_moves_to_one_thread_and_back_when_the_load_goes():
 
 def test_while_the_load_stays_it_stays_on_one_thread_and_rechecks_rarely():
     clock = Clock()
-    chooser = ThreadChooser(2, clock=clock)
+    chooser = ThreadChooser(2, clock=clock, cpu_times=None)
     run(chooser, 20, {2: 13.0, 1: 22.0})
     run(chooser, 40, {2: 120.0, 1: 30.0})
     for _ in range(5):
@@ -108,6 +137,44 @@ def test_while_a_load_stays_the_tries_of_more_threads_thin_out_to_one_per_rechec
     assert 4 <= len(tries) <= 9, tries  # 0.25, 0.5, 1, 2, 2, ... s apart (each lost at its first step)
     assert gaps == sorted(gaps) and gaps[-1] >= RECHECK_S and gaps[0] < RECHECK_S / 2, gaps
     assert chooser.current == 1
+
+
+def test_after_a_pause_with_the_cores_free_the_next_compute_is_on_all_threads():
+    """The load went while no session decoded: the next prompt's prefill is computed with two threads, and
+    the decode steps after it keep them."""
+    cpu = HostCpu(Clock())
+    chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0}, cpu)
+    assert chooser.tick_s() == TICK_S
+    cpu.idle(chooser, RECHECK_S - TICK_S / 2, busy=0.0)
+    assert chooser.pick() == 1  # a short pause: decode steps decide, as before
+    run_timed(chooser, clock, 0.1, {2: 120.0, 1: 30.0})
+    cpu.idle(chooser, RECHECK_S + 2 * TICK_S, busy=0.1)
+    assert chooser.pick() == 2 and chooser.pick() == 2  # the prefill's chunks
+    run_timed(chooser, clock, 0.5, {2: 13.0, 1: 22.0})
+    assert chooser.current == 2 and chooser.switches == 2
+    assert chooser.tick_s() == math.inf  # on all its threads: nothing to look for
+
+
+def test_after_a_pause_with_the_cores_busy_it_stays_on_fewer_threads():
+    cpu = HostCpu(Clock())
+    loaded = {2: 120.0, 1: 30.0}
+    chooser, clock = halved_by_a_load(loaded, cpu)
+    trials = chooser.trials
+    cpu.idle(chooser, 3 * RECHECK_S, busy=1.8)
+    assert chooser.pick() == 1 and chooser.trials == trials
+    # free for a while, then busy again before the prompt: called off
+    run_timed(chooser, clock, 0.1, loaded)
+    cpu.idle(chooser, RECHECK_S + 2 * TICK_S, busy=0.0)
+    cpu.idle(chooser, 2 * TICK_S, busy=1.8)
+    assert chooser.pick() == 1 and chooser.trials == trials
+    # the cores were free, but the load is back with the prompt: the trial is lost at its first decode step
+    cpu.idle(chooser, 2 * TICK_S, busy=0.0)
+    assert chooser.pick() == 2
+    picked = [threads for _, threads in run_timed(chooser, clock, 0.3, loaded)]
+    assert picked[0] == 2 and set(picked[1:]) == {1} and chooser.current == 1
+    # no /proc/stat (not Linux): no looks at the cores
+    chooser, clock = halved_by_a_load(loaded)
+    assert chooser.tick_s() == math.inf
 
 
 def test_fewer_threads_must_undo_the_slowdown_that_started_their_trial():
@@ -162,7 +229,7 @@ def test_one_configured_thread_or_adapt_off_never_changes():
 
 def test_with_eight_threads_it_steps_down_to_the_fastest_count_and_back_up():
     clock = Clock()
-    chooser = ThreadChooser(8, clock=clock)
+    chooser = ThreadChooser(8, clock=clock, cpu_times=None)
     idle = {8: 10.0, 4: 14.0, 2: 22.0, 1: 40.0}
     run(chooser, 40, idle)
     assert chooser.current == 8
@@ -177,7 +244,7 @@ def test_with_eight_threads_it_steps_down_to_the_fastest_count_and_back_up():
 
 def test_more_threads_than_cores_start_on_the_cores_and_try_the_configured_count_now_and_then():
     clock = Clock()
-    chooser = ThreadChooser(8, cores=2, clock=clock)
+    chooser = ThreadChooser(8, cores=2, clock=clock, cpu_times=None)
     assert chooser.pick() == 2 and chooser.describe()["now"] == 2 and chooser.describe()["configured"] == 8
     over = {8: 36.0, 4: 31.0, 2: 15.0, 1: 25.0}  # 8 threads on 2 cores: each barrier waits for a core
     assert set(run(chooser, 100, over)) <= {2, 4}  # 4 is tried once (lost at once: ABORT), 8 never yet

@@ -312,7 +312,11 @@ class Scheduler:
         task_status.started()
         try:
             while True:
-                await self._wakeup.wait()
+                with trio.move_on_after(self.threads.tick_s()):  # below its thread count: looks at the cores
+                    await self._wakeup.wait()
+                if not self._wakeup.is_set():
+                    self.threads.tick()
+                    continue
                 self._wakeup = trio.Event()
                 self._busy = True
                 while self._kv_ops or self._jobs:

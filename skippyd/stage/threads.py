@@ -25,6 +25,12 @@ between the configured count and its halves down to one (8, 4, 2, 1):
   guests take a core for a second or so now and then: the stage halves near the end of such a spell and,
   with a fixed 2 s, computed at ~0.55 of its speed for 2 s after it (a 2-stage pipeline of a 463 MB model
   decoded 17% slower than with the chooser off in a round with two such switches).
+- below the configured count and not decoding for RECHECK_S, it looks at the host's cores every TICK_S
+  (``tick``, from the scheduler's idle wait; ``host_cpu_times``, /proc/stat, steal counting as busy): if
+  as many as twice the count were free over the last TICK_S, the next compute is a trial of twice as many
+  threads. A prompt that arrives once the load has gone is computed on all threads, not on the count its
+  last decode steps were left on (the decode steps after it judge the trial); under a load that stays,
+  nothing changes. Elsewhere than on Linux, such a stage waits for decode steps as before.
 
 A trial ends at once, lost, on a step slower than the current count's median: a count that wins is
 faster step by step (under load, by 2-3 times), and one that loses costs one slow step instead of
@@ -39,6 +45,7 @@ Batches are compared only with batches of as many rows (sessions).
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections import deque
@@ -56,11 +63,26 @@ JUDGE_EVERY = 4  # decode batches between two looks at the recent median
 ABORT = 1.0  # a trial's step this many times slower than the current count's median ends it, lost
 RECHECK_MIN_S = 0.25  # below the configured count: the first try of twice as many threads, after a switch
 RECHECK_S = 2.0  # ... and the longest wait between two tries (each lost one doubles it)
+TICK_S = 1.0  # below the configured count and idle: how often it looks at the host's cores ...
+FREE_SLACK = 0.5  # ... for twice as many free cores, less this, over the last TICK_S
+
+
+def host_cpu_times() -> tuple[float, float] | None:
+    """(idle, all) time of every core of the host so far, in ticks, from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    if len(ticks) < 5:
+        return None
+    return ticks[3] + ticks[4], sum(ticks)
 
 
 class ThreadChooser:
     def __init__(self, configured: int, *, enabled: bool = True, cores: int | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 cpu_times: Callable[[], tuple[float, float] | None] | None = host_cpu_times):
         self.configured = configured
         self.enabled = enabled and configured > 1
         # more threads than cores wait for each other at every barrier: start on as many as there are cores
@@ -79,10 +101,43 @@ class ThreadChooser:
         self._recheck_s = RECHECK_MIN_S  # the wait before the next try of more threads
         self._observed = 0
         self._descending = False  # half as many won the last trial: try half again after a WINDOW of them
+        self._cores = cores
+        self._cpu_times = cpu_times  # None: no looks at the cores while idle
+        self._cpu_mark: tuple[float, float] | None = None  # the host's cpu times at the last tick
+        self._last_step = -math.inf  # the clock at the last decode batch below the configured count, or on trial
+        self._armed: int | None = None  # a trial the next compute starts (the cores were free while idle)
 
     def pick(self) -> int:
         """The thread count for the next compute."""
+        if self._armed is not None:
+            self._start_trial(self._armed)
+            self._armed = None
         return self._trial if self._trial is not None else self.current
+
+    def tick_s(self) -> float:
+        """How long the scheduler may wait for work before calling ``tick`` (inf: no need)."""
+        if self.enabled and self.current < self.configured and self._cores and self._cpu_times is not None:
+            return TICK_S
+        return math.inf
+
+    def tick(self) -> None:
+        """The scheduler waited TICK_S for work: not decoding for RECHECK_S, arm a trial of twice as many threads
+        for the next compute if as many cores were free since the last tick (called off if not any more)."""
+        if not math.isfinite(self.tick_s()):
+            return
+        times, last = self._cpu_times(), self._cpu_mark
+        self._cpu_mark = times
+        if times is None or last is None or self._trial is not None or self._clock() - self._last_step < RECHECK_S:
+            return
+        idle, total = times[0] - last[0], times[1] - last[1]
+        more = min(self.configured, self.current * 2)
+        free = self._cores * idle / total if total > 0 else 0.0
+        if free >= more - FREE_SLACK:
+            if self._armed is None:
+                log.debug("compute threads: %d next (%.1f cores free while idle)", more, free)
+            self._armed = more
+        else:
+            self._armed = None
 
     def describe(self) -> dict:
         return {"configured": self.configured, "now": self.current, "trying": self._trial, "adaptive": self.enabled,
@@ -92,6 +147,8 @@ class ThreadChooser:
         """A decode batch of `rows` sessions took `seconds` of native compute with `threads` threads."""
         if not self.enabled:
             return
+        if self.current < self.configured or self._trial is not None:  # (a trial may end in a switch down)
+            self._last_step = self._clock()
         if self._trial is not None:
             if threads == self._trial:
                 self._observe_trial(rows, seconds)
