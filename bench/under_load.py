@@ -10,6 +10,12 @@ the others up, so a multi-threaded decode slows down far more than a single thre
 before and killed after the round's generations), one greedy generation of --tokens tokens on each
 configuration in turn (order reversed every other round). Printed: decode tokens/s, median (min-max) over the
 rounds, and each configuration's ratio to "2 threads, adapt off" with the same hogs.
+
+Then, each round, the load going away while no session decodes: under --hogs' highest number of hogs every
+configuration generates a few tokens (the adaptive one moves to fewer threads), the hogs stop, and after a
+pause of RECHECK_S + 1 s each computes a ~500-token prompt: its time to first token (the prefill). The
+adaptive stage should be on all its threads again for it (the reference's x1.00), not on the count the load
+left it on (the "1 thread" row's).
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.bench_pipeline import LONG_PROMPT  # noqa: E402
 from skippyd.runtime.models import fetch_default_model  # noqa: E402
+from skippyd.stage.threads import RECHECK_S  # noqa: E402
 from tests.procs import Pipeline, SingleStage, split_for_test  # noqa: E402
 
 PROMPT = "Write a long story about a dragon who learns to sail."
@@ -62,9 +70,13 @@ def start(work: Path, stages: int) -> dict[str, Pipeline]:
     return out
 
 
-async def measure(args, daemons: dict[str, Pipeline]) -> dict[int, dict[str, list[float]]]:
+AFTER = "after"  # results' key of the prefill after the load
+
+
+async def measure(args, daemons: dict[str, Pipeline]) -> dict[int | str, dict[str, list[float]]]:
     levels = [int(h) for h in args.hogs.split(",")]
-    results = {h: {name: [] for name in CONFIGS} for h in levels}
+    results: dict[int | str, dict[str, list[float]]] = {h: {name: [] for name in CONFIGS} for h in levels}
+    results[AFTER] = {name: [] for name in CONFIGS}
     for pipe in daemons.values():  # warm-up, and the adaptive chooser's unloaded baseline
         await pipe.generate(prompt=PROMPT, raw=True, max_tokens=32)
     for r in range(args.rounds):
@@ -79,21 +91,48 @@ async def measure(args, daemons: dict[str, Pipeline]) -> dict[int, dict[str, lis
                     got = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=args.tokens)
                     results[h][name].append(got["timings"]["decode_tokens_per_s"])
             finally:
-                for p in running:
-                    p.kill()
-                    p.wait()
+                stop(running)
+        if max(levels):
+            await prefill_after_load(daemons, max(levels), results[AFTER])
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     return results
 
 
-def report(results: dict[int, dict[str, list[float]]], shape: str) -> None:
+def stop(running: list[subprocess.Popen]) -> None:
+    for p in running:
+        p.kill()
+        p.wait()
+
+
+async def prefill_after_load(daemons: dict[str, Pipeline], n_hogs: int, ttft_ms: dict[str, list[float]]) -> None:
+    """A short generation on each configuration under `n_hogs` hogs, the hogs gone, a pause, then each one's
+    time to first token for a ~500-token prompt."""
+    running = hogs(n_hogs)
+    try:
+        await trio.sleep(0.5)
+        for pipe in daemons.values():
+            await pipe.generate(prompt=PROMPT, raw=True, max_tokens=32)
+    finally:
+        stop(running)
+    await trio.sleep(RECHECK_S + 1)
+    for name, pipe in daemons.items():  # one after the other: each one's pause is longer than RECHECK_S
+        got = await pipe.generate(prompt=LONG_PROMPT, raw=True, max_tokens=1)
+        ttft_ms[name].append(got["timings"]["ttft_ms"])
+
+
+def report(results: dict[int | str, dict[str, list[float]]], shape: str) -> None:
     print(f"decode tok/s, {shape}, median (min-max); ratio to 2 threads with adapt off, same hogs")
     for h, by_name in results.items():
-        ref = statistics.median(by_name[REFERENCE])
-        print(f"  {h} busy program(s):")
+        if h == AFTER:
+            if by_name[REFERENCE]:
+                print("  time to first token (ms) of a ~500-token prompt, after the load went away and a pause:")
+        else:
+            print(f"  {h} busy program(s):")
+        ref = statistics.median(by_name[REFERENCE]) if by_name[REFERENCE] else 0.0
         for name, values in by_name.items():
-            med = statistics.median(values)
-            print(f"    {name:22} {med:7.2f} ({min(values):.1f}-{max(values):.1f})  x{med / ref:.2f}")
+            if values:
+                med = statistics.median(values)
+                print(f"    {name:22} {med:7.2f} ({min(values):.1f}-{max(values):.1f})  x{med / ref:.2f}")
 
 
 def main() -> None:
