@@ -282,3 +282,39 @@ def test_the_scheduler_sets_prefill_threads_with_decode_ones(monkeypatch):
     scheduler.threads._trial = None
     assert scheduler._use_threads() == 4
     assert calls == [(2, 2), (4, 6)]
+
+
+async def test_the_scheduler_looks_at_the_cores_while_it_waits_for_work(autojump_clock):
+    """Below its count, the scheduler's idle wait ticks the chooser, so a free pause arms the next compute;
+    on its configured count it waits without ticking."""
+    from types import SimpleNamespace
+
+    import trio
+
+    from skippyd.runtime.llama import ContextParams
+    from skippyd.stage.scheduler import Scheduler
+
+    ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=2), set_threads=lambda n, nb: None)
+    scheduler = Scheduler(ctx)
+    cpu = HostCpu(Clock())
+    chooser = scheduler.threads = ThreadChooser(2, cores=2, clock=trio.current_time, cpu_times=cpu)
+    ticks = 0
+    tick = chooser.tick
+
+    def counted() -> None:
+        nonlocal ticks
+        ticks += 1
+        tick()
+
+    chooser.tick = counted
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scheduler.serve)
+        await trio.sleep(10 * TICK_S)
+        assert ticks == 0  # on all its threads: nothing to look for
+        chooser.current = 1  # as after a switch under load
+        scheduler._wakeup.set()  # (the wait restarts with the new tick_s)
+        for _ in range(int(RECHECK_S / TICK_S) + 2):
+            cpu.clock.now += TICK_S
+            await trio.sleep(TICK_S)
+        assert ticks >= RECHECK_S / TICK_S and chooser.pick() == 2
+        nursery.cancel_scope.cancel()
