@@ -207,6 +207,27 @@ def test_the_heads_wait_for_a_group_on_another_stage_grows_with_its_compute():
     assert scheduler._locked_window() == pytest.approx(GATHER_LOCKED_COMPUTES * 0.06)
 
 
+def test_decode_steps_of_a_bigger_model_compute_inline_and_slower_ones_in_a_worker_thread():
+    """A 463 MB model's ~40 ms decode step computes on the event loop's thread (the worker-thread round trip
+    cost it ~1 ms per step); a step slower than INLINE_MAX_US, a prefill chunk, or a batch not measured yet
+    goes to the worker thread, so that the loop answers pings meanwhile."""
+    from types import SimpleNamespace
+
+    from skippyd.head.liveness import PING_TIMEOUT_S
+    from skippyd.runtime.llama import ContextParams
+    from skippyd.stage.scheduler import INLINE_MAX_US, Scheduler
+
+    ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=1, n_threads_batch=1), set_threads=None)
+    scheduler = Scheduler(ctx, adapt_threads=False)
+    step, chunk = [SimpleNamespace(n=1)], [SimpleNamespace(n=32)]
+    assert not scheduler._inline(step)  # nothing decoded yet
+    scheduler._decode_native_us = 40_000
+    assert scheduler._inline(step) and not scheduler._inline(chunk)
+    scheduler._decode_native_us = INLINE_MAX_US
+    assert not scheduler._inline(step)
+    assert INLINE_MAX_US / 1e6 <= PING_TIMEOUT_S / 5  # a ping waits at most that long for an inline compute
+
+
 async def test_decode_groups_keep_sessions_in_groups_one_in_flight_per_stage(default_model_path, tmp_path):
     """Stages on hosts of their own, emulated on this one (a thread each, no compute lock): with
     --decode-groups 2 the 4 sessions decode as groups of 2, each in flight on a different stage, and every
