@@ -176,6 +176,8 @@ class ThreadChooser:
             if not self.trials and threads > 1:
                 self._start_trial(threads // 2)  # the first baseline may have been measured under load
         elif now > SLOWER * base and threads > 1:
+            log.debug("compute threads: trying %d: a decode step of %d session(s) took %.1f ms with %d (median), "
+                      "%.1fx its baseline", threads // 2, rows, now * 1e3, threads, now / base)
             self._start_trial(threads // 2)
         elif now < base:
             # faster than its baseline: that was measured under load (a stage that started on a busy host and
