@@ -228,6 +228,32 @@ def test_decode_steps_of_a_bigger_model_compute_inline_and_slower_ones_in_a_work
     assert INLINE_MAX_US / 1e6 <= PING_TIMEOUT_S / 5  # a ping waits at most that long for an inline compute
 
 
+async def test_a_decode_step_computes_in_a_worker_thread_when_a_conditioned_chunk_falls_due_during_it():
+    """Link conditioning hands chunks to the socket from the event loop: a step computed inline would hold
+    back one falling due meanwhile (a real link delivers it)."""
+    from types import SimpleNamespace
+
+    import trio.testing
+
+    from skippyd.runtime.llama import ContextParams
+    from skippyd.stage.conditioning import LinkShape, ShapedSendStream
+    from skippyd.stage.scheduler import Scheduler
+
+    ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=1, n_threads_batch=1), set_threads=None)
+    scheduler = Scheduler(ctx, adapt_threads=False)
+    scheduler._decode_native_us = 40_000
+    step = [SimpleNamespace(n=1)]
+    assert scheduler._inline(step)
+    link = ShapedSendStream(trio.testing.memory_stream_pair()[0], LinkShape(delay_ms=10))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link.run)
+        await link.send_all(b"frame")  # due in 10 ms: during a 40 ms step, not during a 5 ms one
+        assert not scheduler._inline(step)
+        scheduler._decode_native_us = 5_000
+        assert scheduler._inline(step)
+        link.close()
+
+
 async def test_decode_groups_keep_sessions_in_groups_one_in_flight_per_stage(default_model_path, tmp_path):
     """Stages on hosts of their own, emulated on this one (a thread each, no compute lock): with
     --decode-groups 2 the 4 sessions decode as groups of 2, each in flight on a different stage, and every

@@ -14,6 +14,7 @@ measurably faster. Bounds are loose: the machine is shared and noisy.
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 
@@ -21,7 +22,7 @@ import pytest
 import trio
 import trio.testing
 
-from skippyd.stage.conditioning import LinkShape, ShapedSendStream, _TimerFd
+from skippyd.stage.conditioning import LinkShape, ShapedSendStream, _TimerFd, next_release
 from tests.procs import Pipeline, retarget, split_for_test
 
 DELAY_MS = 20.0
@@ -58,6 +59,29 @@ async def test_delay_applied_in_order_without_blocking_the_sender(autojump_clock
     assert b"".join(data for _, data in arrivals) == b"abcdef"
     assert times[0] == DELAY_MS
     assert times[-1] == DELAY_MS + 5
+
+
+async def test_the_next_release_is_that_of_the_earliest_chunk_travelling_on_any_link(autojump_clock):
+    slow, fast = (ShapedSendStream(trio.testing.memory_stream_pair()[0], LinkShape(delay_ms=ms)) for ms in (20, 5))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(slow.run)
+        nursery.start_soon(fast.run)
+        assert next_release() == math.inf
+        t0 = trio.current_time()
+        await slow.send_all(b"ab")
+        await slow.send_all(b"cd")
+        assert next_release() == t0 + 0.020
+        await fast.send_all(b"ef")
+        assert next_release() == t0 + 0.005
+        await trio.sleep(0.010)  # the fast link's chunk has left
+        assert next_release() == t0 + 0.020
+        await trio.sleep(0.015)
+        assert next_release() == math.inf
+        await slow.send_all(b"gh")  # a link closed with chunks on it: they are dropped, and so is its time
+        assert next_release() == trio.current_time() + 0.020
+        slow.close()
+        assert next_release() == math.inf
+        fast.close()
 
 
 async def test_bandwidth_cap_serializes_chunks(autojump_clock):

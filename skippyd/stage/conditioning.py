@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+from collections import deque
 
 import attrs
 import trio
@@ -32,7 +33,7 @@ import trio.testing
 from skippyd.wire.errors import PeerClosed
 from skippyd.wire.stream import send_buffer
 
-__all__ = ["LinkShape", "ShapedSendStream", "shaped"]
+__all__ = ["LinkShape", "ShapedSendStream", "next_release", "shaped"]
 
 
 def _non_negative(_inst, attribute: attrs.Attribute, value: float) -> None:
@@ -81,6 +82,7 @@ class ShapedSendStream(trio.abc.SendStream):
         self._scope = trio.CancelScope()
         self._free_at = -math.inf  # when the link finishes serializing what was queued
         self._queued = 0  # chunks accepted and not yet handed to the socket
+        self._releases: deque[float] = deque()  # their release times, in order
         self._empty = trio.Event()
         self._empty.set()
         self._done = trio.Event()
@@ -103,8 +105,12 @@ class ShapedSendStream(trio.abc.SendStream):
         if self._error is not None:
             raise trio.BrokenResourceError(f"the link is broken: {self._error}")
         chunk = bytes(data)
-        self._send.send_nowait((self._release_time(len(chunk)), chunk))
+        release_at = self._release_time(len(chunk))
+        self._send.send_nowait((release_at, chunk))
         self._queued += 1
+        if not self._releases:
+            _travelling().add(self)
+        self._releases.append(release_at)
         self._empty = trio.Event() if self._empty.is_set() else self._empty
         # no schedule point after queueing (as write_frame's direct send): every sender's loop waits on the
         # network next, and a pass of the scheduler here would delay each conditioned hop for nothing
@@ -128,6 +134,7 @@ class ShapedSendStream(trio.abc.SendStream):
         self._closed = True
         self._send.close()
         self._scope.cancel()
+        self._forget_releases()
 
     async def aclose(self) -> None:
         """Let the queued chunks leave, then close ``stream`` (forcefully if cancelled)."""
@@ -138,6 +145,11 @@ class ShapedSendStream(trio.abc.SendStream):
         finally:
             self._scope.cancel()
             await trio.aclose_forcefully(self.stream)
+
+    def _forget_releases(self) -> None:
+        if self._releases:
+            self._releases.clear()
+            _travelling().discard(self)
 
     # ---------------------------------------------------------------- the transmit task
     async def run(self) -> None:
@@ -156,13 +168,40 @@ class ShapedSendStream(trio.abc.SendStream):
                             return
                         self.bytes_sent += len(chunk)
                         self._queued -= 1
+                        self._releases.popleft()
+                        if not self._releases:
+                            _travelling().discard(self)
                         if self._queued == 0:
                             self._empty.set()
         finally:
             if timer is not None:
                 timer.close()
+            self._forget_releases()
             self._done.set()
             self._empty.set()
+
+
+# the conditioned links of a trio run with chunks still travelling (trio's clock differs between runs)
+_TRAVELLING: trio.lowlevel.RunVar = trio.lowlevel.RunVar("skippy_conditioned_links_travelling")
+
+
+def _travelling() -> set[ShapedSendStream]:
+    links = _TRAVELLING.get(None)
+    if links is None:
+        links = set()
+        _TRAVELLING.set(links)
+    return links
+
+
+def next_release() -> float:
+    """trio's time at which the next chunk travelling on any conditioned link of this run is to be handed to
+    its socket; inf if none is. Its transmit task runs on the event loop, so whatever blocks the loop then
+    (a decode batch computed inline) would delay the chunk where a real link would have delivered it."""
+    try:
+        links = _TRAVELLING.get(None)
+    except RuntimeError:  # not in a trio run: nothing travels
+        return math.inf
+    return min(link._releases[0] for link in links) if links else math.inf
 
 
 # trio's timers are as coarse as epoll's timeout, whole milliseconds rounded up: a sleep ends up to 1 ms

@@ -39,6 +39,7 @@ import numpy as np
 import trio
 
 from skippyd.runtime.llama import Context, LlamaError, Sampler
+from skippyd.stage.conditioning import next_release
 from skippyd.stage.host_lock import HostComputeLock
 from skippyd.stage.threads import ThreadChooser
 from skippyd.telemetry import span
@@ -452,12 +453,15 @@ class Scheduler:
         step may spend outside llama.cpp, so a batch of a few decode steps
         (up to INLINE_MAX_US of compute) runs inline; the loop is blocked only
         that long. Prefill chunks, decode steps measured slower than INLINE_MAX_US,
-        and any batch that would have to wait for the host lock go to the
-        worker thread so that the loop keeps serving the network.
+        any batch that would have to wait for the host lock, and (link
+        conditioning) any during which a conditioned link's chunk falls due go to
+        the worker thread so that the loop keeps serving the network.
         """
         if len(batch) > INLINE_MAX_SEQS or any(j.n != 1 for j in batch):
             return False
         if not 0 < self._decode_native_us < INLINE_MAX_US:  # unmeasured yet, or too slow
+            return False
+        if (due := next_release()) != math.inf and due < trio.current_time() + self._decode_native_us / 1e6:
             return False
         return self.host_lock is None or self.host_lock.try_acquire()
 
