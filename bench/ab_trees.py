@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -73,9 +74,11 @@ def main() -> int:
     ap.add_argument("--streamed", type=int, default=0, help="also N concurrent streamed generations per round")
     ap.add_argument("--model", type=Path, default=None,
                     help="GGUF to measure (default: the embedded default model), as bench_pipeline.py's")
+    ap.add_argument("--daemon-args", default="", metavar="ARGS",
+                    help='more skippyd options for both sides, one string (e.g. "--threads 1 --decode-groups 2")')
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    extra = ["--lanes", str(max(2, args.streamed)), "--ctx", "1024"]
+    extra = ["--lanes", str(max(2, args.streamed)), "--ctx", "1024", *shlex.split(args.daemon_args)]
     if args.link_delay_ms > 0:
         extra += ["--link-delay-ms", str(args.link_delay_ms)]
     stage_counts = [int(n) for n in args.stages.split(",")]
