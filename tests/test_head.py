@@ -228,7 +228,7 @@ def test_decode_steps_of_a_bigger_model_compute_inline_and_slower_ones_in_a_work
     assert INLINE_MAX_US / 1e6 <= PING_TIMEOUT_S / 5  # a ping waits at most that long for an inline compute
 
 
-async def test_a_decode_step_computes_in_a_worker_thread_when_a_conditioned_chunk_falls_due_during_it():
+async def test_a_decode_step_computes_in_a_worker_thread_when_a_conditioned_chunk_falls_due_during_it(autojump_clock):
     """Link conditioning hands chunks to the socket from the event loop: a step computed inline would hold
     back one falling due meanwhile (a real link delivers it)."""
     from types import SimpleNamespace
