@@ -81,8 +81,7 @@ class ShapedSendStream(trio.abc.SendStream):
         self._send, self._receive = trio.open_memory_channel(math.inf)
         self._scope = trio.CancelScope()
         self._free_at = -math.inf  # when the link finishes serializing what was queued
-        self._queued = 0  # chunks accepted and not yet handed to the socket
-        self._releases: deque[float] = deque()  # their release times, in order
+        self._releases: deque[float] = deque()  # the release times of chunks not yet handed to the socket
         self._empty = trio.Event()
         self._empty.set()
         self._done = trio.Event()
@@ -107,7 +106,6 @@ class ShapedSendStream(trio.abc.SendStream):
         chunk = bytes(data)
         release_at = self._release_time(len(chunk))
         self._send.send_nowait((release_at, chunk))
-        self._queued += 1
         if not self._releases:
             _travelling().add(self)
         self._releases.append(release_at)
@@ -124,7 +122,7 @@ class ShapedSendStream(trio.abc.SendStream):
 
     async def flush(self) -> None:
         """Wait until every chunk sent so far has been handed to the socket (or the link broke)."""
-        if self._queued and not self._done.is_set():
+        if self._releases and not self._done.is_set():
             await self._empty.wait()
         else:
             await trio.lowlevel.checkpoint()
@@ -167,11 +165,10 @@ class ShapedSendStream(trio.abc.SendStream):
                             self._error = exc
                             return
                         self.bytes_sent += len(chunk)
-                        self._queued -= 1
-                        self._releases.popleft()
+                        if self._releases:  # (close() drops them: it can come between the last wait and the write)
+                            self._releases.popleft()
                         if not self._releases:
                             _travelling().discard(self)
-                        if self._queued == 0:
                             self._empty.set()
         finally:
             if timer is not None:
