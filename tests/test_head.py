@@ -189,17 +189,24 @@ async def test_concurrent_generations_batch_and_match_alone(two):
     await two.wait_all_released()
 
 
+def _scheduler_without_a_model():
+    """A Scheduler over a stand-in context: for its decisions, which read only what it has measured."""
+    from types import SimpleNamespace
+
+    from skippyd.runtime.llama import ContextParams
+    from skippyd.stage.scheduler import Scheduler
+
+    ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=1, n_threads_batch=1), set_threads=None)
+    return Scheduler(ctx, adapt_threads=False)
+
+
 def test_the_heads_wait_for_a_group_on_another_stage_grows_with_its_compute():
     """The head waits for the group on the other stage as long as a few of its own decode computes, at least
     GATHER_MAX_LOCKED_S: a fixed 20 ms kept 8 sessions in two groups for good once two busy programs slowed
     every step past it (test_concurrent_generations_batch_and_match_alone read 3.6 steps per batch)."""
-    from types import SimpleNamespace
+    from skippyd.stage.scheduler import GATHER_LOCKED_COMPUTES, GATHER_MAX_LOCKED_S
 
-    from skippyd.runtime.llama import ContextParams
-    from skippyd.stage.scheduler import GATHER_LOCKED_COMPUTES, GATHER_MAX_LOCKED_S, Scheduler
-
-    ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=1, n_threads_batch=1), set_threads=None)
-    scheduler = Scheduler(ctx, adapt_threads=False)
+    scheduler = _scheduler_without_a_model()
     assert scheduler._locked_window() == GATHER_MAX_LOCKED_S  # nothing decoded yet
     scheduler._decode_native_us = 2_000  # a small model: the floor
     assert scheduler._locked_window() == GATHER_MAX_LOCKED_S
@@ -214,11 +221,9 @@ def test_decode_steps_of_a_bigger_model_compute_inline_and_slower_ones_in_a_work
     from types import SimpleNamespace
 
     from skippyd.head.liveness import PING_TIMEOUT_S
-    from skippyd.runtime.llama import ContextParams
-    from skippyd.stage.scheduler import INLINE_MAX_US, Scheduler
+    from skippyd.stage.scheduler import INLINE_MAX_US
 
-    ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=1, n_threads_batch=1), set_threads=None)
-    scheduler = Scheduler(ctx, adapt_threads=False)
+    scheduler = _scheduler_without_a_model()
     step, chunk = [SimpleNamespace(n=1)], [SimpleNamespace(n=32)]
     assert not scheduler._inline(step)  # nothing decoded yet
     scheduler._decode_native_us = 40_000
@@ -235,12 +240,9 @@ async def test_a_decode_step_computes_in_a_worker_thread_when_a_conditioned_chun
 
     import trio.testing
 
-    from skippyd.runtime.llama import ContextParams
     from skippyd.stage.conditioning import LinkShape, ShapedSendStream
-    from skippyd.stage.scheduler import Scheduler
 
-    ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=1, n_threads_batch=1), set_threads=None)
-    scheduler = Scheduler(ctx, adapt_threads=False)
+    scheduler = _scheduler_without_a_model()
     scheduler._decode_native_us = 40_000
     step = [SimpleNamespace(n=1)]
     assert scheduler._inline(step)
