@@ -14,8 +14,7 @@ between the configured count and its halves down to one (8, 4, 2, 1):
 - once, as soon as the configured count has its first baseline (the median of its first WINDOW decode
   batches), it tries half as many: a stage may start on a busy host;
 - once the recent median of the count in use is SLOWER times that count's baseline, it tries half as
-  many threads for TRIAL_STEPS batches and keeps them if they undid that slowdown (against the count's
-  last JUDGE_EVERY batches, those of the slowdown rather than the window it began in; FEWER_GAIN, 1 /
+  many threads for TRIAL_STEPS batches and keeps them if they undid that slowdown (FEWER_GAIN, 1 /
   SLOWER: under a real load one thread of two is 2-3x faster, while on a wandering VM a switch for less
   costs more in the steps back than it gains during a spell), then, after WINDOW batches, tries half as
   many again; if not (a longer context slows every step too), the slow median becomes the baseline, so
@@ -179,11 +178,6 @@ class ThreadChooser:
         elif now > SLOWER * base and threads > 1:
             log.debug("compute threads: trying %d: a decode step of %d session(s) took %.1f ms with %d (median), "
                       "%.1fx its baseline", threads // 2, rows, now * 1e3, threads, now / base)
-            # the trial is judged against the count's recent steps: keep the last look's only, so that a load
-            # that began within the window is not half hidden by the steps before it (fast and slow ones mixed
-            # made a trial that undid the load look no better than the median)
-            for _ in range(len(recent) - JUDGE_EVERY):
-                recent.popleft()
             self._start_trial(threads // 2)
         elif now < base:
             # faster than its baseline: that was measured under load (a stage that started on a busy host and
