@@ -189,6 +189,17 @@ def test_fewer_threads_must_undo_the_slowdown_that_started_their_trial():
     assert chooser.current == 1 and chooser.switches == 1
 
 
+def test_a_load_that_begins_within_the_window_is_judged_on_the_steps_under_it():
+    """Two threads 3x slower, one 1.6x faster than them: it moves to one thread, wherever the load begins
+    within the window. (A trial judged against the whole window, half of it from before the load, once lost
+    there and took the mixed median for the baseline, which the load's steps never exceeded 1.5 times.)"""
+    for before in range(WINDOW + 1, WINDOW + 1 + JUDGE_EVERY):  # each place of the load's start between looks
+        chooser = ThreadChooser(2)
+        run(chooser, before, {2: 15.0, 1: 25.0})
+        picked = run(chooser, 60, {2: 45.0, 1: 28.0})
+        assert chooser.current == 1 and chooser.switches == 1 and set(picked[-40:]) == {1}, before
+
+
 def test_a_slowdown_that_one_thread_does_not_help_is_the_new_baseline():
     """A longer context slows every step: one trial, then no more until it slows as much again."""
     chooser = ThreadChooser(2)

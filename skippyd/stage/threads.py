@@ -19,7 +19,8 @@ between the configured count and its halves down to one (8, 4, 2, 1):
   costs more in the steps back than it gains during a spell), then, after WINDOW batches, tries half as
   many again; if not (a longer context slows every step too), the slow median becomes the baseline, so
   it takes another such slowdown to try again; a median below the baseline becomes the baseline too
-  (the first one may have been measured under load);
+  (the first one may have been measured under load). When the load began within the window (its newer
+  half SLOWER times its older half), the trial is compared with the newer half's median;
 - below the configured count, it tries twice as many RECHECK_MIN_S after the switch, then twice as long
   after each lost try, up to every RECHECK_S, and keeps them once faster by GAIN. On a shared VM other
   guests take a core for a second or so now and then: the stage halves near the end of such a spell and,
@@ -192,12 +193,27 @@ class ThreadChooser:
         times = self._trial_times.setdefault(rows, [])
         times.append(seconds)
         self._trial_steps += 1
-        recent = self._recent.get((self.current, rows))
-        current = statistics.median(recent) if recent else None
+        current = self._compared_with(rows)
         if current is not None and (len(times) >= TRIAL_STEPS or seconds > ABORT * current):
             self._judge(rows, statistics.median(times), current)
         elif self._trial_steps >= TRIAL_MAX_STEPS:
             self._end_trial()
+
+    def _compared_with(self, rows: int) -> float | None:
+        """The median a trial's steps of `rows` sessions are compared with: the current count's recent one, or,
+        for fewer threads when a load began within the window (its newer half SLOWER times its older half),
+        that of the newer half: the whole window's would mix steps from before the load with steps under it,
+        and taken for the baseline after a lost trial, the load's steps would never be SLOWER times it."""
+        recent = self._recent.get((self.current, rows))
+        if not recent:
+            return None
+        if self._trial < self.current:
+            steps = list(recent)
+            half = len(steps) // 2
+            newer = statistics.median(steps[half:])
+            if half and newer > SLOWER * statistics.median(steps[:half]):
+                return newer
+        return statistics.median(recent)
 
     def _judge(self, rows: int, trial: float, current: float) -> None:
         tried, steps = self._trial, len(self._trial_times.get(rows, ()))
