@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from skippyd.stage.threads import JUDGE_EVERY, RECHECK_MIN_S, RECHECK_S, TICK_S, WINDOW, ThreadChooser
+from skippyd.stage.threads import FEWER_RECHECK_S, JUDGE_EVERY, RECHECK_MIN_S, RECHECK_S, TICK_S, WINDOW, ThreadChooser
 
 
 class Clock:
@@ -77,11 +77,13 @@ def halved_by_a_load(loaded: dict[int, float], cpu: HostCpu | None = None) -> tu
     return chooser, clock
 
 
-def test_a_steady_stage_keeps_its_threads_and_tries_one_only_once():
-    chooser = ThreadChooser(2)
-    picked = run(chooser, 500, {2: 13.0, 1: 22.0})
+def test_a_steady_stage_keeps_its_threads_and_tries_one_only_once_per_fewer_recheck_s():
+    clock = Clock()
+    chooser = ThreadChooser(2, clock=clock, cpu_times=None)
+    picked = [n for _, n in run_timed(chooser, clock, 2.5 * FEWER_RECHECK_S, {2: 13.0, 1: 22.0})]
     assert picked[WINDOW] == 1  # once it has a baseline; the trial's step is slower than two threads': lost
-    assert picked.count(1) == 1 and chooser.trials == 1 and chooser.current == 2
+    # then once per FEWER_RECHECK_S, each lost at its first step
+    assert picked.count(1) == 3 and chooser.trials == 3 and chooser.current == 2
 
 
 def test_a_stage_started_on_a_busy_host_moves_to_one_thread_at_once():
@@ -220,6 +222,19 @@ def test_a_stage_that_started_under_load_judges_a_later_load_from_its_idle_speed
     assert chooser.current == 2 and chooser.trials == 1
     run(chooser, 40, {2: 60.0, 1: 30.0})  # back: not 1.5x the first baseline, 4.6x the idle one
     assert chooser.current == 1 and chooser.switches == 1
+
+
+def test_a_stage_whose_first_trial_was_lost_under_a_load_from_its_start_halves_within_fewer_recheck_s():
+    """Busy from the start, and one thread no faster in its first trial (noise): the load's steps are the
+    baseline, and as long as the load lasts they are never SLOWER times it; the next trial of one thread comes
+    FEWER_RECHECK_S later, and wins once one thread is faster."""
+    clock = Clock()
+    chooser = ThreadChooser(2, clock=clock, cpu_times=None)
+    run_timed(chooser, clock, 1.0, {2: 60.0, 1: 55.0})
+    assert chooser.current == 2 and chooser.trials == 1
+    picked = run_timed(chooser, clock, FEWER_RECHECK_S + 1.0, {2: 60.0, 1: 30.0})
+    assert chooser.current == 1 and chooser.switches == 1
+    assert all(n == 2 for at, n in picked if at < FEWER_RECHECK_S - 0.5)
 
 
 def test_batch_sizes_are_judged_apart():
