@@ -15,7 +15,7 @@ between the configured count and its halves down to one (8, 4, 2, 1):
   batches), it tries half as many: a stage may start on a busy host; and again whenever FEWER_RECHECK_S
   passed without a trial of fewer threads (a first trial lost to noise under a load there from the start
   left the load's steps for the baseline, which they never exceeded SLOWER times: the configured count for
-  as long as the load lasted; on an idle host such a trial costs one slow step, see ABORT below);
+  as long as the load lasted; on an idle host such a trial costs one slow step: see the end);
 - once the recent median of the count in use is SLOWER times that count's baseline, it tries half as
   many threads for TRIAL_STEPS batches and keeps them if they undid that slowdown (FEWER_GAIN, 1 /
   SLOWER: under a real load one thread of two is 2-3x faster, while on a wandering VM a switch for less
@@ -23,7 +23,9 @@ between the configured count and its halves down to one (8, 4, 2, 1):
   many again; if not (a longer context slows every step too), the slow median becomes the baseline, so
   it takes another such slowdown to try again; a median below the baseline becomes the baseline too
   (the first one may have been measured under load). When the load began within the window (its newer
-  half SLOWER times its older half), the trial is compared with the newer half's median;
+  half SLOWER times its older half), the trial is compared with the newer half's median (a median of
+  steps from before and under the load, lost to and taken for the baseline, kept two threads for as long
+  as a load lasted);
 - below the configured count, it tries twice as many RECHECK_MIN_S after the switch, then twice as long
   after each lost try, up to every RECHECK_S, and keeps them once faster by GAIN. On a shared VM other
   guests take a core for a second or so now and then: the stage halves near the end of such a spell and,
