@@ -75,8 +75,11 @@ async def test_every_stage_report_reaches_the_result(two, three):
         got = await pipe.generate(prompt="Count from one to ten:", raw=True, max_tokens=16)
         stats, steps = got["stage_stats"], len(got["tokens"]) - 1  # the first token comes with the prompt
         assert steps == 15
-        assert stats["stage_count"] >= n_stages * (steps + 1)
-        assert stats["bytes_sent"] >= (n_stages - 1) * steps * 576 * 4  # a hidden state down each link per step
+        # every stage reports for each decode step, the prefill and the stop (a middle stage's decode-step
+        # reports go up with the stop's)
+        assert stats["stage_count"] >= n_stages * (steps + 2)
+        # a hidden state down each link per prompt token and per step
+        assert stats["bytes_sent"] >= (n_stages - 1) * (got["usage"]["prompt_tokens"] + steps) * 576 * 4
         assert stats["compute_us"] >= stats["compute_us_max"] > 0
         assert 0 <= stats["slowest_stage"] < n_stages
 

@@ -333,14 +333,19 @@ class UpstreamConnection:
             else:
                 sent, write_us = await self.down.send_deferred(forward)
         folded, error = self.down.take_folded()
-        own = self._own_stats(job, write_us=write_us, sent=sent)
         if error is not None:  # reported now, as the answer to this message
+            own = self._own_stats(job, write_us=write_us, sent=sent)
             await self.reply(ErrorReply(msg.request_id, msg.session_id, error.code, error.message,
                                         stats=merge(own, folded)))
-        elif unacked:
-            session.unreported = merge(session.unreported, merge(own, folded))
+        elif unacked:  # every token: our report, then the folded acks', added up in place
+            unreported = session.unreported
+            unreported.add_compute(self.server.index, job.compute_us, job.queue_us)
+            unreported.add_hop(write_us, 0, sent)
+            if folded is not NO_STATS:
+                unreported.add(folded)
             self.server.returns_only["unacked"] += 1
         else:  # every token: the ids are the message's
+            own = self._own_stats(job, write_us=write_us, sent=sent)
             await self.reply(TRUSTED[Ack](msg.request_id, msg.session_id, merge(own, folded)))
 
     async def _return_direct(self, session: StageSession, msg, job: Job) -> None:
@@ -546,7 +551,7 @@ class UpstreamConnection:
         session = self.server.sessions.get(self.conn_id, msg.session_id)
         unreported = NO_STATS
         if session is not None:
-            unreported = session.unreported
+            unreported = session.unreported.total()
             await self.server.release(session)
         if self.down is not None:
             await self._relay(msg, None, unreported)

@@ -15,7 +15,7 @@ import time
 import attrs
 
 from skippyd.runtime.llama import Sampler, SamplingParams
-from skippyd.wire.messages import NO_STATS, StageStats
+from skippyd.wire.messages import StatsTotal
 
 
 class NoFreeSlot(Exception):
@@ -37,8 +37,8 @@ class StageSession:
     state: str = "prefill"
     direct_return: bool = False  # predictions go to the head on the token-return connection
     # a middle stage's reports of the decode steps it did not acknowledge (DIRECT_RETURN): they go up with
-    # the session's next reply on the lane (its Stop's, usually)
-    unreported: StageStats = NO_STATS
+    # the session's next reply on the lane (its Stop's, usually); summed in place, as they come every token
+    unreported: StatsTotal = attrs.field(factory=StatsTotal)
 
     def describe(self) -> dict:
         return {
