@@ -224,6 +224,17 @@ def test_a_stage_that_started_under_load_judges_a_later_load_from_its_idle_speed
     assert chooser.current == 1 and chooser.switches == 1
 
 
+def test_idle_time_does_not_count_towards_the_next_trial_of_fewer_threads():
+    clock = Clock()
+    chooser = ThreadChooser(2, clock=clock, cpu_times=None)
+    run_timed(chooser, clock, FEWER_RECHECK_S / 2, {2: 13.0, 1: 22.0})
+    clock.now += 10 * FEWER_RECHECK_S  # no decode steps meanwhile
+    run_timed(chooser, clock, FEWER_RECHECK_S / 3, {2: 13.0, 1: 22.0})
+    assert chooser.trials == 1  # the first baseline's only
+    run_timed(chooser, clock, FEWER_RECHECK_S / 3, {2: 13.0, 1: 22.0})
+    assert chooser.trials == 2
+
+
 def test_a_stage_whose_first_trial_was_lost_under_a_load_from_its_start_halves_within_fewer_recheck_s():
     """Busy from the start, and one thread no faster in its first trial (noise): the load's steps are the
     baseline, and as long as the load lasts they are never SLOWER times it; the next trial of one thread comes

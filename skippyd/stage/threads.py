@@ -12,10 +12,11 @@ between the configured count and its halves down to one (8, 4, 2, 1):
 - a configured count above the host's cores starts on as many threads as there are cores (and, being
   below the configured count, tries it now and then: see the last point);
 - once, as soon as the configured count has its first baseline (the median of its first WINDOW decode
-  batches), it tries half as many: a stage may start on a busy host; and again whenever FEWER_RECHECK_S
-  passed without a trial of fewer threads (a first trial lost to noise under a load there from the start
-  left the load's steps for the baseline, which they never exceeded SLOWER times: the configured count for
-  as long as the load lasted; on an idle host such a trial costs one slow step: see the end);
+  batches), it tries half as many: a stage may start on a busy host; and again after FEWER_RECHECK_S of
+  decode steps (their compute time, idle time not counted) without a trial of fewer threads (a first
+  trial lost to noise under a load there from the start left the load's steps for the baseline, which
+  they never exceeded SLOWER times: the configured count for as long as the load lasted; on an idle host
+  such a trial costs one slow step: see the end);
 - once the recent median of the count in use is SLOWER times that count's baseline, it tries half as
   many threads for TRIAL_STEPS batches and keeps them if they undid that slowdown (FEWER_GAIN, 1 /
   SLOWER: under a real load one thread of two is 2-3x faster, while on a wandering VM a switch for less
@@ -67,7 +68,7 @@ TRIAL_MAX_STEPS = 16  # a trial that saw no TRIAL_STEPS batches of one size by t
 WINDOW = 8  # recent decode batches kept per thread count and batch size
 JUDGE_EVERY = 4  # decode batches between two looks at the recent median
 ABORT = 1.0  # a trial's step this many times slower than the current count's median ends it, lost
-FEWER_RECHECK_S = 30.0  # the longest time between two trials of fewer threads
+FEWER_RECHECK_S = 30.0  # the most decode compute time between two trials of fewer threads
 RECHECK_MIN_S = 0.25  # below the configured count: the first try of twice as many threads, after a switch
 RECHECK_S = 2.0  # ... and the longest wait between two tries (each lost one doubles it)
 TICK_S = 1.0  # below the configured count and idle: how often it looks at the host's cores ...
@@ -112,7 +113,7 @@ class ThreadChooser:
         self._cpu_times = cpu_times  # None: no looks at the cores while idle
         self._cpu_mark: tuple[float, float] | None = None  # the host's cpu times at the last tick
         self._last_step = -math.inf  # the clock at the last decode batch below the configured count, or on trial
-        self._fewer_tried_at = clock()  # the clock at the last trial of fewer threads
+        self._since_fewer_s = 0.0  # compute time of the decode batches since the last trial of fewer threads
         self._armed: int | None = None  # a trial the next compute starts (the cores were free while idle)
 
     def pick(self) -> int:
@@ -169,6 +170,7 @@ class ThreadChooser:
             recent = self._recent[key] = deque(maxlen=WINDOW)
         recent.append(seconds)
         self._observed += 1
+        self._since_fewer_s += seconds
         if len(recent) < WINDOW or self._observed % JUDGE_EVERY:  # a median per step would cost every step
             return
         if self._descending and threads > 1:  # half as many just won: not necessarily the last halving
@@ -187,7 +189,7 @@ class ThreadChooser:
             log.debug("compute threads: trying %d: a decode step of %d session(s) took %.1f ms with %d (median), "
                       "%.1fx its baseline", threads // 2, rows, now * 1e3, threads, now / base)
             self._start_trial(threads // 2)
-        elif threads > 1 and self._clock() - self._fewer_tried_at >= FEWER_RECHECK_S:
+        elif threads > 1 and self._since_fewer_s >= FEWER_RECHECK_S:
             self._start_trial(threads // 2)
         elif now < base:
             # faster than its baseline: that was measured under load (a stage that started on a busy host and
@@ -197,7 +199,7 @@ class ThreadChooser:
     def _start_trial(self, threads: int) -> None:
         self._trial, self._trial_times, self._trial_steps = threads, {}, 0
         if threads < self.current:
-            self._fewer_tried_at = self._clock()
+            self._since_fewer_s = 0.0
         self.trials += 1
 
     def _observe_trial(self, rows: int, seconds: float) -> None:
