@@ -24,9 +24,9 @@ between the configured count and its halves down to one (8, 4, 2, 1):
   many again; if not (a longer context slows every step too), the slow median becomes the baseline, so
   it takes another such slowdown to try again; a median below the baseline becomes the baseline too
   (the first one may have been measured under load). When the load began within the window (its newer
-  half SLOWER times its older half), the trial is compared with the newer half's median (a median of
-  steps from before and under the load, lost to and taken for the baseline, kept two threads for as long
-  as a load lasted);
+  half SLOWER times its older half), the trial is compared with the newer half's median (against the
+  whole window's, a median of steps from before and under the load, a trial could lose, that median became
+  the baseline, and the stage kept two threads while the load lasted);
 - below the configured count, it tries twice as many RECHECK_MIN_S after the switch, then twice as long
   after each lost try, up to every RECHECK_S, and keeps them once faster by GAIN. On a shared VM other
   guests take a core for a second or so now and then: the stage halves near the end of such a spell and,
