@@ -51,7 +51,7 @@ async def measure(pipe: procs.Pipeline, streamed: int = 0) -> dict[str, list[flo
         before = await hot_paths(pipe)
         rates = [(await generate(client, prompt=PROMPT, max_tokens=TOKENS))["timings"]["decode_tokens_per_s"]
                  for _ in range(2)]
-        _py, cpu, loop, native = per_step(before, await hot_paths(pipe))
+        _py, cpu, _handling, loop, native = per_step(before, await hot_paths(pipe))
     threads = await stage_status(pipe, "threads")  # the thread chooser's counts so far (each stage's, as all)
     out = {"loop_cpu_ms": loop, "handler_cpu_ms": cpu, "native_ms": native,
            "ms_per_token": [1e3 / statistics.median(rates)],

@@ -98,18 +98,22 @@ async def hot_paths(pipe: Pipeline) -> list[dict]:
     return await stage_status(pipe, "hot_path")
 
 
-def per_step(before: list[dict], after: list[dict]) -> tuple[list[float], list[float], list[float], list[float]]:
+def per_step(before: list[dict], after: list[dict]) -> tuple[list[float], ...]:
     """Per decode step of each stage between two hot_paths(), in ms: Python wall time and CPU time of the
-    steps' handling, the event loop thread's whole CPU time outside llama.cpp, and native compute."""
-    py, cpu, loop, native = [], [], [], []
+    steps' handling (the head's window with its waits for replies), the same CPU time less those waits
+    (every stage's window from the message in hand), the event loop thread's whole CPU time outside
+    llama.cpp, and native compute."""
+    py, cpu, handling, loop, native = [], [], [], [], []
     for b, a in zip(before, after):
         steps = max(1, a["decode_steps"] - b["decode_steps"])
         nat = a["native_s"] - b["native_s"]
         py.append((a["wall_s"] - b["wall_s"] - nat) * 1e3 / steps)
         cpu.append((a["cpu_s"] - b["cpu_s"]) * 1e3 / steps)
+        waits = a.get("wait_cpu_s", 0.0) - b.get("wait_cpu_s", 0.0)  # (bench/ab_trees.py: older trees lack it)
+        handling.append(cpu[-1] - waits * 1e3 / steps)
         loop.append((a["loop_cpu_s"] - b["loop_cpu_s"] - a["loop_native_cpu_s"] + b["loop_native_cpu_s"]) * 1e3 / steps)
         native.append(nat * 1e3 / steps)
-    return py, cpu, loop, native
+    return py, cpu, handling, loop, native
 
 
 async def concurrent_decode(head, conc: int) -> tuple[float, float]:
@@ -164,7 +168,7 @@ async def measure(pipe: Pipeline, *, concurrency: tuple[int, ...] = CONCURRENCY)
         for _ in range(DECODE_REPEATS):
             r = await generate(client, prompt=DECODE_PROMPT, max_tokens=DECODE_TOKENS)
             rates.append(r["timings"]["decode_tokens_per_s"])
-        py, cpu, loop, native = per_step(before, await hot_paths(pipe))
+        py, cpu, handling, loop, native = per_step(before, await hot_paths(pipe))
         out["decode_tps"] = statistics.median(rates)
         out["ms_per_token"] = 1e3 / out["decode_tps"]
         out["compute_ms_per_token"] = sum(native)
@@ -172,10 +176,12 @@ async def measure(pipe: Pipeline, *, concurrency: tuple[int, ...] = CONCURRENCY)
             out[f"native_ms_per_step_stage{k}"] = v
         out["python_ms_per_step_max"] = max(py)
         out["python_cpu_ms_per_step_max"] = max(cpu)
+        out["handling_cpu_ms_per_step_max"] = max(handling)
         out["loop_cpu_ms_per_step_max"] = max(loop)
-        for k, (v, c, lp) in enumerate(zip(py, cpu, loop)):
+        for k, (v, c, h, lp) in enumerate(zip(py, cpu, handling, loop)):
             out[f"python_ms_per_step_stage{k}"] = v
             out[f"python_cpu_ms_per_step_stage{k}"] = c
+            out[f"handling_cpu_ms_per_step_stage{k}"] = h
             out[f"loop_cpu_ms_per_step_stage{k}"] = lp
         r = await generate(client, prompt=LONG_PROMPT, max_tokens=LONG_DECODE_TOKENS)
         out["ttft_ms_500"] = r["timings"]["ttft_ms"]
@@ -368,6 +374,7 @@ def main() -> int:
     rows += [("aggregate_4_over_1", "aggregate 4 / 1 session"), ("compute_ms_per_token", "native compute ms / token")]
     rows += [(f"python_ms_per_step_stage{k}", f"Python ms / step, stage {k} (wall)") for k in range(3)]
     rows += [(f"python_cpu_ms_per_step_stage{k}", f"Python ms / step, stage {k} (CPU)") for k in range(3)]
+    rows += [(f"handling_cpu_ms_per_step_stage{k}", f"  the same, less waits: stage {k}") for k in range(3)]
     rows += [(f"loop_cpu_ms_per_step_stage{k}", f"event loop CPU ms / step, stage {k}") for k in range(3)]
     print_table("throughput and latency", tab, rows, "single")
     report: dict = {"model": model.name, "cores": cores, "threads": args.threads, "rounds": args.rounds,
@@ -403,6 +410,10 @@ def main() -> int:
         med(n, "python_ms_per_step_max") for n in ("single", "2-stage", "3-stage"))
     targets[f"max Python ms (CPU) per step per stage <= {PY_BUDGET_MS}"] = max(
         med(n, "python_cpu_ms_per_step_max") for n in ("single", "2-stage", "3-stage"))
+    # the head's window holds its waits for replies (the wake-up, reading the reply) which a later stage's
+    # does not: less those, every stage's handling is measured from the message in hand
+    targets[f"  the same, less the head's waits <= {PY_BUDGET_MS}"] = max(
+        med(n, "handling_cpu_ms_per_step_max") for n in ("single", "2-stage", "3-stage"))
     targets[f"  the same, stages after the head <= {PY_BUDGET_MS}"] = max(
         med(n, f"python_cpu_ms_per_step_stage{k}") for n, k in (("2-stage", 1), ("3-stage", 1), ("3-stage", 2)))
     targets[f"max event loop CPU ms per step per stage <= {PY_BUDGET_MS}"] = max(

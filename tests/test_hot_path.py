@@ -75,6 +75,11 @@ async def test_every_stage_counts_its_decode_steps_and_python_time(two):
         loop_native = ha["loop_native_cpu_s"] - hb["loop_native_cpu_s"]
         assert 0 < loop_native < loop
         assert loop - loop_native >= 0.9 * (ha["cpu_s"] - hb["cpu_s"]) > 0
+    # the head's window holds its waits for stage 1's replies (the wake-up, reading each reply): part of its
+    # CPU time, kept apart; a later stage's window starts with the message in hand and holds none
+    head_waits = after[0]["hot_path"]["wait_cpu_s"] - before[0]["hot_path"]["wait_cpu_s"]
+    assert 0 < head_waits < after[0]["hot_path"]["cpu_s"] - before[0]["hot_path"]["cpu_s"]
+    assert after[1]["hot_path"]["wait_cpu_s"] == 0
 
 
 async def test_stages_sharing_a_host_use_every_core_and_take_turns(two):

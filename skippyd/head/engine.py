@@ -394,6 +394,7 @@ class _Run:
         # this decode step so far (HotPath): native compute here, and waits on the other stages
         self.native_us = 0
         self.waited_us = 0
+        self.waited_cpu_s = 0.0  # the event loop thread's CPU time in those waits (see HotPath)
         self.loop_native_cpu_us = 0
         self.batched = False  # the last compute was one llama_decode with other sessions' steps
         # this generation's prefill chunk, chosen once: a replay (resume) must chunk the prompt the same way,
@@ -615,7 +616,9 @@ class _Run:
         lane, msg = self.lane, sent.msg
         with self._watched(), span("head.hop", request=self.live.request_id, session=self.live.session_id,
                                    kind=type(msg).__name__, lane=lane.lane_id):
+            cpu = time.thread_time()
             reply, wait_us = await lane.link.finish()
+            self.waited_cpu_s += time.thread_time() - cpu
         self.waited_us += wait_us
         if isinstance(msg, DecodeStep):
             self.engine.chunker.observe_round_trip(wait_us, reply.stats.compute_us + reply.stats.queue_us)
@@ -666,7 +669,9 @@ class _Run:
         if acked:
             with self._watched(), span("head.hop", request=self.live.request_id, session=self.live.session_id,
                                        kind=type(msg).__name__, lane=lane.lane_id, direct=1):
+                cpu = time.thread_time()
                 await lane.link.drain()
+                self.waited_cpu_s += time.thread_time() - cpu
             folded, error = lane.link.take_folded()
             self._stats.add(folded)
             if error is not None:
@@ -675,10 +680,12 @@ class _Run:
         with span("head.token_return_wait", request=self.live.request_id, session=session_id):
             with self._watched_returns():
                 hub.begin_wait(session_id)  # the reply deadline: kept by the hub (keep_deadlines)
+                cpu = time.thread_time()
                 try:
                     item = await self.returns.receive()
                 finally:
                     hub.end_wait(session_id)
+                    self.waited_cpu_s += time.thread_time() - cpu
         wait_us = int((time.perf_counter() - sent.started) * 1e6) - sent.write_us
         self.waited_us += wait_us
         if isinstance(item, ReturnLost):  # the connection was lost, or the prediction is overdue
@@ -735,9 +742,11 @@ class _Run:
         while True:
             if step_started is not None:  # one step: from having a token to having the next
                 cpu_s = time.thread_time() - step_cpu - self.loop_native_cpu_us / 1e6
-                hot_path.note(time.perf_counter() - step_started - self.waited_us / 1e6, self.native_us, cpu_s)
+                hot_path.note(time.perf_counter() - step_started - self.waited_us / 1e6, self.native_us, cpu_s,
+                              self.waited_cpu_s)
             step_started, step_cpu = time.perf_counter(), time.thread_time()
             self.waited_us = self.native_us = self.loop_native_cpu_us = 0
+            self.waited_cpu_s = 0.0
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
                 self.ttft_ms = (self.first_token_at - self.started) * 1e3

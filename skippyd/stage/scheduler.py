@@ -123,7 +123,11 @@ class HotPath:
     thread's whole CPU time so far (``loop_cpu_s``, read on that thread) and
     its CPU time in llama.cpp (``loop_native_cpu_s``, computes run inline):
     between two reads, their difference over the decode steps is all the
-    Python, trio and kernel time of the process's event loop per step.
+    Python, trio and kernel time of the process's event loop per step. The
+    head's window runs from one token to the next, so it holds its waits for
+    the other stages' replies, and the CPU time those cost (the wake-up, trio's
+    loop, reading and decoding the reply) is kept too (``wait_cpu_s``): less
+    it, the head's handling is measured as a later stage's is.
     """
 
     steps: int = 0
@@ -131,22 +135,26 @@ class HotPath:
     native_s: float = 0.0
     cpu_s: float = 0.0
     loop_native_cpu_s: float = 0.0
+    wait_cpu_s: float = 0.0
 
-    def note(self, wall_s: float, native_us: int, cpu_s: float = 0.0) -> None:
-        """One step: its wall time less waits (on other stages, for the host lock), its native time, and the
-        event loop thread's CPU time outside llama.cpp."""
+    def note(self, wall_s: float, native_us: int, cpu_s: float = 0.0, wait_cpu_s: float = 0.0) -> None:
+        """One step: its wall time less waits (on other stages, for the host lock), its native time, the
+        event loop thread's CPU time outside llama.cpp, and the share of that spent in the waits."""
         self.steps += 1
         self.wall_s += wall_s
         self.native_s += native_us / 1e6
         self.cpu_s += cpu_s
+        self.wait_cpu_s += wait_cpu_s
 
     def describe(self) -> dict:
         """The counters; call it on the event loop thread (``loop_cpu_s`` is the calling thread's CPU time)."""
         n = max(1, self.steps)
         return {"decode_steps": self.steps, "wall_s": self.wall_s, "native_s": self.native_s, "cpu_s": self.cpu_s,
                 "loop_cpu_s": time.thread_time(), "loop_native_cpu_s": self.loop_native_cpu_s,
+                "wait_cpu_s": self.wait_cpu_s,
                 "python_ms_per_step": (self.wall_s - self.native_s) * 1e3 / n,
                 "python_cpu_ms_per_step": self.cpu_s * 1e3 / n,
+                "handling_cpu_ms_per_step": (self.cpu_s - self.wait_cpu_s) * 1e3 / n,
                 "native_ms_per_step": self.native_s * 1e3 / n}
 
 
