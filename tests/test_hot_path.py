@@ -41,6 +41,39 @@ def test_host_lock_excludes_other_handles_and_processes(tmp_path):
         b.close()
 
 
+def test_the_lock_file_keeps_the_hosts_tally_of_compute_under_the_lock(tmp_path):
+    path = tmp_path / "compute.lock"
+    a, b = HostComputeLock(path), HostComputeLock(path)
+    try:
+        assert a.compute_cpu_s() == 0.0  # a new lock file
+        assert a.try_acquire()
+        a.add_compute_cpu(1.5)
+        a.release()
+        assert b.try_acquire()
+        b.add_compute_cpu(0.25)
+        b.release()
+        assert a.compute_cpu_s() == b.compute_cpu_s() == 1.75
+        path.write_bytes(b"\xff" * 8)  # not a number (NaN): read as nothing, and counted on from there
+        assert a.compute_cpu_s() == 0.0
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_the_stages_tally_what_they_compute_under_the_host_lock(two):
+    """A prompt's chunks are computed under the host lock: their CPU time goes to the lock file's tally, which
+    a stage on fewer threads counts as free cores while it is idle (tests/test_threads.py)."""
+    lock = HostComputeLock(os.environ["SKIPPY_COMPUTE_LOCK"])  # the test run's own (conftest.py)
+    try:
+        before = lock.compute_cpu_s()
+        await two.generate(prompt=PROMPT * 8, raw=True, max_tokens=2)
+        tallied = lock.compute_cpu_s() - before
+        # ~100 tokens through both stages: tens of ms of CPU at least (one core: no lock, no tally)
+        assert tallied > 0.01 if CORES > 1 else tallied == 0
+    finally:
+        lock.close()
+
+
 @pytest.fixture(scope="module")
 def two(default_model_path, tmp_path_factory):
     work = tmp_path_factory.mktemp("hotpath")

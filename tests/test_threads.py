@@ -67,10 +67,10 @@ class HostCpu:
         self.busy = 0.0
 
 
-def halved_by_a_load(loaded: dict[int, float], cpu: HostCpu | None = None) -> tuple[ThreadChooser, Clock]:
+def halved_by_a_load(loaded: dict[int, float], cpu: HostCpu | None = None, **kw) -> tuple[ThreadChooser, Clock]:
     """A stage of two threads, idle for a second, then under `loaded` step times until it moved to one."""
     clock = cpu.clock if cpu is not None else Clock()
-    chooser = ThreadChooser(2, clock=clock, cpu_times=cpu, cores=2)
+    chooser = ThreadChooser(2, clock=clock, cpu_times=cpu, cores=2, **kw)
     run_timed(chooser, clock, 1.0, {2: 13.0, 1: 22.0})
     while chooser.current == 2:
         run_timed(chooser, clock, loaded[chooser.pick()] / 1e3, loaded)  # one step
@@ -177,6 +177,31 @@ def test_after_a_pause_with_the_cores_busy_it_stays_on_fewer_threads():
     # no /proc/stat (not Linux): no looks at the cores
     chooser, clock = halved_by_a_load(loaded)
     assert chooser.tick_s() == math.inf
+
+
+def test_the_turns_of_stages_sharing_the_host_lock_count_as_free_cores():
+    """Idle on one thread after a load, while the stage before it computes the next prompt's chunks under the
+    host lock: the cores are busy, but with stages that take turns with this one, so the prompt's share here
+    is computed on both threads. A load that is not theirs still keeps it on one."""
+    cpu = HostCpu(Clock())
+    tally = [0.0]  # the host lock's: CPU seconds computed under it
+    chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0}, cpu, shared_cpu=lambda: tally[0])
+
+    def neighbour_computes(seconds: float, cores: float, load: float = 0.0) -> None:
+        end = clock.now + seconds
+        while clock.now < end:  # a tick's worth at a time: the tally grows as the neighbour computes
+            step = min(chooser.tick_s(), end - clock.now)
+            tally[0] += cores * step
+            cpu.idle(chooser, step, busy=cores + load)
+
+    neighbour_computes(RECHECK_S + 2 * TICK_S, cores=1.9)
+    assert chooser.pick() == 2
+    run_timed(chooser, clock, 0.5, {2: 13.0, 1: 22.0})
+    assert chooser.current == 2
+    # a load beside the neighbour: not enough free
+    chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0}, cpu, shared_cpu=lambda: tally[0])
+    neighbour_computes(RECHECK_S + 2 * TICK_S, cores=0.9, load=0.9)
+    assert chooser.pick() == 1
 
 
 def test_fewer_threads_must_undo_the_slowdown_that_started_their_trial():

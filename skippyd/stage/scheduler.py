@@ -199,7 +199,8 @@ class Scheduler:
         self._arrived: trio.Event | None = None  # set by submit() while _gather waits
         self._busy = False  # the serve task is between its wake-up and its next wait
         # decode (and prefill) with the configured threads, or fewer while that is much faster (threads.py)
-        self.threads = ThreadChooser(ctx.params.n_threads, enabled=adapt_threads, cores=os.cpu_count())
+        self.threads = ThreadChooser(ctx.params.n_threads, enabled=adapt_threads, cores=os.cpu_count(),
+                                     shared_cpu=host_lock.compute_cpu_s if host_lock is not None else None)
         self._threads_now = ctx.params.n_threads
 
     # ---------------------------------------------------------------- clients
@@ -589,14 +590,20 @@ class Scheduler:
         holding = take_lock and self.host_lock.acquire()
         if take_lock and not holding:
             self.stats.lock_timeouts = self.host_lock.timeouts
+        # computed under the lock: its CPU time goes to the host's tally (see ThreadChooser.tick). Not a lone
+        # decode step's (_compute_row): a prefill chunk or a batch holds the cores for long, a step for a few ms
+        tally = self.host_lock is not None and (locked or holding)
         try:
             threads = self._use_threads()
             native = time.perf_counter()
             native_cpu = time.thread_time()
+            process_cpu = time.process_time() if tally else 0.0
             if row is None:
                 ctx.decode(pos, seq, **inputs)
             else:
                 ctx.decode_row(row.pos_start, row.seq, **inputs)
+            if tally:
+                self.host_lock.add_compute_cpu(time.process_time() - process_cpu)
         finally:
             if holding:
                 self.host_lock.release()

@@ -35,7 +35,9 @@ between the configured count and its halves down to one (8, 4, 2, 1):
 - below the configured count and not decoding for RECHECK_S, it looks at the host's cores every TICK_S
   (``tick``, from the scheduler's idle wait; ``host_cpu_times``, /proc/stat, steal counting as busy): if
   as many as twice the count were free over the last TICK_S, the next compute is a trial of twice as many
-  threads. A prompt that arrives once the load has gone is computed on all threads, not on the count its
+  threads. What the host's stages computed holding the host compute lock counts as free (``shared_cpu``,
+  the lock's tally): the stage would take turns with them (a stage idle while the stage before it
+  prefilled the next prompt saw the cores busy, and computed its share of the prompt on fewer threads). A prompt that arrives once the load has gone is computed on all threads, not on the count its
   last decode steps were left on (the decode steps after it judge the trial); under a load that stays,
   nothing changes. Elsewhere than on Linux, such a stage waits for decode steps as before.
 
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 import time
 from collections import deque
@@ -76,7 +79,7 @@ FREE_SLACK = 0.5  # ... for twice as many free cores, less this, over the last T
 
 
 def host_cpu_times() -> tuple[float, float] | None:
-    """(idle, all) time of every core of the host so far, in ticks, from /proc/stat; None where there is none."""
+    """(idle, all) time of every core of the host so far, in seconds, from /proc/stat; None where there is none."""
     try:
         with open("/proc/stat", "rb") as f:
             ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
@@ -84,13 +87,20 @@ def host_cpu_times() -> tuple[float, float] | None:
         return None
     if len(ticks) < 5:
         return None
-    return ticks[3] + ticks[4], sum(ticks)
+    return (ticks[3] + ticks[4]) / _CLK_TCK, sum(ticks) / _CLK_TCK
+
+
+try:
+    _CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/stat's unit
+except (AttributeError, ValueError, OSError):
+    _CLK_TCK = 100
 
 
 class ThreadChooser:
     def __init__(self, configured: int, *, enabled: bool = True, cores: int | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 cpu_times: Callable[[], tuple[float, float] | None] | None = host_cpu_times):
+                 cpu_times: Callable[[], tuple[float, float] | None] | None = host_cpu_times,
+                 shared_cpu: Callable[[], float | None] | None = None):
         self.configured = configured
         self.enabled = enabled and configured > 1
         # more threads than cores wait for each other at every barrier: start on as many as there are cores
@@ -112,6 +122,8 @@ class ThreadChooser:
         self._cores = cores
         self._cpu_times = cpu_times  # None: no looks at the cores while idle
         self._cpu_mark: tuple[float, float] | None = None  # the host's cpu times at the last tick
+        self._shared_cpu = shared_cpu  # the host compute lock's tally (CPU s computed under it), if any
+        self._shared_mark: float | None = None  # ... at the last tick
         self._last_step = -math.inf  # the clock at the last decode batch below the configured count, or on trial
         self._since_fewer_s = 0.0  # compute time of the decode batches since the last trial of fewer threads
         self._armed: int | None = None  # a trial the next compute starts (the cores were free while idle)
@@ -135,12 +147,15 @@ class ThreadChooser:
         if not math.isfinite(self.tick_s()):
             return
         times, last = self._cpu_times(), self._cpu_mark
-        self._cpu_mark = times
+        shared, shared_last = self._shared_cpu() if self._shared_cpu is not None else None, self._shared_mark
+        self._cpu_mark, self._shared_mark = times, shared
         if times is None or last is None or self._trial is not None or self._clock() - self._last_step < RECHECK_S:
             return
         idle, total = times[0] - last[0], times[1] - last[1]
+        if shared is not None and shared_last is not None:
+            idle += max(0.0, shared - shared_last)  # the turns of the stages taking turns with this one
         more = min(self.configured, self.current * 2)
-        free = self._cores * idle / total if total > 0 else 0.0
+        free = min(self._cores, self._cores * idle / total) if total > 0 else 0.0
         if free >= more - FREE_SLACK:
             if self._armed is None:
                 log.debug("compute threads: %d next (%.1f cores free while idle)", more, free)
