@@ -116,6 +116,33 @@ async def test_broken_link_is_reported_to_the_sender(autojump_clock):
         link.close()
 
 
+async def test_a_frame_written_to_a_conditioned_link_is_queued_at_once(autojump_clock):
+    """write_frame hands a conditioned link the whole frame without a schedule point (as it does a socket
+    that takes it at once): the sender's next step is not delayed by the emulation; the frame arrives after
+    the delay, whole. A broken link fails the write as a closed peer does."""
+    from skippyd.wire.errors import PeerClosed
+    from skippyd.wire.messages import Ack, StageStats
+    from skippyd.wire.stream import ReceiveBuffer, read_reply, write_frame
+
+    sender, receiver = trio.testing.memory_stream_pair()
+    link = ShapedSendStream(sender, LinkShape(delay_ms=DELAY_MS))
+    reply = Ack(7, 3, StageStats.single(1, compute_us=5))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link.run)
+        t0 = trio.current_time()
+        with trio.testing.assert_no_checkpoints():
+            n = await write_frame(link, reply, timeout=1.0)
+        assert n > 0 and trio.current_time() == t0
+        assert await read_reply(ReceiveBuffer(receiver), timeout=1.0) == reply
+        assert trio.current_time() - t0 == pytest.approx(DELAY_MS / 1e3)
+        await receiver.aclose()
+        await write_frame(link, reply)
+        await trio.sleep(0.1)
+        with pytest.raises(PeerClosed):
+            await write_frame(link, reply)
+        link.close()
+
+
 async def test_aclose_lets_queued_bytes_arrive(autojump_clock):
     sender, receiver = trio.testing.memory_stream_pair()
     link = ShapedSendStream(sender, LinkShape(delay_ms=50))

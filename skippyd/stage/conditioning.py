@@ -99,6 +99,12 @@ class ShapedSendStream(trio.abc.SendStream):
 
     async def send_all(self, data) -> None:
         await trio.lowlevel.checkpoint_if_cancelled()
+        self.send_now(data)
+
+    def send_now(self, data) -> int:
+        """``send_all`` without its checkpoint: the link takes every byte at once (the bytes written, all of
+        them). write_frame sends through it without a cancel scope for its timeout, which no send here
+        can need; entering one would cost every conditioned frame what a real link does not."""
         if self._closed:
             raise trio.ClosedResourceError("the link is closed")
         if self._error is not None:
@@ -112,6 +118,7 @@ class ShapedSendStream(trio.abc.SendStream):
         self._empty = trio.Event() if self._empty.is_set() else self._empty
         # no schedule point after queueing (as write_frame's direct send): every sender's loop waits on the
         # network next, and a pass of the scheduler here would delay each conditioned hop for nothing
+        return len(chunk)
 
     async def wait_send_all_might_not_block(self) -> None:
         await trio.lowlevel.checkpoint()

@@ -478,7 +478,10 @@ async def write_frame(stream: trio.abc.SendStream, obj: Frame, *, timeout: float
     if len(parts) > 1 and total <= JOIN_BELOW:
         parts = [b"".join(parts)]  # one send: a decode step's frame costs one syscall, not three
     if len(parts) == 1:
-        rest = _unsent(stream, parts[0])
+        try:
+            rest = _unsent(stream, parts[0])
+        except trio.BrokenResourceError as exc:
+            raise PeerClosed(f"connection broken: {exc}") from exc
         if rest is None:
             return total
         parts = [rest]
@@ -501,10 +504,14 @@ async def send_buffer(stream: trio.abc.SendStream, data: Buffer) -> None:
 
 
 def _unsent(stream: trio.abc.SendStream, data: Buffer) -> Buffer | None:
-    """Write what a socket stream takes of ``data`` right now (see _send_now); what is left, or None."""
-    if not isinstance(stream, trio.SocketStream):
+    """Write what a socket stream takes of ``data`` right now (see _send_now), or a stream with a ``send_now``
+    of its own (a conditioned link's: it takes everything); what is left, or None."""
+    if isinstance(stream, trio.SocketStream):
+        sent = _send_now(stream, data)
+    elif (send_now := getattr(stream, "send_now", None)) is not None:
+        sent = send_now(data)
+    else:
         return data
-    sent = _send_now(stream, data)
     return None if sent == len(data) else memoryview(data)[sent:]
 
 
