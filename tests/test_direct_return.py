@@ -90,6 +90,41 @@ async def test_predictions_reach_the_waiting_session(hub, final_link):
         assert stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
 
 
+async def test_a_prediction_goes_out_without_a_schedule_point_while_the_connection_is_free(hub, final_link):
+    """The final stage's per-token send: the connection's lock, when free, is taken without the pass of
+    trio's scheduler an uncontended Lock.acquire makes (a cold pass on every token); a send that finds
+    another one writing still waits its turn, and both frames arrive whole."""
+    assert await final_link.ensure()
+    returns = hub.open_session(7, 1)
+
+    class Yields(trio.abc.Instrument):
+        """Counts the times this task gives the scheduler a turn (ends a step) while installed."""
+
+        def __init__(self) -> None:
+            self.task, self.count = trio.lowlevel.current_task(), 0
+
+        def after_task_step(self, task) -> None:
+            self.count += task is self.task
+
+    yields = Yields()
+    trio.lowlevel.add_instrument(yields)
+    try:
+        await final_link.send(PredictedToken(1, 7, 42))
+    finally:
+        trio.lowlevel.remove_instrument(yields)
+    assert yields.count == 0
+    conn = final_link._conn
+    conn.lock.acquire_nowait()  # as another lane's send halfway through its frame
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(final_link.send, PredictedToken(1, 7, 43))
+        await trio.testing.wait_all_tasks_blocked()
+        assert conn.lock.statistics().tasks_waiting == 1
+        conn.lock.release()
+    with trio.fail_after(2):
+        assert [await returns.receive(), await returns.receive()] == [PredictedToken(1, 7, 42),
+                                                                      PredictedToken(1, 7, 43)]
+
+
 async def test_a_reply_owed_to_an_attempt_given_up_does_not_reach_the_replay(hub, final_link):
     """A final stage stopped mid-step (SIGSTOP) sends the step's prediction once it runs again, on the return
     connection, which outlives the lane the head gave up; by then the generation may be replaying, waiting
