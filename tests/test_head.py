@@ -388,3 +388,41 @@ def test_stop_matcher_holds_back_partial_stops():
     assert sm.push("abc EN") == ("abc ", False)
     assert sm.push("x") == ("ENx", False)
     assert sm.flush() == ""
+
+
+async def test_dead_lanes_are_pruned_while_a_generation_checks_one_out(autojump_clock):
+    """The head's background task closes idle lanes whose stage went away while a generation takes a lane:
+    either may close a lane the other had seen in the idle list (in CI the head died of it: 'list.remove(x):
+    x not in list', when a stage was replaced while a generation started)."""
+    import trio.testing
+
+    from skippyd.head.lanes import Lane, LanePool
+
+    class Link:
+        def __init__(self, alive: bool) -> None:
+            self.alive, self.closed = alive, False
+
+        def looks_alive(self) -> bool:
+            return self.alive
+
+        async def aclose(self) -> None:
+            await trio.sleep(0.01)  # closing a socket stream is a schedule point
+            self.closed = True
+
+    pool = LanePool("127.0.0.1", 9, hello=None, capacity=4)
+    dead = [Lane(lane_id, Link(False)) for lane_id in (1, 2, 3)]
+    for lane in dead:
+        pool.lanes[lane.lane_id] = lane
+        pool._idle.append(lane)
+    fresh = Link(True)
+
+    async def open_fresh() -> Link:
+        return fresh
+
+    pool._open = open_fresh  # the stage is back: a new lane connects
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pool.prune)
+        await trio.testing.wait_all_tasks_blocked()  # the prune is closing the first dead lane
+        lane = await pool.checkout()  # takes the last idle lane: dead too, closed, then a new one
+    assert lane.link is fresh and all(d.link.closed for d in dead)
+    assert pool._idle == [] and list(pool.lanes.values()) == [lane]

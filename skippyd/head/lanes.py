@@ -93,10 +93,11 @@ class LanePool:
         return link
 
     async def prune(self) -> None:
-        """Close idle lanes whose peer went away."""
-        for lane in [lane for lane in self._idle if not lane.link.looks_alive()]:
-            self._idle.remove(lane)
-            await self._discard(lane)
+        """Close idle lanes whose peer went away. One at a time, each taken from the idle list when it is
+        closed: while one closes, a checkout may take (and close) another of them."""
+        while (dead := next((lane for lane in self._idle if not lane.link.looks_alive()), None)) is not None:
+            self._idle.remove(dead)
+            await self._discard(dead)
 
     async def warm(self, n: int | None = None) -> None:
         """Open lanes ahead of time (best effort; a failure is logged once until it changes)."""

@@ -121,8 +121,11 @@ class HeadNode:
             if pool.draining:
                 backoff = 1.0
                 continue
-            await pool.prune()
-            await pool.warm()
+            try:
+                await pool.prune()
+                await pool.warm()
+            except Exception:  # noqa: BLE001 - best effort: a bug here must not take the head down
+                log.exception("head: keeping the lanes warm failed; trying again")
             backoff = 1.0 if pool.last_error is None else min(backoff * 2, 10.0)
 
     def snapshot(self) -> dict:
