@@ -37,8 +37,9 @@ between the configured count and its halves down to one (8, 4, 2, 1):
   as many as twice the count were free over the last TICK_S, the next compute is a trial of twice as many
   threads. What the host's stages computed holding the host compute lock counts as free (``shared_cpu``,
   the lock's tally): the stage would take turns with them (a stage idle while the stage before it
-  prefilled the next prompt saw the cores busy, and computed its share of the prompt on fewer threads). A prompt that arrives once the load has gone is computed on all threads, not on the count its
-  last decode steps were left on (the decode steps after it judge the trial); under a load that stays,
+  prefilled the next prompt saw the cores busy, and computed its share of the prompt on fewer threads).
+  A prompt that arrives once the load has gone is computed on all threads, not on the count its last
+  decode steps were left on (the decode steps after it judge the trial); under a load that stays,
   nothing changes. Elsewhere than on Linux, such a stage waits for decode steps as before.
 
 A trial ends at once, lost, on a step slower than the current count's median: a count that wins is
