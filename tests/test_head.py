@@ -426,3 +426,29 @@ async def test_dead_lanes_are_pruned_while_a_generation_checks_one_out(autojump_
         lane = await pool.checkout()  # takes the last idle lane: dead too, closed, then a new one
     assert lane.link is fresh and all(d.link.closed for d in dead)
     assert pool._idle == [] and list(pool.lanes.values()) == [lane]
+
+
+async def test_the_lanes_task_outlives_an_unexpected_error(autojump_clock, caplog):
+    """Keeping lanes warm is best effort: an error there (a bug, as the race above was) is logged and the
+    task goes on, instead of ending the head daemon and every generation in it."""
+    from types import SimpleNamespace
+
+    from skippyd.head.node import HeadNode
+
+    calls = []
+
+    class Pool:
+        draining, last_error = False, None
+
+        async def prune(self) -> None:
+            calls.append("prune")
+            if len(calls) == 1:
+                raise ValueError("list.remove(x): x not in list")
+
+        async def warm(self) -> None:
+            calls.append("warm")
+
+    with trio.move_on_after(3.0):
+        await HeadNode._keep_lanes_warm(SimpleNamespace(pool=Pool()))
+    assert calls[:3] == ["prune", "prune", "warm"] and calls.count("warm") >= 2
+    assert "keeping the lanes warm failed" in caplog.text
