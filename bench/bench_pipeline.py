@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -284,6 +285,17 @@ def print_table(title: str, tab: dict, rows: list[tuple[str, str]], base: str | 
         print(f"{label:38}" + "".join(f"{c:>30}" for c in cells))
 
 
+def verdict(label: str, value: float) -> str:
+    """'  met' / '  NOT met' for a target row whose label ends with its bound (">= 0.95"); '' for the rows
+    beside them (ceilings, the same figure another way)."""
+    bound = re.search(r"(>=|<=) (-?[0-9.]+)$", label)
+    if bound is None:
+        return ""
+    limit = float(bound.group(2))
+    met = value >= limit if bound.group(1) == ">=" else value <= limit
+    return "  met" if met else "  NOT met"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -431,7 +443,7 @@ def main() -> int:
             targets[f"{name} with delay: ms/token - bound <= 0"] = med(name, "excess_ms", dtab) - LOOP_SLACK_MS
     print("\ntargets (issue 7), same-run medians:")
     for label, value in targets.items():
-        print(f"  {label:52} {value:.3f}")
+        print(f"  {label:52} {value:.3f}{verdict(label, value)}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0
