@@ -22,7 +22,9 @@ of 1, 2, 4 and 8 concurrent sessions (the streamed tokens that arrive while
 all of them decode, over that window; also end-to-end: completion tokens of
 all / wall time, prefill included), and each stage's Python time per decode
 step (its own ``hot_path`` counters: wall time handling a step, less waits
-on other stages and for the host compute lock, less native compute). Then,
+on other stages and for the host compute lock, less native compute; the
+event loop thread's CPU time over it, with and without the CPU time of the
+head's waits for replies, which a later stage's window does not hold). Then,
 once per round, one session's decode again with the skippyd configurations'
 generations interleaved one by one (4 each), and each one's ratio to
 single-stage in that round: the 2-stage/single target is read both ways.
@@ -39,7 +41,8 @@ run again with D ms one-way delay on every link and the time per output
 token is set against compute + the one-way delays around the loop + 1.5 ms
 (2 stages: 2 links; 3 stages with direct return: 3, not 4).
 
-Prints tables of medians (min-max) with ratios, and writes everything as JSON.
+Prints tables of medians (min-max) with ratios, then the issue-7 targets (each with a bound marked met
+or NOT met), and writes everything as JSON.
 """
 
 from __future__ import annotations
