@@ -78,6 +78,11 @@ RECHECK_S = 2.0  # ... and the longest wait between two tries (each lost one dou
 TICK_S = 1.0  # below the configured count and idle: how often it looks at the host's cores ...
 FREE_SLACK = 0.5  # ... for twice as many free cores, less this, over the last TICK_S
 
+try:
+    _CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/stat's unit
+except (AttributeError, ValueError, OSError):
+    _CLK_TCK = 100
+
 
 def host_cpu_times() -> tuple[float, float] | None:
     """(idle, all) time of every core of the host so far, in seconds, from /proc/stat; None where there is none."""
@@ -89,12 +94,6 @@ def host_cpu_times() -> tuple[float, float] | None:
     if len(ticks) < 5:
         return None
     return (ticks[3] + ticks[4]) / _CLK_TCK, sum(ticks) / _CLK_TCK
-
-
-try:
-    _CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/stat's unit
-except (AttributeError, ValueError, OSError):
-    _CLK_TCK = 100
 
 
 class ThreadChooser:

@@ -477,15 +477,12 @@ async def write_frame(stream: trio.abc.SendStream, obj: Frame, *, timeout: float
     total = sum(len(part) for part in parts)
     if len(parts) > 1 and total <= JOIN_BELOW:
         parts = [b"".join(parts)]  # one send: a decode step's frame costs one syscall, not three
-    if len(parts) == 1:
-        try:
-            rest = _unsent(stream, parts[0])
-        except trio.BrokenResourceError as exc:
-            raise PeerClosed(f"connection broken: {exc}") from exc
-        if rest is None:
-            return total
-        parts = [rest]
     try:
+        if len(parts) == 1:
+            rest = _unsent(stream, parts[0])
+            if rest is None:
+                return total
+            parts = [rest]
         with trio.CancelScope(deadline=_deadline(timeout)):
             for part in parts:
                 await stream.send_all(part)
