@@ -148,6 +148,15 @@ void skippy_clear_last_error(void);
 bool skippy_progress_quiet(float progress, void * user_data);
 int32_t skippy_decode_row(struct llama_context * ctx, struct llama_batch * b, llama_token token,
                           const float * embd, int32_t n_embd, llama_pos pos, llama_seq_id seq);
+int32_t skippy_decode_row_send(struct llama_context * ctx, struct llama_batch * b, llama_token token,
+                               const float * embd, int32_t n_embd, llama_pos pos, llama_seq_id seq,
+                               uint8_t * frame, int64_t head_len, int64_t frame_len, int lock_fd, int fd,
+                               int64_t * sent, int64_t * done_ns);
+int32_t skippy_decode_row_sample_send(struct llama_context * ctx, struct llama_batch * b, llama_token token,
+                                      const float * embd, int32_t n_embd, llama_pos pos, llama_seq_id seq,
+                                      struct llama_sampler * smpl, uint8_t * frame, int64_t frame_len,
+                                      int64_t us_at, int lock_fd, int fd, int64_t * sent, int64_t * done_ns,
+                                      llama_token * out_token);
 int skippy_fill_token_batch(struct llama_batch * b, const llama_token * tok, int32_t n_tokens,
                             const llama_pos * pos, const llama_seq_id * seq, const int8_t * out);
 int skippy_fill_embd_batch(struct llama_batch * b, const float * embd, int32_t n_tokens, int32_t n_embd,

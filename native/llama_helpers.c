@@ -1,8 +1,12 @@
 /* Small C helpers compiled into skippy's cffi extension.
  * They exist to keep per-token loops out of Python and to handle llama.cpp's
  * logging without a Python callback on a C thread. */
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/socket.h>
+#include <time.h>
 #include "llama.h"
 #include "ggml-cpu.h"
 
@@ -75,6 +79,75 @@ int32_t skippy_decode_row(struct llama_context * ctx, struct llama_batch * b, ll
                           : skippy_fill_token_batch(b, &token, 1, &pos, &seq, &out);
     if (rc != 0) return -100;
     return llama_decode(ctx, *b);
+}
+
+int skippy_sample_rows(struct llama_context * ctx, struct llama_sampler ** samplers, const int32_t * rows,
+                       int32_t n, llama_token * out_tokens);
+
+static int64_t skippy_now_ns(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (int64_t) now.tv_sec * 1000000000 + now.tv_nsec;
+}
+
+static void skippy_put_le(uint8_t * p, uint64_t v, int n_bytes) {  /* the wire's integers are little-endian */
+    for (int i = 0; i < n_bytes; ++i) p[i] = (uint8_t) (v >> (8 * i));
+}
+
+/* The end of both calls below: release the lock, write the frame (if the compute succeeded). */
+static void skippy_release_and_send(int32_t rc, const uint8_t * frame, int64_t frame_len, int lock_fd, int fd,
+                                    int64_t * sent) {
+    if (lock_fd >= 0) flock(lock_fd, LOCK_UN);
+    *sent = 0;
+    if (rc == 0 && fd >= 0) {
+        ssize_t n = send(fd, frame, (size_t) frame_len, MSG_DONTWAIT | MSG_NOSIGNAL);
+        *sent = n >= 0 ? (int64_t) n : (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -errno);
+    }
+}
+
+/* A decode step whose frame leaves from here the moment the compute ends, not after the Python that follows
+ * it (~0.2 ms after a compute, caches cold): the row's hidden state is copied into `frame` after its first
+ * `head_len` bytes, the host's compute lock is released (`lock_fd`, -1: none; released whatever the result),
+ * and the frame is written to the socket `fd` without blocking (-1: not written, the caller hands it on).
+ * *sent: the bytes written (0 if the socket took none, -errno if it failed); *done_ns: CLOCK_MONOTONIC at
+ * the compute's end. Returns llama_decode's result, -100 as skippy_decode_row, -101 without hidden states. */
+int32_t skippy_decode_row_send(struct llama_context * ctx, struct llama_batch * b, llama_token token,
+                               const float * embd, int32_t n_embd, llama_pos pos, llama_seq_id seq,
+                               uint8_t * frame, int64_t head_len, int64_t frame_len, int lock_fd, int fd,
+                               int64_t * sent, int64_t * done_ns) {
+    int32_t rc = skippy_decode_row(ctx, b, token, embd, n_embd, pos, seq);
+    if (rc == 0) {
+        const float * hidden = llama_get_embeddings(ctx);
+        if (hidden == NULL) rc = -101;
+        else memcpy(frame + head_len, hidden, (size_t) (frame_len - head_len));
+    }
+    *done_ns = skippy_now_ns();
+    skippy_release_and_send(rc, frame, frame_len, lock_fd, fd, sent);
+    return rc;
+}
+
+/* The final stage's twin of skippy_decode_row_send: the row's token is sampled (`smpl`; NULL: greedy) into
+ * *out_token and the frame's last 4 bytes (a one-token reply's), the compute's microseconds (decode and
+ * sampling) into the two u64 at `us_at` (a reply's compute_us and compute_us_max); then the same release and
+ * write. -102: no logits to sample. */
+int32_t skippy_decode_row_sample_send(struct llama_context * ctx, struct llama_batch * b, llama_token token,
+                                      const float * embd, int32_t n_embd, llama_pos pos, llama_seq_id seq,
+                                      struct llama_sampler * smpl, uint8_t * frame, int64_t frame_len,
+                                      int64_t us_at, int lock_fd, int fd, int64_t * sent, int64_t * done_ns,
+                                      llama_token * out_token) {
+    const int64_t started = skippy_now_ns();
+    int32_t rc = skippy_decode_row(ctx, b, token, embd, n_embd, pos, seq);
+    const int32_t row = 0;  /* the batch's only row */
+    if (rc == 0 && skippy_sample_rows(ctx, &smpl, &row, 1, out_token) != 0) rc = -102;
+    *done_ns = skippy_now_ns();
+    if (rc == 0) {
+        const uint64_t us = (uint64_t) ((*done_ns - started) / 1000);
+        skippy_put_le(frame + frame_len - 4, (uint32_t) *out_token, 4);
+        skippy_put_le(frame + us_at, us, 8);
+        skippy_put_le(frame + us_at + 8, us, 8);
+    }
+    skippy_release_and_send(rc, frame, frame_len, lock_fd, fd, sent);
+    return rc;
 }
 
 /* Sample one token per output row with that row's sampler (a NULL sampler means greedy argmax). */

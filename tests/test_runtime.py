@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import platform
+import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -279,6 +283,89 @@ def test_decode_row_matches_decode(smol_splits):
                 by_array, by_row = out_array, out_row
             token = pipe.last.sample({1: None})[1]
             pos += 1
+
+
+def test_decode_row_send_writes_the_frame_at_the_compute_end(smol_splits, tmp_path):
+    """decode_row_send computes what decode_row does, puts the hidden state after the frame's head and writes
+    the whole frame to the socket from native code, releasing the compute lock first; without a socket it only
+    fills the frame. Its time of the compute's end is CLOCK_MONOTONIC's."""
+    lock_path = tmp_path / "lock"
+    lock_path.touch()
+    with LocalPipeline(smol_splits[3], PARAMS) as pipe:
+        prompt = poem_tokens(pipe.head)
+        for seq in (0, 1):
+            pipe.prefill(prompt, seq=seq)
+        token, pos = pipe.last.sample({1: None})[1], len(prompt)
+        hidden = None
+        for ctx in pipe.contexts[:2]:  # the head (token in) and a middle stage (hidden state in)
+            inputs = {"token": token} if ctx.token_input else {"embd": hidden}
+            ctx.decode_row(pos, 0, **inputs)
+            expected = ctx.hidden()
+            head = bytes(range(40))
+            frame = bytearray(len(head) + expected.nbytes)
+            frame[:len(head)] = head
+            ours, theirs = socket.socketpair()
+            holder, other = open(lock_path, "rb"), open(lock_path, "rb")
+            try:
+                fcntl.flock(holder.fileno(), fcntl.LOCK_EX)
+                before = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+                sent, done_ns = ctx.decode_row_send(pos, 1, frame, len(head), lock_fd=holder.fileno(),
+                                                    fd=ours.fileno(), **inputs)
+                assert before < done_ns < time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+                assert sent == len(frame)
+                assert theirs.recv(len(frame) + 1, socket.MSG_DONTWAIT) == bytes(frame)
+                assert frame[len(head):] == expected.tobytes()
+                np.testing.assert_array_equal(ctx.hidden(), expected)  # the row's results stand as decode_row's
+                fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # released: raises if still held
+                fcntl.flock(other.fileno(), fcntl.LOCK_UN)
+
+                ctx.kv_trim(1, pos)  # the same row again
+                unsent = bytearray(len(frame))
+                assert ctx.decode_row_send(pos, 1, unsent, len(head), fd=-1, **inputs)[0] == 0
+                assert unsent[len(head):] == expected.tobytes()
+                with pytest.raises(BlockingIOError):
+                    theirs.recv(1, socket.MSG_DONTWAIT)
+
+                fcntl.flock(holder.fileno(), fcntl.LOCK_EX)
+                with pytest.raises(InvalidArgumentError, match="bytes after its head"):
+                    ctx.decode_row_send(pos, 1, bytearray(10), 4, lock_fd=holder.fileno(), fd=ours.fileno(),
+                                        **inputs)
+                fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # released on the error too
+                fcntl.flock(other.fileno(), fcntl.LOCK_UN)
+
+                ctx.kv_trim(1, pos)  # the same row again
+                theirs.close()
+                sent, _ = ctx.decode_row_send(pos, 1, frame, len(head), fd=ours.fileno(), **inputs)
+                assert -sent in (errno.EPIPE, errno.ECONNRESET)
+                np.testing.assert_array_equal(ctx.hidden(), expected)
+            finally:
+                ours.close()
+                theirs.close()
+                holder.close()
+                other.close()
+            hidden = expected
+        with pytest.raises(InvalidArgumentError, match="logits"):
+            pipe.last.decode_row_send(pos, 1, bytearray(4), 0, embd=hidden)
+
+        # the final stage: the token sampled as sample_row does, at the frame's end; the compute's time twice
+        final = pipe.last
+        final.decode_row(pos, 0, embd=hidden)
+        want = final.sample_row(0, None)
+        ours, theirs = socket.socketpair()
+        try:
+            frame = bytearray(b"\xff" * 64)
+            token, sent, _ = final.decode_row_sample_send(pos, 1, None, frame, 8, embd=hidden, fd=ours.fileno())
+            assert token == want and sent == len(frame)
+            assert theirs.recv(len(frame) + 1, socket.MSG_DONTWAIT) == bytes(frame)
+            assert int.from_bytes(frame[-4:], "little") == want
+            us, us_max = int.from_bytes(frame[8:16], "little"), int.from_bytes(frame[16:24], "little")
+            assert 0 < us == us_max < 10_000_000
+            assert frame[:8] == b"\xff" * 8 and frame[24:60] == b"\xff" * 36  # nothing else written
+            with pytest.raises(InvalidArgumentError, match="room for the token"):
+                final.decode_row_sample_send(pos, 1, None, bytearray(20), 8, embd=hidden)
+        finally:
+            ours.close()
+            theirs.close()
 
 
 def test_sample_row_is_sample_of_one_sequence(smol):

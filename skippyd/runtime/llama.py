@@ -11,6 +11,7 @@ process inside llama.cpp instead of returning an error.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 import weakref
@@ -526,6 +527,7 @@ class Context(_NativeObject):
         self.n_embd_inp = model.n_embd_inp
         self._batch = lib.llama_batch_init(self.n_batch, 0 if self.token_input else self.n_embd_inp, 1)
         self._pbatch = ffi.new("llama_batch *", self._batch)
+        self._send_out = ffi.new("int64_t[2]")  # decode_row_send's bytes written and time of the compute's end
         # sample_row's arguments, allocated once (it runs for every token)
         self._row1, self._smpl1, self._token1 = (ffi.new("int32_t[1]"), ffi.new("struct llama_sampler *[1]"),
                                                  ffi.new("llama_token[1]"))
@@ -625,6 +627,79 @@ class Context(_NativeObject):
         rc = lib.skippy_decode_row(ptr, self._pbatch, token, embd_c, self.n_embd_inp, pos, seq)
         if rc == -100:
             raise LlamaError(op, "batch has no room for this input kind")
+        _check_decode(op, rc)
+        self._out_rows = {seq: 0}
+        self._n_last = 1
+
+    def decode_row_send(self, pos: int, seq: int, frame: bytearray, head_len: int, *, token: int | None = None,
+                        embd: np.ndarray | None = None, lock_fd: int = -1, fd: int = -1) -> tuple[int, int]:
+        """:meth:`decode_row` whose hidden state goes into ``frame[head_len:]`` (exactly one row's bytes), then
+        out on the socket ``fd`` (-1: not sent) from native code the moment the compute ends: a stage's
+        forward without the Python after a compute in its way. ``lock_fd`` (a flock held for this compute,
+        -1: none) is released then too, whatever the result. Returns (bytes written: 0 if the socket took
+        none, -errno if the write failed, the decode's results standing; CLOCK_MONOTONIC ns at the compute's
+        end). A decode that failed raises as decode_row (nothing written)."""
+        op = "decode"
+        ptr, token, embd_c = self._send_row_input(op, pos, seq, token, embd, lock_fd, hidden=True,
+                                                  fits=len(frame) - head_len == self.n_embd * 4 and head_len >= 0,
+                                                  need=f"{self.n_embd * 4} bytes after its head")
+        out = self._send_out
+        rc = lib.skippy_decode_row_send(ptr, self._pbatch, token, embd_c, self.n_embd_inp, pos, seq,
+                                        ffi.from_buffer("uint8_t[]", frame), head_len, len(frame), lock_fd, fd,
+                                        out, out + 1)
+        self._sent_row(op, rc, seq)
+        return out[0], out[1]
+
+    def decode_row_sample_send(self, pos: int, seq: int, sampler: Sampler | None, frame: bytearray, us_at: int, *,
+                               token: int | None = None, embd: np.ndarray | None = None, lock_fd: int = -1,
+                               fd: int = -1) -> tuple[int, int, int]:
+        """The final stage's :meth:`decode_row_send`: the row's token, sampled as :meth:`sample_row` does, goes
+        into the last 4 bytes of ``frame`` (a one-token reply), the compute's microseconds (decode and
+        sampling) into the two u64 at ``us_at`` (the reply's compute_us and compute_us_max), and the frame out
+        as decode_row_send's. Returns (token, bytes written or -errno, CLOCK_MONOTONIC ns at the end)."""
+        op = "decode"
+        ptr, token, embd_c = self._send_row_input(op, pos, seq, token, embd, lock_fd, hidden=False,
+                                                  fits=0 <= us_at and us_at + 16 <= len(frame) - 4,
+                                                  need=f"room for the token and the times at {us_at}")
+        out = self._send_out
+        rc = lib.skippy_decode_row_sample_send(ptr, self._pbatch, token, embd_c, self.n_embd_inp, pos, seq,
+                                               ffi.NULL if sampler is None else sampler._live(),
+                                               ffi.from_buffer("uint8_t[]", frame), len(frame), us_at, lock_fd, fd,
+                                               out, out + 1, self._token1)
+        self._sent_row(op, rc, seq)
+        return self._token1[0], out[0], out[1]
+
+    def _send_row_input(self, op: str, pos: int, seq: int, token, embd, lock_fd: int, *, hidden: bool, fits: bool,
+                        need: str):
+        """decode_row's checks for the two calls above, and its input: (context, token, hidden-state pointer).
+        A check that fails releases ``lock_fd``, as the native call would have."""
+        try:
+            ptr = self._live(op)
+            if hidden != self.hidden_output:
+                raise InvalidArgumentError(op, "this stage outputs " + ("logits, not hidden states" if hidden else
+                                                                        "hidden states, not logits"))
+            if not fits:
+                raise InvalidArgumentError(op, f"the frame has no {need}")
+            self._check_rows(op, (seq, seq), (pos, pos), token, embd)
+            if self.token_input:
+                self._check_token_ids(op, token, token)
+                return ptr, token, ffi.NULL
+            return ptr, 0, ffi.from_buffer("float[]", self._hidden_input(op, embd, 1))
+        except BaseException:
+            if lock_fd >= 0:
+                fcntl.flock(lock_fd, fcntl.LOCK_UN)
+            raise
+        finally:
+            self._out_rows = {}
+            self._n_last = 0
+
+    def _sent_row(self, op: str, rc: int, seq: int) -> None:
+        if rc == -100:
+            raise LlamaError(op, "batch has no room for this input kind")
+        if rc == -101:
+            raise LlamaError(op, "llama_get_embeddings returned NULL")
+        if rc == -102:
+            raise LlamaError(op, "logits missing for a sampled row")
         _check_decode(op, rc)
         self._out_rows = {seq: 0}
         self._n_last = 1
