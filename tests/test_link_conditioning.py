@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import statistics
 import sys
+import time
 
 import pytest
 import trio
@@ -141,6 +142,33 @@ async def test_a_frame_written_to_a_conditioned_link_is_queued_at_once(autojump_
         with pytest.raises(PeerClosed):
             await write_frame(link, reply)
         link.close()
+
+
+async def test_a_frame_written_at_its_compute_end_travels_from_then(autojump_clock):
+    """A prepared frame that native code finished at the end of a compute (the Python after the compute
+    still to run) is handed to a conditioned link with that time: it arrives the delay after the compute's
+    end, as it would on a real link where the native code wrote it to the socket, and without a schedule
+    point in the hand-over."""
+    from skippyd.wire.stream import PreparedFrame, write_prepared
+
+    sender, receiver = trio.testing.memory_stream_pair()
+    link = ShapedSendStream(sender, LinkShape(delay_ms=DELAY_MS))
+    prepared = PreparedFrame.for_stream(link, b"head", 4)
+    assert prepared is not None and prepared.fd == -1
+    arrivals: list = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link.run)
+        nursery.start_soon(_arrivals, receiver, 8, arrivals)
+        prepared.frame[4:] = b"tail"
+        prepared.done_ns = time.clock_gettime_ns(time.CLOCK_MONOTONIC) - 5_000_000  # the compute ended 5 ms ago
+        t0 = trio.current_time()
+        with trio.testing.assert_no_checkpoints():
+            assert await write_prepared(link, prepared) == 8
+        await link.flush()
+        link.close()
+    ((arrived, data),) = arrivals
+    assert data == b"headtail"
+    assert (arrived - t0) * 1e3 == pytest.approx(DELAY_MS - 5, abs=0.5)
 
 
 async def test_aclose_lets_queued_bytes_arrive(autojump_clock):

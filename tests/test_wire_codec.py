@@ -18,7 +18,9 @@ from skippyd.wire.codec import (
     PREFIX_SIZE,
     REPLY_HEADER_SIZE,
     decode_frame,
+    decode_step_head,
     encode_frame,
+    encode_message,
     error_reply_for,
     frame_bytes,
     hello_version,
@@ -162,6 +164,19 @@ def test_message_round_trip(n_embd, data):
     assert decoded == msg
     assert type(decoded) is type(msg)
     assert frame_bytes(decoded) == wire
+
+
+@settings(max_examples=100)
+@given(n_embd=st.integers(1, 24), direct_return=st.booleans(), ids=st.tuples(*[st.integers(0, 2**64 - 1)] * 2),
+       pos=st.integers(0, 2**31 - 2), token=st.integers(0, 2**31 - 1))
+def test_decode_step_head_is_the_frame_before_its_activation(n_embd, direct_return, ids, pos, token):
+    """The head a stage prepares before its compute, with the activation after it, is the frame the general
+    encoder makes of that decode step."""
+    act = np.arange(n_embd, dtype=np.float32).reshape(1, n_embd)
+    step = DecodeStep(*ids, pos, np.array([token], dtype=np.int32), act, direct_return)
+    wire = decode_step_head(*ids, pos, token, direct_return, act.nbytes) + act.tobytes()
+    assert wire == b"".join(bytes(part) for part in encode_message(step))
+    assert decode_frame(bytearray(wire), n_embd=n_embd) == step
 
 
 @settings(max_examples=200)

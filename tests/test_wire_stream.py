@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import socket
@@ -52,6 +53,7 @@ from skippyd.wire.messages import (
     VerifyWindow,
 )
 from skippyd.wire.stream import (
+    PreparedFrame,
     ReceiveBuffer,
     WaitWatch,
     frame_deadline_s,
@@ -61,6 +63,7 @@ from skippyd.wire.stream import (
     read_reply,
     send_buffer,
     write_frame,
+    write_prepared,
 )
 
 N_EMBD = 8
@@ -575,6 +578,34 @@ async def test_frames_round_trip_over_a_socket(read_size):
         with pytest.raises(PeerClosed) as info:
             await read_frame(buf, timeout=5, frame_timeout=5, n_embd=N_EMBD)
         assert not info.value.mid_frame
+
+
+def _natively_written(prepared: PreparedFrame, tail: bytes, sent: int) -> None:
+    """What Context.decode_row_send leaves in a prepared frame: its tail filled, `sent` bytes written."""
+    prepared.frame[prepared.head_len:] = tail
+    assert os.write(prepared.fd, prepared.frame[:sent]) == sent
+    prepared.sent, prepared.done_ns = sent, time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+@pytest.mark.parametrize("written", [0, 5, -1])
+async def test_a_prepared_frame_is_finished_after_its_native_write(written):
+    """write_prepared sends what the native write left of a prepared frame (nothing if it took it all) and
+    reports a failed native write as a closed peer, as write_frame would."""
+    step = DecodeStep(3, 4, 10, np.array([7], dtype=np.int32), np.arange(N_EMBD, dtype=np.float32)[None, :])
+    wire = frame_bytes(step)
+    tail = step.activation.nbytes
+    left, right = socket_streams()
+    prepared = PreparedFrame.for_stream(left, wire[:-tail], tail)
+    assert prepared.fd == left.socket.fileno() and prepared.done_ns == 0
+    if written < 0:
+        prepared.sent, prepared.done_ns = -32, 1  # EPIPE
+        with pytest.raises(PeerClosed):
+            await write_prepared(left, prepared, timeout=5)
+        return
+    _natively_written(prepared, wire[-tail:], written)
+    assert await write_prepared(left, prepared, timeout=5) == len(wire)
+    assert await read_frame(ReceiveBuffer(right), timeout=5, frame_timeout=5, n_embd=N_EMBD) == step
+    assert PreparedFrame.for_stream(trio.testing.memory_stream_pair()[0], b"", 4) is None  # no socket, no link
 
 
 async def test_frames_that_arrived_together_are_read_one_by_one():

@@ -90,8 +90,8 @@ class ShapedSendStream(trio.abc.SendStream):
         self.bytes_sent = 0
 
     # ---------------------------------------------------------------- sender side
-    def _release_time(self, n: int) -> float:
-        now = trio.current_time()
+    def _release_time(self, n: int, sent_at: float | None) -> float:
+        now = trio.current_time() if sent_at is None else sent_at
         start = max(now, self._free_at)
         end = start + (n * 8 / (self.shape.mbps * 1e6) if self.shape.mbps > 0 else 0.0)
         self._free_at = end
@@ -101,16 +101,21 @@ class ShapedSendStream(trio.abc.SendStream):
         await trio.lowlevel.checkpoint_if_cancelled()
         self.send_now(data)
 
-    def send_now(self, data) -> int:
+    # write_prepared hands a frame that native code finished at the end of a compute over with that time
+    takes_sent_at = True
+
+    def send_now(self, data, *, sent_at: float | None = None) -> int:
         """``send_all`` without its checkpoint: the link takes every byte at once (the bytes written, all of
         them). write_frame sends through it without a cancel scope for its timeout, which no send here
-        can need; entering one would cost every conditioned frame what a real link does not."""
+        can need; entering one would cost every conditioned frame what a real link does not. ``sent_at``
+        (trio time, not later than now): when the frame left, if earlier than now; a frame that native code
+        would have written to a socket at the end of a compute travels from then, as it would on a real link."""
         if self._closed:
             raise trio.ClosedResourceError("the link is closed")
         if self._error is not None:
             raise trio.BrokenResourceError(f"the link is broken: {self._error}")
         chunk = bytes(data)
-        release_at = self._release_time(len(chunk))
+        release_at = self._release_time(len(chunk), sent_at)
         self._send.send_nowait((release_at, chunk))
         if not self._releases:
             _travelling().add(self)

@@ -144,6 +144,7 @@ PREFIX_SIZE = _PREFIX.size  # 8
 MESSAGE_HEADER_SIZE = _MSG_HEADER.size  # 32
 SAMPLING_SIZE = _SAMPLING.size  # 36
 REPLY_HEADER_SIZE = _REPLY_HEADER.size  # 80
+REPLY_COMPUTE_US_AT = PREFIX_SIZE + 24  # a reply frame's stats.compute_us (u64), compute_us_max after it
 HELLO_SIZE = _HELLO.size  # 64 (fixed part)
 HELLO_REPLY_SIZE = _HELLO_REPLY.size  # 4 (fixed part)
 
@@ -384,10 +385,8 @@ def encode_frame(obj: Frame) -> list[Buffer]:
     if kind is DecodeStep:  # the per-token frames first: a decode step in one pack
         act = obj.activation
         if act is not None and len(obj.tokens) == 1 and act.dtype == _F4 and act.flags.c_contiguous:
-            n = act.nbytes
-            flags = _DIRECT_RETURN_FLAG if obj.direct_return else 0
-            return [_DECODE_STEP.pack(FRAME_MAGIC, DECODE_KIND, flags, MESSAGE_HEADER_SIZE + 4 + n, obj.request_id,
-                                      obj.session_id, obj.pos_start, 1, n, 0, 0, int(obj.tokens[0])) + act.data]
+            return [decode_step_head(obj.request_id, obj.session_id, obj.pos_start, int(obj.tokens[0]),
+                                     obj.direct_return, act.nbytes) + act.data]
     elif kind is PredictedToken or kind is Ack:
         return encode_reply(obj)
     match obj:
@@ -399,6 +398,15 @@ def encode_frame(obj: Frame) -> list[Buffer]:
             return encode_reply(obj)
         case _:
             return encode_message(obj)
+
+
+def decode_step_head(request_id: int, session_id: int, pos_start: int, token: int, direct_return: bool,
+                     activation_bytes: int) -> bytes:
+    """A one-token DecodeStep's frame up to its activation, which follows it (``activation_bytes`` of float32):
+    what a stage prepares before the compute that makes the activation (see Context.decode_row_send)."""
+    return _DECODE_STEP.pack(FRAME_MAGIC, DECODE_KIND, _DIRECT_RETURN_FLAG if direct_return else 0,
+                             MESSAGE_HEADER_SIZE + 4 + activation_bytes, request_id, session_id, pos_start, 1,
+                             activation_bytes, 0, 0, token)
 
 
 def frame_bytes(obj: Frame) -> bytes:

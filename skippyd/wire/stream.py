@@ -23,6 +23,7 @@ import math
 import os
 import select
 import socket
+import time
 from collections.abc import Callable, Container
 from typing import NoReturn
 
@@ -51,6 +52,7 @@ __all__ = [
     "DEFAULT_FRAME_TIMEOUT",
     "DEFAULT_MIN_RATE",
     "DEFAULT_READ_SIZE",
+    "PreparedFrame",
     "ReceiveBuffer",
     "WaitWatch",
     "frame_deadline_s",
@@ -59,6 +61,7 @@ __all__ = [
     "read_message",
     "read_reply",
     "write_frame",
+    "write_prepared",
 ]
 
 DEFAULT_READ_SIZE = 64 * 1024
@@ -483,13 +486,71 @@ async def write_frame(stream: trio.abc.SendStream, obj: Frame, *, timeout: float
             if rest is None:
                 return total
             parts = [rest]
-        with trio.CancelScope(deadline=_deadline(timeout)):
-            for part in parts:
-                await stream.send_all(part)
-            return total
+        await _send_parts(stream, parts, timeout)
+        return total
     except trio.BrokenResourceError as exc:
         raise PeerClosed(f"connection broken: {exc}") from exc
+
+
+async def _send_parts(stream: trio.abc.SendStream, parts: list[Buffer], timeout: float) -> None:
+    with trio.CancelScope(deadline=_deadline(timeout)):
+        for part in parts:
+            await stream.send_all(part)
+        return
     raise WriteTimeout(f"frame not written within {timeout:g} s", timeout=timeout)
+
+
+class PreparedFrame:
+    """A frame made before the compute whose output are its last bytes (a decode step's activation), so that
+    native code writes it the moment the compute ends (``Context.decode_row_send``) instead of after the
+    Python that follows a compute. :func:`write_prepared` then finishes what that write left: the rest of a
+    frame the socket took part of, or the hand-over to a conditioned link (which gets the time the frame
+    left). ``fd`` is the socket's, or -1 for a conditioned link; ``done_ns`` stays 0 until a native compute
+    filled the frame (a compute elsewhere, in a batch or on the worker thread, leaves it to ``write_frame``),
+    ``sent`` is what the socket took then (``-errno`` if the write failed). A final stage's prediction is a
+    whole one-token reply whose token and compute times the compute fills in (``us_at``: where its
+    compute_us lies; -1 for a frame that ends with an activation)."""
+
+    __slots__ = ("frame", "head_len", "us_at", "fd", "sent", "done_ns")
+
+    def __init__(self, head: bytes, tail_len: int, fd: int, us_at: int = -1):
+        self.frame = bytearray(len(head) + tail_len)
+        self.frame[:len(head)] = head
+        self.head_len = len(head)
+        self.us_at = us_at
+        self.fd = fd
+        self.sent = 0
+        self.done_ns = 0
+
+    @classmethod
+    def for_stream(cls, stream: trio.abc.SendStream, head: bytes, tail_len: int,
+                   us_at: int = -1) -> PreparedFrame | None:
+        """A frame to be written natively on ``stream``: a socket stream, or a conditioned link (whose
+        ``send_now`` takes the time the frame left); None for any other stream. The caller's single-writer
+        rule must hold from now until :func:`write_prepared`: no frame half written, none begun meanwhile."""
+        if isinstance(stream, trio.SocketStream):
+            return cls(head, tail_len, stream.socket.fileno(), us_at)
+        if getattr(stream, "takes_sent_at", False):
+            return cls(head, tail_len, -1, us_at)
+        return None
+
+
+async def write_prepared(stream: trio.abc.SendStream, prepared: PreparedFrame, *, timeout: float = math.inf) -> int:
+    """Finish writing a frame that a native compute filled (``prepared.done_ns`` set) on the stream it was
+    prepared for; returns the bytes of the frame. No schedule point when the native write took it all.
+    Raises as :func:`write_frame`."""
+    frame = prepared.frame
+    if prepared.sent < 0:
+        _raise_socket_failure(OSError(-prepared.sent, os.strerror(-prepared.sent)))
+    try:
+        if prepared.fd < 0:  # a conditioned link: the frame left when the compute ended
+            age = (time.clock_gettime_ns(time.CLOCK_MONOTONIC) - prepared.done_ns) / 1e9
+            stream.send_now(frame, sent_at=trio.current_time() - age)
+        elif prepared.sent < len(frame):
+            await _send_parts(stream, [memoryview(frame)[prepared.sent:]], timeout)
+        return len(frame)
+    except trio.BrokenResourceError as exc:
+        raise PeerClosed(f"connection broken: {exc}") from exc
 
 
 async def send_buffer(stream: trio.abc.SendStream, data: Buffer) -> None:
