@@ -92,25 +92,50 @@ def reference(model_path, prompt: str, n: int, chunk: int = 512) -> list[int]:
         return out
 
 
-async def assert_parity(pipe: Pipeline, model_path, prompts, n: int, *, chunk: int = 512) -> None:
+async def assert_parity(pipe: Pipeline, model_path, prompts, n: int, *, chunk: int = 512) -> int:
+    """Greedy parity; returns the decode steps the generations took."""
+    steps = 0
     for prompt in prompts:
         got = await pipe.generate(prompt=prompt, raw=True, max_tokens=n)
         want = reference(model_path, prompt, n, chunk)
         assert got["tokens"] == want, prompt
         assert got["finish_reason"] == ("length" if len(want) == n else "stop")
+        steps += len(want) - 1 if len(want) == n else len(want)  # an end-of-generation token is decoded too
     await pipe.wait_all_released(RELEASE_S)
+    return steps
+
+
+async def sent_at_compute_end(pipe: Pipeline) -> list[int]:
+    """Each stage's decode steps whose answer (a forward, a prediction) native code wrote as the compute
+    ended, stage 0 first."""
+    counts = [(await pipe.head.astatus())["head"]["scheduler"]["sent_at_compute_end"]]
+    for k in range(1, len(pipe.stages)):
+        (stage,) = (await pipe.stages[k].astatus())["stages"]
+        counts.append(stage["scheduler"]["sent_at_compute_end"])
+    return counts
+
+
+async def assert_answers_sent_at_compute_end(pipe: Pipeline, before: list[int], steps: int) -> None:
+    # a lone session's decode steps compute inline, each stage's answer written from native code as its
+    # compute ends (the first steps of a generation may compute elsewhere, written as any other frame)
+    grown = [a - b for a, b in zip(await sent_at_compute_end(pipe), before)]
+    assert all(steps // 2 <= g <= steps for g in grown), (grown, steps)
 
 
 # ---------------------------------------------------------------------------- parity
 
 
 async def test_two_process_greedy_matches_unsplit(smol2, default_model_path):
-    await assert_parity(smol2, default_model_path, PROMPTS, 32)
+    before = await sent_at_compute_end(smol2)
+    steps = await assert_parity(smol2, default_model_path, PROMPTS, 32)
+    await assert_answers_sent_at_compute_end(smol2, before, steps)
 
 
 async def test_three_process_greedy_matches_unsplit(smol3, default_model_path):
-    await assert_parity(smol3, default_model_path, PROMPTS[:1], 32, chunk=CHUNK)
-    await assert_parity(smol3, default_model_path, [LONG_PROMPT], 16, chunk=CHUNK)
+    before = await sent_at_compute_end(smol3)
+    steps = await assert_parity(smol3, default_model_path, PROMPTS[:1], 32, chunk=CHUNK)
+    steps += await assert_parity(smol3, default_model_path, [LONG_PROMPT], 16, chunk=CHUNK)
+    await assert_answers_sent_at_compute_end(smol3, before, steps)
 
 
 async def test_tiny_two_process_matches_unsplit(tiny2, tiny_model_path):

@@ -9,6 +9,7 @@ runs in a worker thread, during which the autojump clock would move on).
 from __future__ import annotations
 
 import math
+import os
 import socket
 import time
 
@@ -35,7 +36,7 @@ from skippyd.wire.messages import (
     SamplingParams,
     Stop,
 )
-from skippyd.wire.stream import KEEPALIVE_IDLE_S, ReceiveBuffer, read_message, write_frame
+from skippyd.wire.stream import KEEPALIVE_IDLE_S, ReceiveBuffer, read_frame, read_message, write_frame
 from tests.procs import split_for_test
 
 
@@ -508,6 +509,35 @@ def _socket_link(nursery) -> tuple[DownstreamLink, trio.SocketStream]:
     link = DownstreamLink(stream, peer, "peer", ReceiveBuffer(stream), credit_limit=2, reply_timeout=5,
                           write_timeout=5, nursery=nursery)
     return link, trio.SocketStream(b)
+
+
+async def test_a_step_written_at_its_compute_end_is_counted_though_cancelled(nursery):
+    """A decode step whose frame native code wrote as its compute ended is on its way: a cancellation that
+    arrives before the link's send (a kill while the task computed) must not leave the link unaware of it
+    (its ack would then be read as the answer to something else). A frame not yet written is refused."""
+    link, other = _socket_link(nursery)
+    step = DecodeStep(5, 6, 3, [9], activation(1, 8))
+    wire = frame_bytes(step)
+    tail = step.activation.nbytes
+    prepared = link.prepare_step(wire[:-tail], tail)
+    prepared.frame[-tail:] = wire[-tail:]
+    os.write(prepared.fd, prepared.frame)  # as Context.decode_row_send does
+    prepared.sent, prepared.done_ns = len(wire), time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        assert await link.send_expecting_ack(step, prepared) == (len(wire), pytest.approx(0, abs=5e5))
+    assert not scope.cancelled_caught and link.pending_acks == 1 and link.settled is False and not link.writing
+    assert await read_frame(ReceiveBuffer(other), timeout=5, frame_timeout=5, n_embd=8) == step
+
+    unwritten = link.prepare_step(wire[:-tail], tail)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await link.send_expecting_ack(step, unwritten)  # done_ns 0: the compute went elsewhere
+    assert scope.cancelled_caught and link.pending_acks == 1
+    link.writing = True  # a frame half written: no frame may be prepared on the link
+    assert link.prepare_step(wire[:-tail], tail) is None
+    link.writing = False
+    await link.aclose()
 
 
 async def test_watched_lane_calls_back_once_when_the_next_stage_speaks(nursery):

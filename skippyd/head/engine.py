@@ -73,6 +73,8 @@ from skippyd.runtime.text import Detokenizer
 from skippyd.stage.downstream import DownstreamError
 from skippyd.stage.scheduler import Job, Scheduler
 from skippyd.stage.sessions import SessionTable
+from skippyd.wire.codec import decode_step_head
+from skippyd.wire.stream import PreparedFrame
 from skippyd.wire.messages import (
     DEFAULT_SEED,
     Ack,
@@ -562,8 +564,9 @@ class _Run:
         a retryable GenerationError (a stage failure)."""
         return _PipelineFailures(self, None)
 
-    async def _compute(self, tokens: np.ndarray, pos: int, *, want_token: bool):
-        job = Job(self.session.seq, pos, tokens=tokens, embd=None, sampler=self.sampler, want_token=want_token)
+    async def _compute(self, tokens: np.ndarray, pos: int, *, want_token: bool, out: PreparedFrame | None = None):
+        job = Job(self.session.seq, pos, tokens=tokens, embd=None, sampler=self.sampler, want_token=want_token,
+                  out=out)
         try:
             with span("head.compute", request=self.live.request_id, session=self.live.session_id, pos=pos,
                       tokens=len(tokens)):
@@ -607,9 +610,9 @@ class _Run:
         """
         return await self._request_finish(await self._request_begin(msg), tolerate=tolerate)
 
-    async def _request_begin(self, msg) -> _InFlight:
+    async def _request_begin(self, msg, prepared: PreparedFrame | None = None) -> _InFlight:
         with self._sending():
-            sent, write_us = await self.lane.link.begin(msg)
+            sent, write_us = await self.lane.link.begin(msg, prepared)
         return _InFlight(msg, sent, write_us)
 
     async def _request_finish(self, sent: _InFlight, *, tolerate: ErrorCode | None = None):
@@ -635,19 +638,20 @@ class _Run:
         """Send a prediction-bearing message (final prefill chunk, decode step); the predicted token."""
         return await self._predict_finish(await self._predict_begin(msg))
 
-    async def _predict_begin(self, msg) -> _InFlight:
-        """The sending half of :meth:`_predict`: the message is on its way, its prediction owed."""
+    async def _predict_begin(self, msg, prepared: PreparedFrame | None = None) -> _InFlight:
+        """The sending half of :meth:`_predict`: the message is on its way, its prediction owed (``prepared``:
+        its frame, which the compute may have written already)."""
         if self.returns is None:
-            return await self._request_begin(msg)
+            return await self._request_begin(msg, prepared)
         # direct return: stage 1 acks as soon as it has forwarded the message, so the ack arrives before the
         # prediction can; the prediction comes on the session's channel, which the token-return connection feeds
         started = time.perf_counter()
         acked = not (type(msg) is DecodeStep and msg.direct_return)  # else it owes no ack (see _unacked_step)
         with self._sending():
             if acked:
-                sent, write_us = await self.lane.link.send_expecting_ack(msg)
+                sent, write_us = await self.lane.link.send_expecting_ack(msg, prepared)
             else:
-                sent, write_us = await self.lane.link.send(msg)
+                sent, write_us = await self.lane.link.send(msg, prepared)
         return _InFlight(msg, sent, write_us, started, acked)
 
     async def _predict_finish(self, sent: _InFlight) -> int:
@@ -788,12 +792,16 @@ class _Run:
         """Compute the head's slice for `token` and send the decode step on (its prediction owed)."""
         tokens = np.array([token], dtype=np.int32)
         pos = self.position
-        hidden = await self._compute(tokens, pos, want_token=False)
+        unacked = self.returns is not None and self._unacked_step()
+        n = self.engine.context.n_embd * 4  # the step's frame goes as the compute ends (see Job.out)
+        prepared = self.lane.link.prepare_step(
+            decode_step_head(self.wire_request_id, self.live.session_id, pos, token, unacked, n), n)
+        hidden = await self._compute(tokens, pos, want_token=False, out=prepared)
         # built without the class's checks: the head made every value (its ids, its position, an int32 array of
         # its token, the context's float32 rows of the hidden state), and the checks would cost as much again
         # as building and sending the frame
         sent = await self._predict_begin(_trusted_step(self.wire_request_id, self.live.session_id, pos, tokens,
-                                                       hidden, self.returns is not None and self._unacked_step()))
+                                                       hidden, unacked), prepared)
         if self.batched:
             # the other sessions of this batch send their steps before any of them goes on (streams its
             # text): back to back, they reach the next stage within its gather window and are decoded there

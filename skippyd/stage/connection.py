@@ -38,6 +38,7 @@ from skippyd.stage.scheduler import Job
 from skippyd.telemetry import span
 from skippyd.stage.sessions import NoFreeSlot, StageSession
 from skippyd.stage.token_return import TokenReturnLost
+from skippyd.wire.codec import REPLY_COMPUTE_US_AT, decode_step_head, frame_bytes
 from skippyd.wire.errors import HandshakeRefused, PeerClosed, ProtocolError, ReadTimeout, WireError
 from skippyd.wire.handshake import handshake_server, refuse_handshake
 from skippyd.wire.messages import (
@@ -62,7 +63,7 @@ from skippyd.wire.messages import (
     merge,
     with_stats,
 )
-from skippyd.wire.stream import ReceiveBuffer, WaitWatch, read_message, write_frame
+from skippyd.wire.stream import PreparedFrame, ReceiveBuffer, WaitWatch, read_message, write_frame, write_prepared
 
 if TYPE_CHECKING:
     from skippyd.stage.server import StageServer
@@ -249,8 +250,12 @@ class UpstreamConnection:
             except (WireError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
 
-    async def reply(self, reply: Reply) -> None:
-        await write_frame(self._out, reply, timeout=self.server.config.write_timeout_s)
+    async def reply(self, reply: Reply, prepared: PreparedFrame | None = None) -> None:
+        """Answer upstream (``prepared``: the reply's frame, which the compute may have written already)."""
+        if prepared is not None and prepared.done_ns:
+            await write_prepared(self._out, prepared, timeout=self.server.config.write_timeout_s)
+        else:
+            await write_frame(self._out, reply, timeout=self.server.config.write_timeout_s)
 
     # ------------------------------------------------------------------ dispatch
     _HANDLERS = {
@@ -323,15 +328,15 @@ class UpstreamConnection:
         with span("stage.forward_direct", stage=self.server.index, request=msg.request_id,
                   session=msg.session_id):
             if to_final:
-                sent, write_us = await self.down.send(forward)
+                sent, write_us = await self.down.send(forward, job.out)
                 self.server.returns_only["forwarded"] += 1
             elif unacked:
-                sent, write_us = await self.down.send_expecting_ack(forward)
+                sent, write_us = await self.down.send_expecting_ack(forward, job.out)
                 waited = time.perf_counter()
                 await self.down.drain()
                 self._waited_us += int((time.perf_counter() - waited) * 1e6)
             else:
-                sent, write_us = await self.down.send_deferred(forward)
+                sent, write_us = await self.down.send_deferred(forward, job.out)
         folded, error = self.down.take_folded()
         if error is not None:  # reported now, as the answer to this message
             own = self._own_stats(job, write_us=write_us, sent=sent)
@@ -354,7 +359,7 @@ class UpstreamConnection:
         the upstream stage expects none (a decode step with DIRECT_RETURN)."""
         token = self._prediction(msg, job)
         try:
-            await self.server.token_return.send(token)
+            await self.server.token_return.send(token, job.out)
         except TokenReturnLost as exc:
             raise RequestFailed(ErrorCode.DOWNSTREAM_FAILED, f"stage {self.server.index}: {exc}") from exc
         if _returns_only(msg):
@@ -403,7 +408,7 @@ class UpstreamConnection:
                                 f"session {session.session_id} holds {session.position} positions, "
                                 f"message starts at {pos_start}")
 
-    async def _compute(self, session: StageSession, msg, *, want_token: bool) -> Job:
+    async def _compute(self, session: StageSession, msg, *, want_token: bool, out: PreparedFrame | None = None) -> Job:
         ctx = self.server.context
         if msg.pos_start + len(msg.tokens) > ctx.n_ctx_seq:
             raise RequestFailed(ErrorCode.CONTEXT_FULL,
@@ -417,6 +422,7 @@ class UpstreamConnection:
             job = Job(session.seq, msg.pos_start, tokens=None, embd=msg.activation)
         job.sampler = session.sampler
         job.want_token = want_token
+        job.out = out
         try:
             job.result = await self.server.scheduler.submit(job)
         except llama.KvCacheFullError as exc:
@@ -425,6 +431,23 @@ class UpstreamConnection:
             raise RequestFailed(ErrorCode.COMPUTE_FAILED, str(exc)) from exc
         session.position = msg.pos_start + len(msg.tokens)
         return job
+
+    def _prepared_answer(self, session: StageSession, msg: DecodeStep) -> PreparedFrame | None:
+        """The frame of this decode step's answer (the final stage's prediction, on the token-return
+        connection or the lane; a middle stage's forward of a direct-return step, as _forward_direct sends
+        it), made before the compute so that the compute writes it as it ends; None where the answer goes
+        otherwise."""
+        if self.server.is_final:  # the token and the compute's times are the compute's to fill in
+            frame = frame_bytes(TRUSTED[PredictedToken](msg.request_id, msg.session_id, 0,
+                                                        StageStats.single(self.server.index)))
+            if session.direct_return:
+                return self.server.token_return.prepare(frame, REPLY_COMPUTE_US_AT)
+            return PreparedFrame.for_stream(self._out, frame, 0, REPLY_COMPUTE_US_AT)
+        if not session.direct_return or self.down is None:
+            return None
+        n = self.server.context.n_embd * 4
+        return self.down.prepare_step(decode_step_head(msg.request_id, msg.session_id, msg.pos_start,
+                                                       int(msg.tokens[0]), self.server.next_is_final, n), n)
 
     def _forwarded(self, msg, job: Job, *, direct_return: bool = False):
         """The same message for the next stage, carrying our hidden states (a decode step: with
@@ -515,7 +538,8 @@ class UpstreamConnection:
             raise RequestFailed(ErrorCode.DIRECT_RETURN_UNAVAILABLE,
                                 f"session {msg.session_id} was not configured with direct return")
         await self._align(session, msg.pos_start)
-        job = await self._compute(session, msg, want_token=self.server.is_final)
+        job = await self._compute(session, msg, want_token=self.server.is_final,
+                                  out=self._prepared_answer(session, msg))
         await self._answer_with_token(session, msg, job)
         waited_us = self._waited_us + job.lock_wait_us
         cpu_s = time.thread_time() - started_cpu - job.loop_native_cpu_us / 1e6
@@ -527,7 +551,7 @@ class UpstreamConnection:
             if session.direct_return:
                 await self._return_direct(session, msg, job)
             else:
-                await self.reply(self._prediction(msg, job))
+                await self.reply(self._prediction(msg, job), job.out)
         elif session.direct_return:
             await self._forward_direct(session, msg, job)
         else:

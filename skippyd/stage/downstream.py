@@ -34,11 +34,13 @@ from skippyd.wire.handshake import handshake_client
 from skippyd.wire.messages import NO_STATS, Ack, ErrorReply, Hello, Message, Reply, StageStats, merge, with_stats
 from skippyd.wire.stream import (
     DEFAULT_FRAME_TIMEOUT,
+    PreparedFrame,
     ReceiveBuffer,
     WaitWatch,
     keep_alive,
     read_reply,
     write_frame,
+    write_prepared,
 )
 
 
@@ -148,35 +150,50 @@ class DownstreamLink:
             self._out.close()
         await trio.aclose_forcefully(self.stream)
 
-    async def send(self, msg: Message) -> tuple[int, int]:
-        """Write one message; returns (bytes, microseconds)."""
+    def prepare_step(self, head: bytes, activation_bytes: int) -> PreparedFrame | None:
+        """A decode step's frame for the compute that makes its activation to write (see PreparedFrame), then
+        :meth:`send` with it; None if this link cannot take one now (broken, given up, a frame half written).
+        Nothing else may be sent on the link in between (the single writer's rule)."""
+        if self.broken or self.writing or (self._watch is not None and self._watch.expired is not None):
+            return None
+        return PreparedFrame.for_stream(self._out, head, activation_bytes)
+
+    async def send(self, msg: Message, prepared: PreparedFrame | None = None) -> tuple[int, int]:
+        """Write one message; returns (bytes, microseconds). ``prepared``: its frame, which a native compute
+        may have written already (then only what is left of it goes, and nothing is checked first: the frame
+        is on its way, and a cancellation must find it counted)."""
         started = time.perf_counter()
-        # a cancellation already pending (a kill while this task computed) lands here, before the first
-        # byte, rather than at write_frame's first checkpoint, where the frame would count as half written
-        await trio.lowlevel.checkpoint_if_cancelled()
-        if self._watch is not None and self._watch.expired is not None:
-            raise DownstreamError(self.address, f"link given up: {self._watch.expired}")
+        native = prepared is not None and prepared.done_ns != 0
+        if not native:
+            # a cancellation already pending (a kill while this task computed) lands here, before the first
+            # byte, rather than at write_frame's first checkpoint, where the frame would count as half written
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if self._watch is not None and self._watch.expired is not None:
+                raise DownstreamError(self.address, f"link given up: {self._watch.expired}")
         self.writing = True
         try:
-            n = await write_frame(self._out, msg, timeout=self.write_timeout)
+            if native:
+                n = await write_prepared(self._out, prepared, timeout=self.write_timeout)
+            else:
+                n = await write_frame(self._out, msg, timeout=self.write_timeout)
         except WireError as exc:
             self.broken = True
             raise DownstreamError(self.address, f"send failed: {exc}") from exc
         self.writing = False
         return n, int((time.perf_counter() - started) * 1e6)
 
-    async def send_deferred(self, msg: Message) -> tuple[int, int]:
+    async def send_deferred(self, msg: Message, prepared: PreparedFrame | None = None) -> tuple[int, int]:
         """Send a message whose ack may arrive later (up to the credit limit outstanding)."""
-        sent = await self.send(msg)
+        sent = await self.send(msg, prepared)
         self.pending_acks += 1
         while self.pending_acks > self.credit_limit:
             await self._collect_one_ack()
         return sent
 
-    async def send_expecting_ack(self, msg: Message) -> tuple[int, int]:
+    async def send_expecting_ack(self, msg: Message, prepared: PreparedFrame | None = None) -> tuple[int, int]:
         """Send a message whose ack is collected later (by :meth:`drain` or a later request),
         without waiting for older acks: a direct-return decode step. Returns (bytes, microseconds)."""
-        sent = await self.send(msg)
+        sent = await self.send(msg, prepared)
         self.pending_acks += 1
         return sent
 
@@ -287,9 +304,9 @@ class DownstreamLink:
         reply, wait_us = await self.finish()
         return reply, n, write_us, wait_us
 
-    async def begin(self, msg: Message) -> tuple[int, int]:
+    async def begin(self, msg: Message, prepared: PreparedFrame | None = None) -> tuple[int, int]:
         """The first half of :meth:`request`: send `msg` (its reply is then owed); (bytes, write_us)."""
-        sent = await self.send(msg)
+        sent = await self.send(msg, prepared)
         self.awaiting_reply = True
         self._reply_owed_since = time.perf_counter()
         return sent

@@ -89,6 +89,12 @@ class HostComputeLock:
     def release(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
 
+    @property
+    def fd(self) -> int:
+        """The locked file's descriptor: native code that computes under the lock releases it itself, the
+        moment the compute ends (Context.decode_row_send)."""
+        return self._fd
+
     def add_compute_cpu(self, seconds: float) -> None:
         """Add `seconds` of CPU time computed holding the lock to the host's tally (call it holding the lock:
         only a holder writes the tally, so no addition is lost)."""

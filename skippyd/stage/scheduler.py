@@ -43,6 +43,7 @@ from skippyd.stage.conditioning import next_release
 from skippyd.stage.host_lock import HostComputeLock
 from skippyd.stage.threads import ThreadChooser
 from skippyd.telemetry import span
+from skippyd.wire.stream import PreparedFrame
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,9 @@ class Job:
     lock_wait_us: int = 0  # waiting for the host compute lock
     loop_native_cpu_us: int = 0  # CPU time the event loop's thread spent in llama.cpp (inline computes)
     batch_jobs: int = 0  # jobs in the llama_decode this job was part of
+    # the frame its hidden state goes out in, written natively the moment a lone decode step's compute ends
+    # (then its done_ns is set, and the result is a view of its activation); other computes leave it
+    out: PreparedFrame | None = None
 
     def __attrs_post_init__(self) -> None:
         self.n = len(self.tokens) if self.tokens is not None else len(self.embd)
@@ -90,6 +94,7 @@ class SchedulerStats:
     inline_batches: int = 0  # computed on the event loop's thread (small decode batches)
     lock_timeouts: int = 0  # waits for the host lock that gave up (its holder stopped or stuck)
     gathers: int = 0  # decode batches that waited for the last batch's other sessions
+    sent_at_compute_end: int = 0  # decode steps whose frame native code wrote as the compute ended
 
 
 # Decode batches up to this many sessions compute on the event loop's thread, while the last such
@@ -261,27 +266,47 @@ class Scheduler:
         """Compute one decode step on this thread (``_inline`` took the host lock, if any): what
         _compute_inline, _compute_sync and _finish do for a batch, without their loops over it (a session
         decoding alone comes here for every token, on every stage)."""
-        ctx, stats = self.ctx, self.stats
+        ctx, stats, out = self.ctx, self.stats, job.out
         started = time.perf_counter()
         stats.inline_batches += 1
+        released = False
         try:
             with span("scheduler.decode", seqs=1, tokens=1):
                 try:
                     threads = self._use_threads()
                     native, native_cpu = time.perf_counter(), time.thread_time()
-                    if ctx.token_input:
-                        ctx.decode_row(job.pos_start, job.seq, token=int(job.tokens[0]))
+                    if out is not None and (ctx.hidden_output or job.want_token):
+                        # the frame leaves (and the host lock is released) as the compute ends, before the Python
+                        # below: the next stage's wake-up and compute no longer wait for it
+                        released = True
+                        lock_fd = self.host_lock.fd if self.host_lock is not None else -1
+                        inputs = {"token": int(job.tokens[0])} if ctx.token_input else {"embd": job.embd}
+                        if ctx.hidden_output:
+                            out.sent, out.done_ns = ctx.decode_row_send(job.pos_start, job.seq, out.frame,
+                                                                        out.head_len, lock_fd=lock_fd, fd=out.fd,
+                                                                        **inputs)
+                            result = np.frombuffer(out.frame, np.float32, offset=out.head_len).reshape(1, -1)
+                        else:
+                            result, out.sent, out.done_ns = ctx.decode_row_sample_send(
+                                job.pos_start, job.seq, job.sampler, out.frame, out.us_at, lock_fd=lock_fd,
+                                fd=out.fd, **inputs)
+                        # to the compute's end, without the write after it (perf_counter is CLOCK_MONOTONIC)
+                        native_us = max(0, int((out.done_ns / 1e9 - native) * 1e6))
+                        stats.sent_at_compute_end += 1
                     else:
-                        ctx.decode_row(job.pos_start, job.seq, embd=job.embd)
-                    if ctx.hidden_output:
-                        native_us = int((time.perf_counter() - native) * 1e6)
-                        result = ctx.hidden()
-                    else:
-                        result = ctx.sample_row(job.seq, job.sampler) if job.want_token else None
-                        native_us = int((time.perf_counter() - native) * 1e6)
+                        if ctx.token_input:
+                            ctx.decode_row(job.pos_start, job.seq, token=int(job.tokens[0]))
+                        else:
+                            ctx.decode_row(job.pos_start, job.seq, embd=job.embd)
+                        if ctx.hidden_output:
+                            native_us = int((time.perf_counter() - native) * 1e6)
+                            result = ctx.hidden()
+                        else:
+                            result = ctx.sample_row(job.seq, job.sampler) if job.want_token else None
+                            native_us = int((time.perf_counter() - native) * 1e6)
                     native_cpu_us = int((time.thread_time() - native_cpu) * 1e6)
                 finally:
-                    if self.host_lock is not None:
+                    if self.host_lock is not None and not released:
                         self.host_lock.release()
         except Exception as exc:  # noqa: BLE001 - as _compute_inline
             self._fail([job], exc, started)

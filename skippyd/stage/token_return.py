@@ -27,7 +27,7 @@ from skippyd.stage.conditioning import LinkShape, ShapedSendStream, shaped
 from skippyd.wire.errors import WireError
 from skippyd.wire.handshake import handshake_client
 from skippyd.wire.messages import Ack, Hello, Reply, Role
-from skippyd.wire.stream import ReceiveBuffer, keep_alive, write_frame
+from skippyd.wire.stream import PreparedFrame, ReceiveBuffer, keep_alive, write_frame, write_prepared
 
 log = logging.getLogger("skippyd.stage")
 
@@ -182,16 +182,27 @@ class TokenReturnLink:
         await conn.close()
 
     # ---------------------------------------------------------------- sending
-    async def send(self, reply: Reply) -> None:
-        """Send one prediction (or error) of a direct-return session. Raises TokenReturnLost."""
+    def prepare(self, frame: bytes, us_at: int) -> PreparedFrame | None:
+        """A prediction's frame for the compute that makes it to write (see PreparedFrame), then :meth:`send`
+        with it; None while no connection is up or another lane's send holds it. Nothing else may be sent on
+        the connection in between: the caller must not wait for anything until then."""
+        conn = self._conn
+        if conn is None or conn.closed.is_set() or conn.lock.locked():
+            return None
+        return PreparedFrame.for_stream(conn.out, frame, 0, us_at)
+
+    async def send(self, reply: Reply, prepared: PreparedFrame | None = None) -> None:
+        """Send one prediction (or error) of a direct-return session (``prepared``: its frame, which the
+        compute may have written already). Raises TokenReturnLost."""
         conn = self._conn
         if conn is None or conn.closed.is_set():
             raise TokenReturnLost(f"no token-return connection to the head at {self.address}")
-        await self._write(conn, reply)
+        await self._write(conn, reply, prepared if prepared is not None and prepared.done_ns else None)
         self.stats.sent += 1
 
-    async def _write(self, conn: _Connection, reply: Reply) -> None:
-        await trio.lowlevel.checkpoint_if_cancelled()
+    async def _write(self, conn: _Connection, reply: Reply, written: PreparedFrame | None = None) -> None:
+        if written is None:  # (a frame written already must be finished and counted, cancelled or not)
+            await trio.lowlevel.checkpoint_if_cancelled()
         try:
             # a free lock (the usual case) is taken without trio's schedule point, which an uncontended
             # Lock.acquire still makes: a pass of the scheduler before every prediction, on every token
@@ -199,7 +210,10 @@ class TokenReturnLink:
         except trio.WouldBlock:
             await conn.lock.acquire()
         try:
-            await write_frame(conn.out, reply, timeout=self.write_timeout)
+            if written is not None:
+                await write_prepared(conn.out, written, timeout=self.write_timeout)
+            else:
+                await write_frame(conn.out, reply, timeout=self.write_timeout)
         except (WireError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             with trio.CancelScope(shield=True):
                 await self._drop(conn, str(exc) or type(exc).__name__)
