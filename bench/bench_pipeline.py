@@ -448,6 +448,7 @@ def main() -> int:
     for label, value in targets.items():
         print(f"  {label:52} {value:.3f}{verdict(label, value)}")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in a fresh clone
         args.json.write_text(json.dumps(report, indent=2))
     return 0
 
