@@ -606,6 +606,8 @@ async def test_a_prepared_frame_is_finished_after_its_native_write(written):
     assert await write_prepared(left, prepared, timeout=5) == len(wire)
     assert await read_frame(ReceiveBuffer(right), timeout=5, frame_timeout=5, n_embd=N_EMBD) == step
     assert PreparedFrame.for_stream(trio.testing.memory_stream_pair()[0], b"", 4) is None  # no socket, no link
+    await left.aclose()
+    assert PreparedFrame.for_stream(left, b"", 4) is None  # a closed socket: the frame goes the usual way
 
 
 async def test_frames_that_arrived_together_are_read_one_by_one():

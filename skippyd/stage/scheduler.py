@@ -70,8 +70,9 @@ class Job:
     lock_wait_us: int = 0  # waiting for the host compute lock
     loop_native_cpu_us: int = 0  # CPU time the event loop's thread spent in llama.cpp (inline computes)
     batch_jobs: int = 0  # jobs in the llama_decode this job was part of
-    # the frame its hidden state goes out in, written natively the moment a lone decode step's compute ends
-    # (then its done_ns is set, and the result is a view of its activation); other computes leave it
+    # the frame of its answer (a hidden state's, or a prediction's), written natively the moment a lone decode
+    # step's compute ends (then its done_ns is set; a hidden state's result is a view of the frame's activation);
+    # other computes leave it
     out: PreparedFrame | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -278,9 +279,9 @@ class Scheduler:
                     if out is not None and (ctx.hidden_output or job.want_token):
                         # the frame leaves (and the host lock is released) as the compute ends, before the Python
                         # below: the next stage's wake-up and compute no longer wait for it
-                        released = True
                         lock_fd = self.host_lock.fd if self.host_lock is not None else -1
                         inputs = {"token": int(job.tokens[0])} if ctx.token_input else {"embd": job.embd}
+                        released = True  # by the call below, whatever its result
                         if ctx.hidden_output:
                             out.sent, out.done_ns = ctx.decode_row_send(job.pos_start, job.seq, out.frame,
                                                                         out.head_len, lock_fd=lock_fd, fd=out.fd,

@@ -529,7 +529,8 @@ class PreparedFrame:
         ``send_now`` takes the time the frame left); None for any other stream. The caller's single-writer
         rule must hold from now until :func:`write_prepared`: no frame half written, none begun meanwhile."""
         if isinstance(stream, trio.SocketStream):
-            return cls(head, tail_len, stream.socket.fileno(), us_at)
+            fd = stream.socket.fileno()
+            return cls(head, tail_len, fd, us_at) if fd >= 0 else None  # (-1: closed)
         if getattr(stream, "takes_sent_at", False):
             return cls(head, tail_len, -1, us_at)
         return None
