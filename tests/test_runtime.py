@@ -368,6 +368,33 @@ def test_decode_row_send_writes_the_frame_at_the_compute_end(smol_splits, tmp_pa
             theirs.close()
 
 
+def test_decode_row_sample_send_draws_what_sample_row_draws(smol):
+    """The final stage's native call samples as sample_row does, with a seeded sampler too: two twin
+    sequences, one stepped by decode_row + sample_row, the other by decode_row_sample_send, draw the same."""
+    prompt = smol.tokenize("The sea was calm and", add_special=True)
+    params = SamplingParams(temperature=0.9, top_k=40, seed=7)
+    by_row, by_send = Sampler(smol, params), Sampler(smol, params)
+    with Context(smol, ContextParams(n_ctx_per_seq=128, n_seq_max=2)) as ctx:
+        tokens = np.array(prompt, dtype=np.int32)
+        ctx.decode(np.arange(len(prompt)), np.zeros(len(prompt)), tokens=tokens)
+        row = ctx.sample_row(0, by_row)
+        ctx.decode(np.arange(len(prompt)), np.ones(len(prompt)), tokens=tokens)
+        sent = ctx.sample_row(1, by_send)
+        drawn = []
+        for pos in range(len(prompt), len(prompt) + 8):
+            assert sent == row
+            drawn.append(row)
+            ctx.decode_row(pos, 0, token=row)
+            row = ctx.sample_row(0, by_row)
+            frame = bytearray(32)
+            sent, written, _ = ctx.decode_row_sample_send(pos, 1, by_send, frame, 8, token=sent)
+            assert written == 0 and int.from_bytes(frame[-4:], "little") == sent  # no socket: filled only
+        assert sent == row
+        assert drawn != [drawn[0]] * len(drawn)
+    by_row.close()
+    by_send.close()
+
+
 def test_sample_row_is_sample_of_one_sequence(smol):
     """sample_row (a lone session's per-token call) draws what sample does: greedy, and a seeded sampler
     whose twin goes through sample, step for step; and it checks what sample checks."""
