@@ -150,6 +150,29 @@ int32_t skippy_decode_row_sample_send(struct llama_context * ctx, struct llama_b
     return rc;
 }
 
+/* The first index of the largest value (NaN never wins): the largest value first, kept in SKIPPY_LANES
+ * independent maxima (no chain from one element to the next; the compiler makes them one vector), then its
+ * first index. A one-pass loop that compared with logits[best] took ~150 us for a 49152-token vocabulary (a
+ * load and a compare chained through `best` per element), 1% of a decode step. */
+#define SKIPPY_LANES 16
+static int32_t skippy_argmax(const float * logits, int32_t n) {
+    float top = logits[0];
+    int32_t t = 0;
+    if (n >= SKIPPY_LANES) {
+        float lane[SKIPPY_LANES];
+        for (int j = 0; j < SKIPPY_LANES; ++j) lane[j] = top;  /* (a NaN in a lane would hide its others) */
+        for (; t + SKIPPY_LANES <= n; t += SKIPPY_LANES) {
+            for (int j = 0; j < SKIPPY_LANES; ++j) lane[j] = logits[t + j] > lane[j] ? logits[t + j] : lane[j];
+        }
+        for (int j = 0; j < SKIPPY_LANES; ++j) top = lane[j] > top ? lane[j] : top;
+    }
+    for (; t < n; ++t) top = logits[t] > top ? logits[t] : top;
+    for (t = 0; t < n; ++t) {
+        if (logits[t] == top) return t;
+    }
+    return 0;  /* top is NaN: logits[0] was (the one-pass loop's answer too) */
+}
+
 /* Sample one token per output row with that row's sampler (a NULL sampler means greedy argmax). */
 int skippy_sample_rows(struct llama_context * ctx, struct llama_sampler ** samplers, const int32_t * rows,
                        int32_t n, llama_token * out_tokens) {
@@ -161,11 +184,7 @@ int skippy_sample_rows(struct llama_context * ctx, struct llama_sampler ** sampl
         } else {
             const float * logits = llama_get_logits_ith(ctx, rows[i]);
             if (logits == NULL) return -1;
-            int32_t best = 0;
-            for (int32_t t = 1; t < n_vocab; ++t) {
-                if (logits[t] > logits[best]) best = t;
-            }
-            out_tokens[i] = best;
+            out_tokens[i] = skippy_argmax(logits, n_vocab);
         }
     }
     return 0;
