@@ -63,7 +63,7 @@ from skippyd.wire.messages import (
     merge,
     with_stats,
 )
-from skippyd.wire.stream import PreparedFrame, ReceiveBuffer, WaitWatch, read_message, write_frame, write_prepared
+from skippyd.wire.stream import PreparedFrame, ReceiveBuffer, WaitWatch, read_message, write_frame
 
 if TYPE_CHECKING:
     from skippyd.stage.server import StageServer
@@ -252,10 +252,7 @@ class UpstreamConnection:
 
     async def reply(self, reply: Reply, prepared: PreparedFrame | None = None) -> None:
         """Answer upstream (``prepared``: the reply's frame, which the compute may have written already)."""
-        if prepared is not None and prepared.done_ns:
-            await write_prepared(self._out, prepared, timeout=self.server.config.write_timeout_s)
-        else:
-            await write_frame(self._out, reply, timeout=self.server.config.write_timeout_s)
+        await write_frame(self._out, reply, timeout=self.server.config.write_timeout_s, prepared=prepared)
 
     # ------------------------------------------------------------------ dispatch
     _HANDLERS = {

@@ -40,7 +40,6 @@ from skippyd.wire.stream import (
     keep_alive,
     read_reply,
     write_frame,
-    write_prepared,
 )
 
 
@@ -163,8 +162,7 @@ class DownstreamLink:
         may have written already (then only what is left of it goes, and nothing is checked first: the frame
         is on its way, and a cancellation must find it counted)."""
         started = time.perf_counter()
-        native = prepared is not None and prepared.done_ns != 0
-        if not native:
+        if prepared is None or not prepared.written:
             # a cancellation already pending (a kill while this task computed) lands here, before the first
             # byte, rather than at write_frame's first checkpoint, where the frame would count as half written
             await trio.lowlevel.checkpoint_if_cancelled()
@@ -172,10 +170,7 @@ class DownstreamLink:
                 raise DownstreamError(self.address, f"link given up: {self._watch.expired}")
         self.writing = True
         try:
-            if native:
-                n = await write_prepared(self._out, prepared, timeout=self.write_timeout)
-            else:
-                n = await write_frame(self._out, msg, timeout=self.write_timeout)
+            n = await write_frame(self._out, msg, timeout=self.write_timeout, prepared=prepared)
         except WireError as exc:
             self.broken = True
             raise DownstreamError(self.address, f"send failed: {exc}") from exc

@@ -27,7 +27,7 @@ from skippyd.stage.conditioning import LinkShape, ShapedSendStream, shaped
 from skippyd.wire.errors import WireError
 from skippyd.wire.handshake import handshake_client
 from skippyd.wire.messages import Ack, Hello, Reply, Role
-from skippyd.wire.stream import PreparedFrame, ReceiveBuffer, keep_alive, write_frame, write_prepared
+from skippyd.wire.stream import PreparedFrame, ReceiveBuffer, keep_alive, write_frame
 
 log = logging.getLogger("skippyd.stage")
 
@@ -197,11 +197,11 @@ class TokenReturnLink:
         conn = self._conn
         if conn is None or conn.closed.is_set():
             raise TokenReturnLost(f"no token-return connection to the head at {self.address}")
-        await self._write(conn, reply, prepared if prepared is not None and prepared.done_ns else None)
+        await self._write(conn, reply, prepared)
         self.stats.sent += 1
 
-    async def _write(self, conn: _Connection, reply: Reply, written: PreparedFrame | None = None) -> None:
-        if written is None:  # (a frame written already must be finished and counted, cancelled or not)
+    async def _write(self, conn: _Connection, reply: Reply, prepared: PreparedFrame | None = None) -> None:
+        if prepared is None or not prepared.written:  # (a frame written already must be finished, cancelled or not)
             await trio.lowlevel.checkpoint_if_cancelled()
         try:
             # a free lock (the usual case) is taken without trio's schedule point, which an uncontended
@@ -210,10 +210,7 @@ class TokenReturnLink:
         except trio.WouldBlock:
             await conn.lock.acquire()
         try:
-            if written is not None:
-                await write_prepared(conn.out, written, timeout=self.write_timeout)
-            else:
-                await write_frame(conn.out, reply, timeout=self.write_timeout)
+            await write_frame(conn.out, reply, timeout=self.write_timeout, prepared=prepared)
         except (WireError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             with trio.CancelScope(shield=True):
                 await self._drop(conn, str(exc) or type(exc).__name__)

@@ -468,14 +468,18 @@ async def read_reply(
                             accept=REPLY_KINDS, watch=watch)
 
 
-async def write_frame(stream: trio.abc.SendStream, obj: Frame, *, timeout: float = math.inf) -> int:
-    """Encode ``obj`` and send it; returns the bytes written.
+async def write_frame(stream: trio.abc.SendStream, obj: Frame, *, timeout: float = math.inf,
+                      prepared: PreparedFrame | None = None) -> int:
+    """Encode ``obj`` and send it; returns the bytes written. ``prepared``: ``obj``'s frame, which a native
+    compute may have written already (see :func:`write_prepared`; then only what is left of it goes).
 
     Not safe to call concurrently on one stream (trio raises
     BusyResourceError): give each connection a single writer or a lock.
     Cancelled or timed out halfway, the frame is partly written and the
     connection must be closed.
     """
+    if prepared is not None and prepared.written:
+        return await write_prepared(stream, prepared, timeout=timeout)
     parts = encode_frame(obj)
     total = sum(len(part) for part in parts)
     if len(parts) > 1 and total <= JOIN_BELOW:
@@ -521,6 +525,11 @@ class PreparedFrame:
         self.fd = fd
         self.sent = 0
         self.done_ns = 0
+
+    @property
+    def written(self) -> bool:
+        """Whether a native compute filled the frame and wrote it (or what the socket took of it)."""
+        return self.done_ns != 0
 
     @classmethod
     def for_stream(cls, stream: trio.abc.SendStream, head: bytes, tail_len: int,
