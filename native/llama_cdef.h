@@ -142,6 +142,12 @@ void llama_sampler_free(struct llama_sampler * smpl);
 /* Our C helpers (native/llama_helpers.c) */
 struct ggml_threadpool * skippy_threadpool_new(int n_threads, int poll);
 void skippy_threadpool_free(struct ggml_threadpool * threadpool);
+struct skippy_warm;
+struct skippy_warm * skippy_warm_new(int n);
+void skippy_warm_touch(struct skippy_warm * w, int64_t ns);
+void skippy_warm_hold(struct skippy_warm * w);
+int64_t skippy_warm_spun_ns(struct skippy_warm * w);
+void skippy_warm_free(struct skippy_warm * w);
 void skippy_log_setup(int verbose);
 const char * skippy_last_error(void);
 void skippy_clear_last_error(void);

@@ -2,7 +2,15 @@
  * They exist to keep per-token loops out of Python and to handle llama.cpp's
  * logging without a Python callback on a C thread. */
 #include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <unistd.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/socket.h>
@@ -201,4 +209,124 @@ struct ggml_threadpool * skippy_threadpool_new(int n_threads, int poll) {
 
 void skippy_threadpool_free(struct ggml_threadpool * threadpool) {
     if (threadpool != NULL) ggml_threadpool_free(threadpool);
+}
+
+/* Keep warm: threads that spin, at the lowest scheduling class (SCHED_IDLE: they run on cores that nothing
+ * else wants, and any other thread that wakes takes the core at once), for a while after each compute. A
+ * stage waiting for its next step would otherwise leave its cores idle, and a core that went idle for
+ * milliseconds (a halted vCPU, a deep C-state, a lowered clock) computes the next step up to twice as slowly
+ * (SmolLM2-135M, 3 stages on one 2-core VM, 10 ms links: 5.4 ms a stage against 2.7; BENCHMARKS.md). This is
+ * what llama.cpp's own --poll does for its workers, without taking cores from other threads. */
+struct skippy_warm {
+    pthread_mutex_t mu;  /* start-up only: touch() takes no lock, which a SCHED_IDLE thread could hold */
+    pthread_cond_t cv;   /* for a long while when preempted */
+    _Atomic int64_t until_ns;  /* CLOCK_MONOTONIC: spin until then */
+    _Atomic int64_t spun_ns;   /* time the threads have spun, all together (for tests and status) */
+    _Atomic uint32_t seq;      /* the futex sleeping threads wait on: bumped by every touch */
+    _Atomic int sleeping;
+    _Atomic int stop;
+    int n, started, failed;  /* threads created; of them, at their class so far; could not take it (errno) */
+    pthread_t threads[];
+};
+
+static inline void skippy_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+static void * skippy_warm_main(void * arg) {
+    struct skippy_warm * w = arg;
+    /* glibc creates threads at SCHED_OTHER/FIFO/RR only: each thread takes SCHED_IDLE itself, first thing */
+    struct sched_param param = {0};
+    int rc = pthread_setschedparam(pthread_self(), SCHED_IDLE, &param);
+    pthread_mutex_lock(&w->mu);
+    w->started++;
+    if (rc != 0) {
+        w->failed = rc;
+        atomic_store(&w->stop, 1);
+    }
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    while (!atomic_load(&w->stop)) {
+        int64_t now = skippy_now_ns();
+        if (now < atomic_load(&w->until_ns)) {
+            int64_t started = now;
+            while (!atomic_load_explicit(&w->stop, memory_order_relaxed) && now < atomic_load(&w->until_ns)) {
+                for (int i = 0; i < 32; i++) skippy_cpu_relax();
+                now = skippy_now_ns();
+            }
+            atomic_fetch_add(&w->spun_ns, now - started);
+            continue;
+        }
+        /* asleep until a touch: announced before the deadline is read again, as touch() stores the deadline
+         * before it reads the count (both seq_cst), so a touch either is seen here or wakes this thread */
+        uint32_t seq = atomic_load(&w->seq);
+        atomic_fetch_add(&w->sleeping, 1);
+        if (!atomic_load(&w->stop) && skippy_now_ns() >= atomic_load(&w->until_ns))
+            syscall(SYS_futex, &w->seq, FUTEX_WAIT_PRIVATE, seq, NULL, NULL, 0);  /* EAGAIN: seq moved on */
+        atomic_fetch_sub(&w->sleeping, 1);
+    }
+    return NULL;
+}
+
+static void skippy_warm_wake(struct skippy_warm * w) {
+    atomic_fetch_add(&w->seq, 1);
+    if (atomic_load(&w->sleeping) > 0) syscall(SYS_futex, &w->seq, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+}
+
+void skippy_warm_free(struct skippy_warm * w);
+
+/* n spinning threads (as many as the stage computes with), asleep until the first touch. NULL, with errno
+ * set, if a thread could not be created or could not take the SCHED_IDLE class (none runs at another). */
+struct skippy_warm * skippy_warm_new(int n) {
+    if (n < 1 || n > 256) { errno = EINVAL; return NULL; }
+    struct skippy_warm * w = calloc(1, sizeof *w + (size_t) n * sizeof(pthread_t));
+    if (w == NULL) return NULL;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 64 * 1024);
+    int rc = 0;
+    for (int i = 0; rc == 0 && i < n; i++) {
+        rc = pthread_create(&w->threads[i], &attr, skippy_warm_main, w);
+        if (rc == 0) w->n++;
+    }
+    pthread_attr_destroy(&attr);
+    pthread_mutex_lock(&w->mu);
+    while (w->started < w->n) pthread_cond_wait(&w->cv, &w->mu);  /* every thread at SCHED_IDLE, or failed */
+    if (rc == 0) rc = w->failed;
+    pthread_mutex_unlock(&w->mu);
+    if (rc != 0) {
+        skippy_warm_free(w);
+        errno = rc;
+        return NULL;
+    }
+    return w;
+}
+
+/* After a compute: spin from now until ns from now. Lock-free, as hold(): they run around every compute. */
+void skippy_warm_touch(struct skippy_warm * w, int64_t ns) {
+    atomic_store(&w->until_ns, skippy_now_ns() + ns);
+    skippy_warm_wake(w);
+}
+
+/* Before a compute: the threads stop spinning (within microseconds) and sleep until the next touch. SCHED_IDLE
+ * threads still take a core now and then from a busy thread (the scheduler's minimum share), and a compute
+ * thread that loses its core for a moment holds up its peers at the next barrier. */
+void skippy_warm_hold(struct skippy_warm * w) { atomic_store(&w->until_ns, 0); }
+
+int64_t skippy_warm_spun_ns(struct skippy_warm * w) { return atomic_load(&w->spun_ns); }
+
+void skippy_warm_free(struct skippy_warm * w) {
+    if (w == NULL) return;
+    atomic_store(&w->stop, 1);
+    skippy_warm_wake(w);
+    for (int i = 0; i < w->n; i++) pthread_join(w->threads[i], NULL);
+    pthread_cond_destroy(&w->cv);
+    pthread_mutex_destroy(&w->mu);
+    free(w);
 }

@@ -47,6 +47,13 @@ def _at_least(low: float):
     return check
 
 
+def _between(low: float, high: float):
+    def check(_inst, attribute, value) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise Invalid(f"must be a number from {low:g} to {high:g}, got {value!r}", attribute.name)
+    return check
+
+
 def _in_range(low: int, high: int):
     def check(_inst, attribute, value) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -108,6 +115,8 @@ class RuntimeSection:
     threads: int = attrs.field(default=0, validator=_at_least(0))  # 0: automatic (see skippyd --help)
     # ggml thread pool: workers poll this long (0-100) then sleep; -1: llama.cpp's per-graph threads
     thread_poll: int = attrs.field(default=0, validator=_in_range(-1, 100))
+    # idle-class threads spin this long after each compute so the next starts on warm cores; 0: off
+    keep_warm_ms: float = attrs.field(default=0.0, validator=_between(0, 10_000))
     # skippy stages on one host take turns at the cores; auto: unless a stage has one thread
     compute_lock: str = attrs.field(default="auto", validator=_one_of(("auto", "on", "off")))
     # with several threads: fewer while that is much faster (other programs on the cores; ThreadChooser)
@@ -193,6 +202,7 @@ FLAG_KEYS = {
     "ctx": "runtime.ctx",
     "threads": "runtime.threads",
     "thread_poll": "runtime.thread_poll",
+    "keep_warm_ms": "runtime.keep_warm_ms",
     "compute_lock": "runtime.compute_lock",
     "adapt_threads": "runtime.adapt_threads",
     "flash_attn": "runtime.flash_attn",

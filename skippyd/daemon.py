@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--thread-poll", type=int, default=None, metavar="N",
                      help="ggml thread pool: workers spin N (0-100) before sleeping between graphs "
                           "(default 0); -1 uses llama.cpp's per-graph threads instead of a pool")
+    run.add_argument("--keep-warm-ms", type=float, default=None, metavar="MS",
+                     help="after each compute, a thread of the lowest scheduling class spins MS milliseconds on "
+                          "otherwise idle cores, so the next step does not start on cores gone cold (default 0: "
+                          "off; for a host that runs nothing but this stage, above the pipeline's round trip)")
     run.add_argument("--compute-lock", choices=("auto", "on", "off"), default=None,
                      help="skippy stages on this host take turns at the cores, each computing with all its "
                           "threads (default auto: on unless a stage has 1 thread; off: the stages of the "
@@ -269,6 +273,7 @@ class Daemon:
             lock = a.compute_lock == "on" or threads > 1
         cfg = StageConfig(n_ctx_per_seq=a.ctx, lanes=a.lanes, n_batch=a.batch, n_threads=threads, thread_poll=poll,
                           compute_lock=lock, adapt_threads=a.adapt_threads == "on", flash_attn=a.flash_attn,
+                          keep_warm_ms=a.keep_warm_ms,
                           decode_groups=self._decode_groups(),
                           credit_limit=a.credit, reply_timeout_s=a.reply_timeout,
                           direct_return=getattr(a, "direct_return", None) is not False,

@@ -56,12 +56,14 @@ stage = 1
 [runtime]
 lanes = 2
 threads = 3
+keep_warm_ms = 150
 [control]
 listen = "127.0.0.1:7400"
 token_file = "/run/skippy/token"
 """, "--lanes", "6", "--control", "127.0.0.1:9000")
     a = s.args
     assert a.lanes == 6 and a.threads == 3 and a.ctx == 4096  # flag > file > default
+    assert a.keep_warm_ms == 150 and settings(tmp_path, None).args.keep_warm_ms == 0
     assert a.control == ("127.0.0.1", 9000) and a.control_token_file == Path("/run/skippy/token")
     assert a.drain_grace == 12.5 and a.log_level == "warning" and a.stage == "1"
     assert a.topology == tmp_path / "split/topology.toml"  # relative to the file's directory
@@ -107,6 +109,7 @@ colour = "blue"
 [runtime]
 lanes = "4"
 ctx = 8
+keep_warm_ms = 20000
 [control]
 listen = "nowhere"
 [stage]
@@ -117,9 +120,10 @@ listen = "0.0.0.0:7400"
         load(path)
     problems = dict(info.value.problems)
     assert problems.keys() == {"daemon.log_level", "daemon.drain_grace", "daemon.colour", "runtime.lanes",
-                               "runtime.ctx", "control.listen", "extra"}
+                               "runtime.ctx", "runtime.keep_warm_ms", "control.listen", "extra"}
     assert problems["daemon.colour"] == problems["extra"] == "unknown key"
     assert "expected an integer" in problems["runtime.lanes"] and "at least 16" in problems["runtime.ctx"]
+    assert "a number from 0 to 10000" in problems["runtime.keep_warm_ms"]
     # at start: every problem on stderr, one line each, with the file and the key; exit status 2
     proc = run_skippyd("--config", str(path))
     assert proc.returncode == 2
@@ -131,6 +135,8 @@ listen = "0.0.0.0:7400"
     assert proc.returncode == 2 and f"{broken}: not valid TOML" in proc.stderr
     proc = run_skippyd("--config", str(tmp_path / "missing.toml"))
     assert proc.returncode == 2 and "missing.toml: no such file" in proc.stderr
+    proc = run_skippyd("--keep-warm-ms", "-5")  # a flag's value: the same check, named by the flag
+    assert proc.returncode == 2 and "--keep-warm-ms: must be a number from 0 to 10000, got -5" in proc.stderr
 
 
 def test_check_config_prints_the_settings_in_force(tmp_path):

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -119,8 +120,36 @@ async def test_stages_sharing_a_host_use_every_core_and_take_turns(two):
     # one host (loopback): one group of decoding sessions, the stages take turns at the cores
     for snap in await _snapshots(two):
         assert snap["compute"] == {"threads": os.cpu_count(), "thread_poll": 0, "compute_lock": os.cpu_count() > 1,
-                               "adapt_threads": True, "flash_attn": "off", "decode_groups": 1}
+                                   "adapt_threads": True, "flash_attn": "off", "decode_groups": 1,
+                                   "keep_warm_ms": 0.0, "keep_warm_spun_s": 0.0}
         assert snap["threads"]["configured"] == os.cpu_count() and snap["threads"]["adaptive"] == (os.cpu_count() > 1)
+
+
+def _idle_class_threads(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(t.name) for t in tasks.iterdir() if os.sched_getscheduler(int(t.name)) == os.SCHED_IDLE]
+
+
+@pytest.fixture
+def two_kept_warm(default_model_path, tmp_path):
+    split_for_test(default_model_path, 2, tmp_path)
+    pipe = Pipeline(tmp_path / "topology.toml", tmp_path,
+                    extra=["--lanes", "1", "--ctx", "512", "--keep-warm-ms", "30"]).start()
+    yield pipe
+    pipe.stop_cleanly()
+
+
+async def test_keep_warm_gives_every_stage_one_idle_class_spinner(two_kept_warm, two):
+    """--keep-warm-ms: the head and stage 1 each run one SCHED_IDLE thread, which spins after their computes
+    (status: compute.keep_warm_spun_s), and the answer is the one without it (the module's pipeline)."""
+    pipe = two_kept_warm
+    for daemon in pipe.stages.values():
+        assert len(_idle_class_threads(daemon.proc.pid)) == 1
+    result = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=16)
+    for snap in await _snapshots(pipe):
+        assert snap["compute"]["keep_warm_ms"] == 30
+        assert snap["compute"]["keep_warm_spun_s"] > 0.03  # at least once its whole while
+    assert result["tokens"] == (await two.generate(prompt=PROMPT, raw=True, max_tokens=16))["tokens"]
 
 
 @pytest.fixture

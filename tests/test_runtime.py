@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import os
 import platform
 import socket
 import time
@@ -519,3 +520,52 @@ def test_flash_attention_setting(default_model_path):
     with pytest.raises(InvalidArgumentError, match="flash_attn"):
         with Model(default_model_path) as model:
             Context(model, ContextParams(flash_attn="fast"))
+
+
+def _idle_class_threads() -> dict[int, int]:
+    """This process's SCHED_IDLE threads: tid -> nanoseconds on a CPU so far (schedstat)."""
+    out = {}
+    for tid in Path("/proc/self/task").iterdir():
+        try:
+            if os.sched_getscheduler(int(tid.name)) == os.SCHED_IDLE:
+                out[int(tid.name)] = int((tid / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            pass
+    return out
+
+
+def _spun_ms(before: dict[int, int], after: dict[int, int]) -> list[float]:
+    return [(after[tid] - before[tid]) / 1e6 for tid in before if tid in after]
+
+
+def test_keep_warm_spins_at_idle_class_after_each_compute(default_model_path):
+    """keep_warm_ms: one SCHED_IDLE thread, asleep until a compute ends, then spinning for that long (on a
+    CPU: the idle class gets what nothing else wants), asleep again after; the same tokens as without; closing
+    the context ends the thread. None without it; out-of-range values refused."""
+    assert ContextParams().keep_warm_ms == 0
+    before_any = set(_idle_class_threads())
+    with Model(default_model_path) as model:
+        with Context(model, ContextParams(n_ctx_per_seq=256, n_seq_max=1, n_threads=2)) as plain:
+            assert set(_idle_class_threads()) == before_any and plain.keep_warm_spun_s == 0
+        warm = Context(model, ContextParams(n_ctx_per_seq=256, n_seq_max=1, n_threads=2, keep_warm_ms=80))
+        threads = {tid: ns for tid, ns in _idle_class_threads().items() if tid not in before_any}
+        assert len(threads) == 1
+        time.sleep(0.15)
+        asleep = _idle_class_threads()
+        assert _spun_ms(threads, asleep) == [pytest.approx(0, abs=5)]  # no compute yet: asleep
+        warm.decode_row(0, 0, token=1)
+        time.sleep(0.3)
+        spun = _idle_class_threads()
+        assert 0.075 < warm.keep_warm_spun_s < 0.2  # 80 ms from the compute's end, then asleep again
+        assert 5 < _spun_ms(asleep, spun)[0] < 120  # ... and on a CPU meanwhile
+        time.sleep(0.15)
+        assert _spun_ms(spun, _idle_class_threads()) == [pytest.approx(0, abs=5)]
+        warm.close()
+        assert set(_idle_class_threads()) == before_any
+        for bad in (-1, 10_001):
+            with pytest.raises(InvalidArgumentError, match="keep_warm_ms"):
+                Context(model, ContextParams(keep_warm_ms=bad))
+    pooled = ContextParams(n_ctx_per_seq=1024, n_seq_max=1, n_threads=2, keep_warm_ms=50)
+    with LocalPipeline([default_model_path], PARAMS) as ref, LocalPipeline([default_model_path], pooled) as pipe:
+        prompt = ref.head.tokenize("The capital of France is")
+        assert pipe.generate(prompt, 16, stop_at_eog=False) == ref.generate(prompt, 16, stop_at_eog=False)

@@ -134,7 +134,7 @@ class HeadNode:
                     downstream=self.watch.describe() if self.watch is not None else None,
                     hot_path=self.engine.scheduler.hot_path.describe() if self.engine else None,
                     threads=self.engine.scheduler.threads.describe() if self.engine else None,
-                    compute=self.config.describe_compute(),
+                    compute=self.config.describe_compute(self.engine.context if self.engine else None),
                     prefill=self.engine.chunker.describe() if self.engine and self.engine.pool else None,
                     token_return=self.engine.describe_token_return() if self.engine else None)
         return snap

@@ -453,6 +453,13 @@ class ContextParams:
     # A persistent ggml thread pool whose workers poll this long (0-100) before sleeping;
     # None keeps llama.cpp's default (worker threads created and joined for every graph).
     threadpool_poll: int | None = None
+    # After each compute, a thread at the lowest scheduling class spins this long (0: none) on otherwise idle
+    # cores, so that the next step does not start on cores gone cold (native/llama_helpers.c, keep warm).
+    keep_warm_ms: float = 0.0
+    # ... and this many such threads. One: three stages on a 2-core VM with 10 ms links computed a token in
+    # 43 ms with one each, against 49 with none and 46-49 with two each (a SCHED_IDLE thread still takes a
+    # busy core for a moment now and then, and a compute thread held up so holds up its peers at a barrier).
+    keep_warm_threads: int = 1
     # llama.cpp's flash attention: "off", "on" or "auto" (llama.cpp decides; on for this CPU build). Off by
     # default: on this CPU build it halves decode speed once the context holds a few hundred tokens
     # (SmolLM2-135M, 2 threads: 44 vs 74 tok/s at 500 tokens, 38 vs 65 at 1000; BENCHMARKS.md).
@@ -460,6 +467,7 @@ class ContextParams:
 
 
 FLASH_ATTN_MODES = ("off", "on", "auto")
+MAX_KEEP_WARM_MS = 10_000
 
 
 class Context(_NativeObject):
@@ -477,6 +485,7 @@ class Context(_NativeObject):
         self._ptr = ffi.NULL
         self._batch = None
         self._threadpool = ffi.NULL
+        self._warm = ffi.NULL
         op = "create context"
         if params.n_seq_max < 1 or params.n_seq_max > 256:
             raise InvalidArgumentError(op, "n_seq_max must be in [1, 256]")
@@ -488,6 +497,8 @@ class Context(_NativeObject):
             raise InvalidArgumentError(op, "n_threads must be >= 1")
         if params.flash_attn not in FLASH_ATTN_MODES:
             raise InvalidArgumentError(op, f"flash_attn must be one of {', '.join(FLASH_ATTN_MODES)}")
+        if not 0 <= params.keep_warm_ms <= MAX_KEEP_WARM_MS:
+            raise InvalidArgumentError(op, f"keep_warm_ms must be in [0, {MAX_KEEP_WARM_MS}]")
         self.model = model
         self.params = params
         self.hidden_output = model.stage.output == "hidden"
@@ -519,6 +530,13 @@ class Context(_NativeObject):
                 self.close()
                 raise ContextError(op, "could not create the ggml thread pool")
             lib.llama_attach_threadpool(ptr, self._threadpool, self._threadpool)
+        self._warm_ns = int(params.keep_warm_ms * 1e6)
+        if self._warm_ns > 0:
+            self._warm = lib.skippy_warm_new(params.keep_warm_threads)
+            if self._warm == ffi.NULL:
+                err = ffi.errno
+                self.close()
+                raise ContextError(op, f"could not start the keep-warm threads: {os.strerror(err)}")
         self._mem = lib.llama_get_memory(ptr)
         self.n_batch = int(lib.llama_n_batch(ptr))
         self.n_seq_max = int(lib.llama_n_seq_max(ptr))
@@ -549,6 +567,24 @@ class Context(_NativeObject):
         if self._threadpool != ffi.NULL:
             lib.skippy_threadpool_free(self._threadpool)
             self._threadpool = ffi.NULL
+        if self._warm != ffi.NULL:
+            lib.skippy_warm_free(self._warm)
+            self._warm = ffi.NULL
+
+    @property
+    def keep_warm_spun_s(self) -> float:
+        """Seconds the keep-warm threads have spent spinning (wall time, all threads together; 0 without)."""
+        return lib.skippy_warm_spun_ns(self._warm) / 1e9 if self._warm != ffi.NULL else 0.0
+
+    def _computing(self) -> None:
+        """Before a compute: the keep-warm threads leave the cores to it."""
+        if self._warm != ffi.NULL:
+            lib.skippy_warm_hold(self._warm)
+
+    def _computed(self) -> None:
+        """After a compute (or a failed one): the keep-warm threads spin for their while from now."""
+        if self._warm != ffi.NULL:
+            lib.skippy_warm_touch(self._warm, self._warm_ns)
 
 
     def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
@@ -607,7 +643,10 @@ class Context(_NativeObject):
             raise LlamaError(op, "batch has no room for this input kind")
         self._out_rows = {}
         self._n_last = 0
-        _check_decode(op, lib.llama_decode(ptr, self._pbatch[0]))
+        self._computing()
+        rc = lib.llama_decode(ptr, self._pbatch[0])
+        self._computed()
+        _check_decode(op, rc)
         self._out_rows = last_rows
         self._n_last = n
 
@@ -624,7 +663,9 @@ class Context(_NativeObject):
             embd_c, token = ffi.from_buffer("float[]", self._hidden_input(op, embd, 1)), 0
         self._out_rows = {}
         self._n_last = 0
+        self._computing()
         rc = lib.skippy_decode_row(ptr, self._pbatch, token, embd_c, self.n_embd_inp, pos, seq)
+        self._computed()
         if rc == -100:
             raise LlamaError(op, "batch has no room for this input kind")
         _check_decode(op, rc)
@@ -644,9 +685,11 @@ class Context(_NativeObject):
                                                   fits=len(frame) - head_len == self.n_embd * 4 and head_len >= 0,
                                                   need=f"{self.n_embd * 4} bytes after its head")
         out = self._send_out
+        self._computing()
         rc = lib.skippy_decode_row_send(ptr, self._pbatch, token, embd_c, self.n_embd_inp, pos, seq,
                                         ffi.from_buffer("uint8_t[]", frame), head_len, len(frame), lock_fd, fd,
                                         out, out + 1)
+        self._computed()
         self._sent_row(op, rc, seq)
         return out[0], out[1]
 
@@ -662,10 +705,12 @@ class Context(_NativeObject):
                                                   fits=0 <= us_at and us_at + 16 <= len(frame) - 4,
                                                   need=f"room for the token and the times at {us_at}")
         out = self._send_out
+        self._computing()
         rc = lib.skippy_decode_row_sample_send(ptr, self._pbatch, token, embd_c, self.n_embd_inp, pos, seq,
                                                ffi.NULL if sampler is None else sampler._live(),
                                                ffi.from_buffer("uint8_t[]", frame), len(frame), us_at, lock_fd, fd,
                                                out, out + 1, self._token1)
+        self._computed()
         self._sent_row(op, rc, seq)
         return self._token1[0], out[0], out[1]
 

@@ -66,6 +66,7 @@ class StageConfig:
     compute_lock: bool = False  # take turns at the cores with the other stages on this host (HostComputeLock)
     adapt_threads: bool = True  # fewer threads while that is much faster (skippyd/stage/threads.py)
     flash_attn: str = "off"  # llama.cpp's flash attention: off | on | auto (see ContextParams)
+    keep_warm_ms: float = 0.0  # idle-class spinning after each compute (ContextParams.keep_warm_ms); 0: off
     # the stages compute at the same time (hosts of their own): keep this many groups of sessions in flight
     # (Scheduler.decode_groups; the daemon resolves 0, auto, from the topology's hosts)
     decode_groups: int = 1
@@ -73,12 +74,13 @@ class StageConfig:
     def context_params(self) -> ContextParams:
         return ContextParams(n_ctx_per_seq=self.n_ctx_per_seq, n_seq_max=self.lanes, n_batch=self.n_batch,
                              n_ubatch=self.n_batch, n_threads=self.n_threads, threadpool_poll=self.thread_poll,
-                             flash_attn=self.flash_attn)
+                             flash_attn=self.flash_attn, keep_warm_ms=self.keep_warm_ms)
 
-    def describe_compute(self) -> dict:
+    def describe_compute(self, context: Context | None = None) -> dict:
         return {"threads": self.n_threads, "thread_poll": self.thread_poll, "compute_lock": self.compute_lock,
                 "adapt_threads": self.adapt_threads, "flash_attn": self.flash_attn,
-                "decode_groups": self.decode_groups}
+                "decode_groups": self.decode_groups, "keep_warm_ms": self.keep_warm_ms,
+                "keep_warm_spun_s": round(context.keep_warm_spun_s, 3) if context is not None else 0.0}
 
     def scheduler(self, context: Context) -> Scheduler:
         return Scheduler(context, host_lock=HostComputeLock() if self.compute_lock else None,
@@ -211,7 +213,7 @@ class StageServer:
             scheduler=attrs.asdict(self.scheduler.stats) if self.scheduler else {},
             hot_path=self.scheduler.hot_path.describe() if self.scheduler else None,
             threads=self.scheduler.threads.describe() if self.scheduler else None,
-            compute=self.config.describe_compute(),
+            compute=self.config.describe_compute(self.context),
             queued=self.scheduler.queued if self.scheduler else 0,
             token_return=self.token_return.describe() if self.token_return else None,
             upstream_allow=self.upstream_allow.describe() if self.upstream_allow else None,
