@@ -5,7 +5,9 @@ difference of 10% between runs minutes apart).
     .venv/bin/python bench/ab_trees.py --base b10951d [--rounds 5] [--stages 2,3] [--link-delay-ms 10]
                                        [--streamed 4] [--model PATH] [--json out.json]
 
-``--base`` is a git revision, checked out in a temporary worktree; the other side is this working tree.
+``--base`` is a git revision, checked out in a temporary worktree; the other side is this working tree
+(with ``--this-args``' skippyd options too: ``--base HEAD --this-args "--keep-warm-ms 100"`` is an A/B of
+an option).
 Both run on this tree's native build (skippyd/_native): the comparison is of the Python. For each stage
 count, a pipeline of each version (one skippyd per stage, loopback, the default model or ``--model``) stays up
 for the whole run; each round measures every pipeline in turn (order reversed every other round) over two 96-token
@@ -76,6 +78,9 @@ def main() -> int:
                     help="GGUF to measure (default: the embedded default model), as bench_pipeline.py's")
     ap.add_argument("--daemon-args", default="", metavar="ARGS",
                     help='more skippyd options for both sides, one string (e.g. "--threads 1 --decode-groups 2")')
+    ap.add_argument("--this-args", default="", metavar="ARGS",
+                    help='skippyd options for this tree\'s side only: with --base HEAD, an A/B of an option '
+                         '(e.g. "--keep-warm-ms 100")')
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     extra = ["--lanes", str(max(2, args.streamed)), "--ctx", "1024", *shlex.split(args.daemon_args)]
@@ -97,7 +102,8 @@ def main() -> int:
                     work.mkdir()
                     procs.split_for_test(model, n, work)
                     procs.REPO = tree  # the daemons run `python -m skippyd.daemon` from this tree
-                    pipes[(name, n)] = procs.Pipeline(work / "topology.toml", work, extra=extra).start()
+                    own = shlex.split(args.this_args) if name == "this" else []
+                    pipes[(name, n)] = procs.Pipeline(work / "topology.toml", work, extra=extra + own).start()
                     results[(name, n)] = []
             for r in range(args.rounds):
                 order = list(pipes) if r % 2 == 0 else list(reversed(list(pipes)))
