@@ -260,6 +260,11 @@ class Daemon:
             log.warning("--threads %d is more than this host's %d cores: ggml's threads wait for each other at "
                         "every barrier, which slows a step down several times; %s", a.threads, cores, then)
         poll = a.thread_poll if a.thread_poll >= 0 else None
+        if a.keep_warm_ms and n_local > 1:
+            log.warning("--keep-warm-ms with %d stages of the topology on this host: each one's keep-warm thread "
+                        "takes the cores from the others' computes now and then, which holds up their threads at "
+                        "every barrier (3 stages on loopback: 10 ms a token became 17, BENCHMARKS.md); it is for "
+                        "hosts that run one stage", n_local)
         # ggml's workers spin at every barrier, so stages computing on the same cores at once slow each
         # other down badly (two 2-thread stages on 2 cores: a third of the speed, BENCHMARKS.md). Taking
         # turns (the compute lock; pool workers sleep between graphs) every stage can use every core.

@@ -145,6 +145,8 @@ async def test_keep_warm_gives_every_stage_one_idle_class_spinner(two_kept_warm,
     pipe = two_kept_warm
     for daemon in pipe.stages.values():
         assert len(_idle_class_threads(daemon.proc.pid)) == 1
+        # both on this host: told that their spinners slow each other down (it is for hosts of their own)
+        assert "--keep-warm-ms with 2 stages of the topology on this host" in daemon.log()
     result = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=16)
     for snap in await _snapshots(pipe):
         assert snap["compute"]["keep_warm_ms"] == 30
