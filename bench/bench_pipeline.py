@@ -362,10 +362,10 @@ def main() -> int:
                 warm = [("", [])] + ([(" kept warm", ["--keep-warm-ms", str(args.keep_warm_ms)])]
                                      if args.keep_warm_ms > 0 else [])
                 for n in (2, 3):
-                    work = tmp / f"delay{n}"
-                    work.mkdir()
-                    split_for_test(model, n, work)
-                    for label, flags in warm:
+                    for label, flags in warm:  # each pipeline its own topology (ports)
+                        work = tmp / f"delay{n}{label.replace(' ', '-')}"
+                        work.mkdir()
+                        split_for_test(model, n, work)
                         configs[f"{n}-stage{label}"] = Pipeline(
                             work / "topology.toml", work,
                             extra=[*common, "--link-delay-ms", str(args.delay_ms), *flags]).start()
