@@ -218,8 +218,10 @@ void skippy_threadpool_free(struct ggml_threadpool * threadpool) {
  * (SmolLM2-135M, 3 stages on one 2-core VM, 10 ms links: 5.4 ms a stage against 2.7; BENCHMARKS.md). This is
  * what llama.cpp's own --poll does for its workers, without taking cores from other threads. */
 struct skippy_warm {
-    pthread_mutex_t mu;  /* start-up only: touch() takes no lock, which a SCHED_IDLE thread could hold */
-    pthread_cond_t cv;   /* for a long while when preempted */
+    /* start-up only. touch() and hold() take no lock: a SCHED_IDLE thread preempted while it held one would
+     * hold up the compute thread that wants it for milliseconds (a first version's tails) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
     _Atomic int64_t until_ns;  /* CLOCK_MONOTONIC: spin until then */
     _Atomic int64_t spun_ns;   /* time the threads have spun, all together (for tests and status) */
     _Atomic uint32_t seq;      /* the futex sleeping threads wait on: bumped by every touch */
@@ -279,8 +281,9 @@ static void skippy_warm_wake(struct skippy_warm * w) {
 
 void skippy_warm_free(struct skippy_warm * w);
 
-/* n spinning threads (as many as the stage computes with), asleep until the first touch. NULL, with errno
- * set, if a thread could not be created or could not take the SCHED_IDLE class (none runs at another). */
+/* n spinning threads (skippy runs one: ContextParams.keep_warm_threads), asleep until the first touch. NULL,
+ * with errno set, if a thread could not be created or could not take the SCHED_IDLE class (none runs at
+ * another). */
 struct skippy_warm * skippy_warm_new(int n) {
     if (n < 1 || n > 256) { errno = EINVAL; return NULL; }
     struct skippy_warm * w = calloc(1, sizeof *w + (size_t) n * sizeof(pthread_t));
