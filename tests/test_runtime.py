@@ -535,6 +535,7 @@ def _idle_class_threads() -> dict[int, int]:
 
 
 def _spun_ms(before: dict[int, int], after: dict[int, int]) -> list[float]:
+    """Milliseconds on a CPU between two _idle_class_threads() of the threads in ``before``."""
     return [(after[tid] - before[tid]) / 1e6 for tid in before if tid in after]
 
 
@@ -551,11 +552,11 @@ def test_keep_warm_spins_at_idle_class_after_each_compute(default_model_path):
         threads = {tid: ns for tid, ns in _idle_class_threads().items() if tid not in before_any}
         assert len(threads) == 1
         time.sleep(0.15)
-        asleep = _idle_class_threads()
+        asleep = {tid: ns for tid, ns in _idle_class_threads().items() if tid in threads}
         assert _spun_ms(threads, asleep) == [pytest.approx(0, abs=5)]  # no compute yet: asleep
         warm.decode_row(0, 0, token=1)
         time.sleep(0.3)
-        spun = _idle_class_threads()
+        spun = {tid: ns for tid, ns in _idle_class_threads().items() if tid in threads}
         assert 0.075 < warm.keep_warm_spun_s < 0.2  # 80 ms from the compute's end, then asleep again
         assert 5 < _spun_ms(asleep, spun)[0] < 120  # ... and on a CPU meanwhile
         time.sleep(0.15)
