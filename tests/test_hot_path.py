@@ -33,7 +33,9 @@ def test_host_lock_excludes_other_handles_and_processes(tmp_path):
         probe = ("import sys; from skippyd.stage.host_lock import HostComputeLock; "
                  "sys.exit(0 if HostComputeLock(sys.argv[1]).try_acquire() else 3)")
         assert subprocess.run([sys.executable, "-c", probe, str(path)]).returncode == 3
+        assert a.held() and b.held()  # what a stage idle on fewer threads asks before it looks at the cores
         a.release()
+        assert not a.held() and not b.held()
         assert b.try_acquire()
         b.release()
         assert subprocess.run([sys.executable, "-c", probe, str(path)]).returncode == 0

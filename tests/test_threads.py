@@ -6,7 +6,17 @@ from __future__ import annotations
 
 import math
 
-from skippyd.stage.threads import FEWER_RECHECK_S, JUDGE_EVERY, RECHECK_MIN_S, RECHECK_S, TICK_S, WINDOW, ThreadChooser
+from skippyd.stage.threads import (
+    ALARM_STEPS,
+    FEWER_RECHECK_S,
+    JUDGE_EVERY,
+    POSTPONE_TICKS,
+    RECHECK_MIN_S,
+    RECHECK_S,
+    TICK_S,
+    WINDOW,
+    ThreadChooser,
+)
 
 
 class Clock:
@@ -141,6 +151,26 @@ def test_while_a_load_stays_the_tries_of_more_threads_thin_out_to_one_per_rechec
     assert chooser.current == 1
 
 
+def test_while_a_load_stays_on_a_host_it_can_look_at_it_tries_more_threads_only_once_the_cores_are_free():
+    """Decoding on one thread while two busy programs hold the cores: the looks at the host's cores call off
+    every try of two threads (each would cost a step ~4x as slow); once the load goes, the next look lets the
+    try happen and it wins."""
+    cpu = HostCpu(Clock())
+    loaded = {2: 120.0, 1: 30.0}
+    chooser, clock = halved_by_a_load(loaded, cpu)
+    cpu.busy = 2.0  # the load and this stage's own thread: no core idle
+    picked = [threads for _, threads in run_timed(chooser, clock, 5 * RECHECK_S, loaded)]
+    assert set(picked) == {1} and chooser.current == 1
+    # a look every RECHECK_MIN_S, at the next look at the median (every JUDGE_EVERY steps)
+    assert chooser.describe()["skipped_tries"] >= 5 * RECHECK_S / (RECHECK_MIN_S + JUDGE_EVERY * loaded[1] / 1e3) - 2
+    cpu.busy = 1.0  # the load went: this stage's thread only
+    switched = clock.now
+    picked = run_timed(chooser, clock, RECHECK_S, {2: 13.0, 1: 22.0})
+    back = next(t for t, threads in picked if threads == 2)
+    assert back - switched < RECHECK_MIN_S + (WINDOW + JUDGE_EVERY) * 22.0 / 1e3
+    assert chooser.current == 2 and chooser.switches == 2
+
+
 def test_after_a_pause_with_the_cores_free_the_next_compute_is_on_all_threads():
     """The load went while no session decoded: the next prompt's prefill is computed with two threads, and
     the decode steps after it keep them."""
@@ -204,6 +234,30 @@ def test_the_turns_of_stages_sharing_the_host_lock_count_as_free_cores():
     assert chooser.pick() == 1
 
 
+def test_a_look_waits_while_a_stage_sharing_the_host_computes_a_chunk_not_yet_tallied():
+    """Idle on one thread, the cores free for a while, then the stage before it starts the prompt's first
+    chunk (its CPU time reaches the tally only when it ends) and a tick falls in the middle of it: the look
+    waits for the chunk's end instead of calling off the trial the prompt will start; at most
+    POSTPONE_TICKS ticks, then it looks anyway."""
+    for postponing in (True, False):
+        cpu = HostCpu(Clock())
+        tally, holding = [0.0], [False]
+        chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0}, cpu, shared_cpu=lambda: tally[0],
+                                          shared_busy=(lambda: holding[0]) if postponing else None)
+        cpu.idle(chooser, RECHECK_S + 2 * TICK_S, busy=0.0)  # a look at its end: the cores were free
+        cpu.idle(chooser, 0.3 * TICK_S, busy=0.0)
+        holding[0] = True  # the chunk, on both cores, with the next look in its middle
+        cpu.idle(chooser, TICK_S, busy=2.0)
+        tally[0] += 2.0 * TICK_S  # it ends and is tallied; its frame reaches this stage
+        holding[0] = False
+        assert chooser.pick() == (2 if postponing else 1)
+    # a lock held for long (a neighbour decoding without end): looks are put off POSTPONE_TICKS times only
+    cpu = HostCpu(Clock())
+    chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0}, cpu, shared_cpu=lambda: 0.0, shared_busy=lambda: True)
+    cpu.idle(chooser, RECHECK_S + (POSTPONE_TICKS + 2) * TICK_S, busy=0.0)
+    assert chooser.pick() == 2
+
+
 def test_fewer_threads_must_undo_the_slowdown_that_started_their_trial():
     """One thread a little faster than two slowed down (a noisy spell of a shared VM, or steps too small to
     share well): a switch would cost more in the steps it takes to come back than it gains while the spell
@@ -225,6 +279,34 @@ def test_a_load_that_begins_within_the_window_is_judged_on_the_steps_under_it():
         run(chooser, before, {2: 15.0, 1: 25.0})
         picked = run(chooser, 60, {2: 45.0, 1: 28.0})
         assert chooser.current == 1 and chooser.switches == 1 and set(picked[-40:]) == {1}, before
+
+
+def test_a_load_that_makes_every_step_many_times_slower_is_met_after_alarm_steps():
+    """Two busy programs on two cores: a step of two threads takes ~20 times as long. The trial of one thread
+    starts after ALARM_STEPS such steps, not after a window of them, and is judged against them."""
+    chooser = ThreadChooser(2)
+    run(chooser, 20, {2: 13.0, 1: 22.0})
+    picked = run(chooser, 20, {2: 260.0, 1: 30.0})
+    assert picked[:ALARM_STEPS] == [2] * ALARM_STEPS and set(picked[ALARM_STEPS:]) == {1}
+    assert chooser.current == 1 and chooser.switches == 1
+
+
+def test_a_lone_slow_step_starts_no_trial():
+    """A VM's hiccup: one step in five ten times as long. Only the trial after the first baseline is made."""
+    chooser = ThreadChooser(2)
+    picked = run(chooser, 20, {2: 13.0, 1: 22.0})
+    for _ in range(40):
+        picked += run(chooser, 4, {2: 13.0, 1: 22.0}) + run(chooser, 1, {2: 130.0, 1: 22.0})
+    assert chooser.trials == 1 and picked.count(1) == 1 and chooser.current == 2
+
+
+def test_a_many_times_slower_step_that_one_thread_does_not_help_costs_one_step():
+    """An alarm's trial of one thread that is slower still ends at its first step, and the slow steps become
+    the baseline: no alarm again while they last."""
+    chooser = ThreadChooser(2)
+    run(chooser, 20, {2: 13.0, 1: 22.0})
+    picked = run(chooser, 100, {2: 50.0, 1: 90.0})
+    assert picked.count(1) == 1 and chooser.trials == 2 and chooser.current == 2
 
 
 def test_a_slowdown_that_one_thread_does_not_help_is_the_new_baseline():

@@ -116,6 +116,11 @@ class HostComputeLock:
         total = _TALLY.unpack(raw)[0]
         return total if math.isfinite(total) and total >= 0 else 0.0
 
+    def held(self) -> bool:
+        """Whether a process holds the lock now (a stage of this host computes), from /proc/locks, without
+        touching the lock; False where that cannot be told."""
+        return self._fd >= 0 and bool(lock_holder(self._fd))
+
     def try_acquire(self) -> bool:
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

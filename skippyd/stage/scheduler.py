@@ -206,7 +206,8 @@ class Scheduler:
         self._busy = False  # the serve task is between its wake-up and its next wait
         # decode (and prefill) with the configured threads, or fewer while that is much faster (threads.py)
         self.threads = ThreadChooser(ctx.params.n_threads, enabled=adapt_threads, cores=os.cpu_count(),
-                                     shared_cpu=host_lock.compute_cpu_s if host_lock is not None else None)
+                                     shared_cpu=host_lock.compute_cpu_s if host_lock is not None else None,
+                                     shared_busy=host_lock.held if host_lock is not None else None)
         self._threads_now = ctx.params.n_threads
 
     # ---------------------------------------------------------------- clients

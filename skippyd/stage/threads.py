@@ -27,8 +27,17 @@ between the configured count and its halves down to one (8, 4, 2, 1):
   half SLOWER times its older half), the trial is compared with the newer half's median (against the
   whole window's, a median of steps from before and under the load, a trial could lose, that median became
   the baseline, and the stage kept two threads while the load lasted);
+- a load that makes every step many times slower (ALARM times the count's baseline, ALARM_STEPS steps in a
+  row) starts that trial at once, judged against those steps, without waiting for a window of them: with
+  two busy programs on a 2-core host a step of two threads took ~20 times as long, so the window's wait was
+  ~2.5 s of crawling at each onset of a load (a 32-token generation of a 2-stage pipeline: 13.9 tok/s against
+  36 on one thread). A lone slow step (a VM's hiccup) starts nothing;
 - below the configured count, it tries twice as many RECHECK_MIN_S after the switch, then twice as long
-  after each lost try, up to every RECHECK_S, and keeps them once faster by GAIN. On a shared VM other
+  after each lost try, up to every RECHECK_S, and keeps them once faster by GAIN. Where it can look at the
+  host's cores (Linux), a try is made only if the cores the extra threads need were free since the last
+  look (otherwise it looks again RECHECK_MIN_S later): under a load that stays, each try cost a step on
+  more threads, several times slower (two busy programs on two cores: ~120 ms against ~20 on one thread,
+  at 0.25, 0.5, 1 and every 2 s). On a shared VM other
   guests take a core for a second or so now and then: the stage halves near the end of such a spell and,
   with a fixed 2 s, computed at ~0.55 of its speed for 2 s after it (a 2-stage pipeline of a 463 MB model
   decoded 17% slower than with the chooser off in a round with two such switches).
@@ -38,6 +47,9 @@ between the configured count and its halves down to one (8, 4, 2, 1):
   threads. What the host's stages computed holding the host compute lock counts as free (``shared_cpu``,
   the lock's tally): the stage would take turns with them (a stage idle while the stage before it
   prefilled the next prompt saw the cores busy, and computed its share of the prompt on fewer threads).
+  A compute adds to the tally only when it ends, so while one holds the lock (``shared_busy``) the look
+  waits for the next tick, up to POSTPONE_TICKS times: a look in the middle of the previous stage's
+  first prefill chunk saw the chunk's cores busy and called off the trial the prompt was about to start.
   A prompt that arrives once the load has gone is computed on all threads, not on the count its last
   decode steps were left on (the decode steps after it judge the trial); under a load that stays,
   nothing changes. Elsewhere than on Linux, such a stage waits for decode steps as before.
@@ -71,12 +83,15 @@ TRIAL_STEPS = 4  # decode batches of one size a trial measures
 TRIAL_MAX_STEPS = 16  # a trial that saw no TRIAL_STEPS batches of one size by then ends with no change
 WINDOW = 8  # recent decode batches kept per thread count and batch size
 JUDGE_EVERY = 4  # decode batches between two looks at the recent median
+ALARM = 3.0  # a step this many times its count's baseline ...
+ALARM_STEPS = 2  # ... this many in a row start a trial of half as many threads at once
 ABORT = 1.0  # a trial's step this many times slower than the current count's median ends it, lost
 FEWER_RECHECK_S = 30.0  # the most decode compute time between two trials of fewer threads
 RECHECK_MIN_S = 0.25  # below the configured count: the first try of twice as many threads, after a switch
 RECHECK_S = 2.0  # ... and the longest wait between two tries (each lost one doubles it)
 TICK_S = 1.0  # below the configured count and idle: how often it looks at the host's cores ...
 FREE_SLACK = 0.5  # ... for twice as many free cores, less this, over the last TICK_S
+POSTPONE_TICKS = 3  # looks put off in a row while a stage sharing the host computes under the lock
 
 try:
     _CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/stat's unit
@@ -100,7 +115,8 @@ class ThreadChooser:
     def __init__(self, configured: int, *, enabled: bool = True, cores: int | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  cpu_times: Callable[[], tuple[float, float] | None] | None = host_cpu_times,
-                 shared_cpu: Callable[[], float | None] | None = None):
+                 shared_cpu: Callable[[], float | None] | None = None,
+                 shared_busy: Callable[[], bool] | None = None):
         self.configured = configured
         self.enabled = enabled and configured > 1
         # more threads than cores wait for each other at every barrier: start on as many as there are cores
@@ -121,12 +137,18 @@ class ThreadChooser:
         self._descending = False  # half as many won the last trial: try half again after a WINDOW of them
         self._cores = cores
         self._cpu_times = cpu_times  # None: no looks at the cores while idle
-        self._cpu_mark: tuple[float, float] | None = None  # the host's cpu times at the last tick
+        self._cpu_mark: tuple | None = None  # the host's cpu times and the lock's tally at the last tick
+        self._recheck_mark: tuple | None = None  # ... at the last switch or look before a trial of more threads
+        self.skipped_tries = 0  # tries of more threads called off: the cores they need were busy
         self._shared_cpu = shared_cpu  # the host compute lock's tally (CPU s computed under it), if any
-        self._shared_mark: float | None = None  # ... at the last tick
+        self._shared_busy = shared_busy  # whether a stage of this host holds the lock (computes) now
+        self._postponed = 0  # looks put off in a row for that
         self._last_step = -math.inf  # the clock at the last decode batch below the configured count, or on trial
         self._since_fewer_s = 0.0  # compute time of the decode batches since the last trial of fewer threads
         self._armed: int | None = None  # a trial the next compute starts (the cores were free while idle)
+        self._alarms: list[float] = []  # the latest steps in a row of ALARM times their baseline (one key)
+        self._alarm_key: tuple[int, int] | None = None
+        self._trial_ref: float | None = None  # what a trial started by an alarm is compared with
 
     def pick(self) -> int:
         """The thread count for the next compute."""
@@ -146,26 +168,53 @@ class ThreadChooser:
         for the next compute if as many cores were free since the last tick (called off if not any more)."""
         if not math.isfinite(self.tick_s()):
             return
-        times, last = self._cpu_times(), self._cpu_mark
-        shared, shared_last = self._shared_cpu() if self._shared_cpu is not None else None, self._shared_mark
-        self._cpu_mark, self._shared_mark = times, shared
-        if times is None or last is None or self._trial is not None or self._clock() - self._last_step < RECHECK_S:
+        due = self._trial is None and self._cpu_mark is not None and self._clock() - self._last_step >= RECHECK_S
+        if due and self._shared_busy is not None and self._postponed < POSTPONE_TICKS and self._shared_busy():
+            self._postponed += 1  # its compute is not in the tally yet: look once it is
             return
-        idle, total = times[0] - last[0], times[1] - last[1]
-        if shared is not None and shared_last is not None:
-            idle += max(0.0, shared - shared_last)  # the turns of the stages taking turns with this one
+        self._postponed = 0
+        last, self._cpu_mark = self._cpu_mark, self._host_mark()
+        if last is None or self._trial is not None or self._clock() - self._last_step < RECHECK_S:
+            return
+        free = self._free_cores(last, self._cpu_mark)
         more = min(self.configured, self.current * 2)
-        free = min(self._cores, self._cores * idle / total) if total > 0 else 0.0
-        if free >= more - FREE_SLACK:
+        if free is not None and free >= more - FREE_SLACK:
             if self._armed is None:
                 log.debug("compute threads: %d next (%.1f cores free while idle)", more, free)
             self._armed = more
         else:
             self._armed = None
 
+    def _host_mark(self) -> tuple[tuple[float, float], float | None] | None:
+        """The host's (idle, all) core time and the host lock's tally now; None where there is no /proc/stat."""
+        times = self._cpu_times() if self._cpu_times is not None and self._cores else None
+        if times is None:
+            return None
+        return times, self._shared_cpu() if self._shared_cpu is not None else None
+
+    def _free_cores(self, since: tuple | None, now: tuple | None) -> float | None:
+        """Cores free between two marks, the host's stages' turns under the lock counted as free (this one
+        would take turns with them); None if that cannot be told."""
+        if since is None or now is None:
+            return None
+        (times, shared), (last, shared_last) = now, since
+        idle, total = times[0] - last[0], times[1] - last[1]
+        if total <= 0:
+            return None
+        if shared is not None and shared_last is not None:
+            idle += max(0.0, shared - shared_last)  # the turns of the stages taking turns with this one
+        return min(self._cores, self._cores * idle / total)
+
+    def _cores_for(self, more: int) -> bool:
+        """Before a trial of `more` threads while decoding on fewer: whether the cores the extra ones need were
+        free (less FREE_SLACK) since the last such look or switch; True where that cannot be told."""
+        last, self._recheck_mark = self._recheck_mark, self._host_mark()
+        free = self._free_cores(last, self._recheck_mark)
+        return free is None or free >= more - self.current - FREE_SLACK
+
     def describe(self) -> dict:
         return {"configured": self.configured, "now": self.current, "trying": self._trial, "adaptive": self.enabled,
-                "switches": self.switches, "trials": self.trials}
+                "switches": self.switches, "trials": self.trials, "skipped_tries": self.skipped_tries}
 
     def observe(self, threads: int, rows: int, seconds: float) -> None:
         """A decode batch of `rows` sessions took `seconds` of native compute with `threads` threads."""
@@ -186,13 +235,20 @@ class ThreadChooser:
         recent.append(seconds)
         self._observed += 1
         self._since_fewer_s += seconds
+        if self._alarmed(key, seconds):
+            return
         if len(recent) < WINDOW or self._observed % JUDGE_EVERY:  # a median per step would cost every step
             return
         if self._descending and threads > 1:  # half as many just won: not necessarily the last halving
             self._start_trial(threads // 2)
             return
         if threads < self.configured and self._clock() >= self._recheck_at:
-            self._start_trial(min(self.configured, threads * 2))
+            more = min(self.configured, threads * 2)
+            if self._cores_for(more):
+                self._start_trial(more)
+            else:  # the load stays: no trial, no slow step; a look costs nothing, so look again soon
+                self.skipped_tries += 1
+                self._recheck_at = self._clock() + RECHECK_MIN_S
             return
         now = statistics.median(recent)
         base = self._baseline.get(key)
@@ -210,6 +266,26 @@ class ThreadChooser:
             # faster than its baseline: that was measured under load (a stage that started on a busy host and
             # lost its first trial to noise), or on a longer context; a later load is judged from this one
             self._baseline[key] = now
+
+    def _alarmed(self, key: tuple[int, int], seconds: float) -> bool:
+        """Count a step ALARM times its baseline; the ALARM_STEPS-th in a row starts a trial of half as many
+        threads, compared with those steps' median (the window still holds the steps from before the load)."""
+        base = self._baseline.get(key)
+        if base is None or key[0] <= 1 or seconds < ALARM * base:
+            self._alarms = []
+            return False
+        if self._alarm_key != key:
+            self._alarms, self._alarm_key = [], key
+        self._alarms.append(seconds)
+        if len(self._alarms) < ALARM_STEPS:
+            return False
+        log.debug("compute threads: trying %d: %d decode steps of %d session(s) in a row took %.1f ms (median) "
+                  "with %d, %.1fx its baseline", key[0] // 2, len(self._alarms), key[1],
+                  statistics.median(self._alarms) * 1e3, key[0], statistics.median(self._alarms) / base)
+        self._start_trial(key[0] // 2)
+        self._trial_ref = statistics.median(self._alarms)
+        self._alarms = []
+        return True
 
     def _start_trial(self, threads: int) -> None:
         self._trial, self._trial_times, self._trial_steps = threads, {}, 0
@@ -232,6 +308,8 @@ class ThreadChooser:
         for fewer threads when a load began within the window (its newer half SLOWER times its older half),
         that of the newer half: the whole window's would mix steps from before the load with steps under it,
         and taken for the baseline after a lost trial, the load's steps would never be SLOWER times it."""
+        if self._trial_ref is not None and rows == self._alarm_key[1]:
+            return self._trial_ref
         recent = self._recent.get((self.current, rows))
         if not recent:
             return None
@@ -268,6 +346,7 @@ class ThreadChooser:
             self._recheck_s = min(RECHECK_S, 2 * self._recheck_s)
         if self.current < self.configured:
             self._recheck_at = self._clock() + self._recheck_s
+            self._recheck_mark = self._host_mark()
 
     def _end_trial(self) -> None:
-        self._trial, self._trial_times, self._trial_steps = None, {}, 0
+        self._trial, self._trial_times, self._trial_steps, self._trial_ref = None, {}, 0, None
