@@ -286,7 +286,8 @@ def print_table(title: str, tab: dict, rows: list[tuple[str, str]], base: str | 
             if base is not None and key in tab.get(base, {}) and tab[base][key]["median"]:
                 ratio = f" x{s['median'] / tab[base][key]['median']:.2f}"
             digits = 0 if s["median"] >= 1000 else 2
-            cells.append(f"{s['median']:.{digits}f} ({s['min']:.{max(digits - 1, 0)}f}-{s['max']:.{max(digits - 1, 0)}f})"
+            spread = max(digits - 1, 0)
+            cells.append(f"{s['median']:.{digits}f} ({s['min']:.{spread}f}-{s['max']:.{spread}f})"
                          f"{ratio}")
         print(f"{label:38}" + "".join(f"{c:>30}" for c in cells))
 

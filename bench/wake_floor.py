@@ -7,7 +7,8 @@ small reply, and go back to waiting while the rest of the pipeline computes.
 A driver process sends a frame, waits for the reply, then stays away ``--gap-ms`` (a busy loop, as a
 stage computing elsewhere on the host keeps a core busy) before the next; the server (its own process)
 measures its thread's CPU per step. Printed per gap: median and spread over 3 runs of the server's CPU per
-step, in ms, for the trio server and for the same loop on a blocking socket without an event loop. The idle gap is what matters on a VM: a thread woken after milliseconds idle finds its caches
+step, in ms, for the trio server and for the same loop on a blocking socket without an event loop. The idle
+gap is what matters on a VM: a thread woken after milliseconds idle finds its caches
 cold and pays for the wake-up itself, so the same few hundred instructions cost several times what they
 cost back to back. Compare with the suite's "event loop CPU ms / step" rows (bench/bench_pipeline.py) and
 bench/ab_trees.py, whose stages see gaps of 5-15 ms per step.

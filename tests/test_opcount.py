@@ -50,6 +50,7 @@ def test_counts_the_signalled_window_in_proportion_to_the_work(tmp_path):
 def test_counts_nothing_without_its_variable(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SKIPPY_OPCOUNT_DIR"}
     env["PYTHONPATH"] = str(REPO / "bench" / "opcount")
-    proc = subprocess.run([sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL)"],
+    probe = "import signal; print(signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL)"
+    proc = subprocess.run([sys.executable, "-c", probe],
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stdout + proc.stderr

@@ -341,8 +341,8 @@ def test_one_unpack_reply_is_the_general_decode_or_declines(data):
     fast = codec.decode_reply_at(buf, len(lead), limits, accept)
     if fast is None:
         # it declines only what it may: a whole, valid ack or prediction that is accepted is always its own
-        assert (mutations or cut < len(frame) or type(reply) not in (Ack, PredictedToken) or limits is not DEFAULT_LIMITS
-                or accept is not None and reply.kind not in accept)
+        assert (mutations or cut < len(frame) or type(reply) not in (Ack, PredictedToken)
+                or limits is not DEFAULT_LIMITS or accept is not None and reply.kind not in accept)
         return
     got, end = fast
     assert end == len(lead) + len(frame) and cut == len(frame)
