@@ -25,7 +25,9 @@ def _table(data: dict) -> Table:
                         + (" · draining" if data.get("draining") else ""),
                   caption=f"{load.get('live_generations', 0)} generations running, "
                           f"{load.get('totals', {}).get('generations', 0)} done; skippy {data.get('version')}"
-                          + _down((data.get("head") or {}).get("downstream")) + _listening(data.get("listeners")))
+                          + _down((data.get("head") or {}).get("downstream"))
+                          + _lanes_task((data.get("head") or {}).get("lanes_task"))
+                          + _listening(data.get("listeners")))
     for s in (data.get("topology") or {}).get("stages", []):
         table.add_row(str(s["index"]), s["address"], f"[{s['layers'][0]},{s['layers'][1]})",
                       "yes" if s["local"] else "no", threads.get(s["index"], "-"), _yes(s["reachable"]),
@@ -54,6 +56,13 @@ def _down(watch: dict | None) -> str:
     if not watch or watch.get("state") != "down":
         return ""
     return f"\nstage {watch['stage']} is DOWN: {watch.get('error')}"
+
+
+def _lanes_task(task: dict | None) -> str:
+    """The head's task that keeps lanes open failed unexpectedly (a bug: it goes on, the log has the rest)."""
+    if not task or not task.get("failures"):
+        return ""
+    return f"\nkeeping lanes open FAILED {task['failures']} time(s), last: {task.get('last_error')} (see the log)"
 
 
 def _listening(listeners: list[dict] | None) -> str:

@@ -268,7 +268,9 @@ async def test_decode_groups_keep_sessions_in_groups_one_in_flight_per_stage(def
                     extra=[*COMMON, "--threads", "1", "--compute-lock", "off", "--decode-groups", "2"])
     await trio.to_thread.run_sync(pipe.start)
     try:
-        assert (await pipe.head.astatus())["head"]["compute"]["decode_groups"] == 2
+        head = (await pipe.head.astatus())["head"]
+        assert head["compute"]["decode_groups"] == 2
+        assert head["lanes_task"] == {"failures": 0, "last_error": None}
         before, after = await alone_then_together(pipe, 4, 24)
         for k in (0, 1):
             per_batch = decode_steps_per_batch(before[k], after[k])
@@ -448,7 +450,11 @@ async def test_the_lanes_task_outlives_an_unexpected_error(autojump_clock, caplo
         async def warm(self) -> None:
             calls.append("warm")
 
+    node = SimpleNamespace(pool=Pool(), lanes_task_failures=0, lanes_task_error=None)
     with trio.move_on_after(3.0):
-        await HeadNode._keep_lanes_warm(SimpleNamespace(pool=Pool()))
+        await HeadNode._keep_lanes_warm(node)
     assert calls[:3] == ["prune", "prune", "warm"] and calls.count("warm") >= 2
     assert "keeping the lanes warm failed" in caplog.text
+    # and status says so (head.lanes_task), not only the log
+    assert node.lanes_task_failures == 1 and node.lanes_task_error == "ValueError: list.remove(x): x not in list"
+

@@ -44,6 +44,9 @@ class HeadNode:
         self.hub: TokenReturnHub | None = None
         self.watch: StageWatch | None = None
         self.model: Model | None = None
+        # the lanes task's unexpected errors (bugs): logged, and shown in status (head.lanes_task)
+        self.lanes_task_failures = 0
+        self.lanes_task_error: str | None = None
 
     @property
     def single_stage(self) -> bool:
@@ -124,8 +127,10 @@ class HeadNode:
             try:
                 await pool.prune()
                 await pool.warm()
-            except Exception:  # noqa: BLE001 - best effort: a bug here must not take the head down
+            except Exception as exc:  # noqa: BLE001 - best effort: a bug here must not take the head down
                 log.exception("head: keeping the lanes warm failed; trying again")
+                self.lanes_task_failures += 1
+                self.lanes_task_error = f"{type(exc).__name__}: {exc}"
             backoff = 1.0 if pool.last_error is None else min(backoff * 2, 10.0)
 
     def snapshot(self) -> dict:
@@ -136,7 +141,9 @@ class HeadNode:
                     threads=self.engine.scheduler.threads.describe() if self.engine else None,
                     compute=self.config.describe_compute(self.engine.context if self.engine else None),
                     prefill=self.engine.chunker.describe() if self.engine and self.engine.pool else None,
-                    token_return=self.engine.describe_token_return() if self.engine else None)
+                    token_return=self.engine.describe_token_return() if self.engine else None,
+                    lanes_task=None if self.pool is None else {"failures": self.lanes_task_failures,
+                                                               "last_error": self.lanes_task_error})
         return snap
 
 
