@@ -30,6 +30,7 @@ from skippyd.head.engine import STOP_TIMEOUT_S
 from skippyd.hosts import THIS_MACHINE, Machines
 from skippyd.runtime.llama import LlamaError
 from skippyd.stage.server import StageConfig, StageServer
+from skippyd.stage.threads import usable_cores
 from skippyd.topology import TopologyError
 from skippyd.wire.messages import PROTOCOL_VERSION
 
@@ -96,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lanes", type=int, default=None, help="concurrent sessions per stage (KV sequences, default 4)")
     run.add_argument("--ctx", type=int, default=None, help="context tokens per session (default 4096)")
     run.add_argument("--threads", type=int, default=None,
-                     help="compute threads per stage (default: all cores; with --compute-lock off, "
-                          "cores / stages of the topology on this host)")
+                     help="compute threads per stage (default: all cores it may use, affinity and cgroup quota; "
+                          "with --compute-lock off, those cores / stages of the topology on this host)")
     run.add_argument("--thread-poll", type=int, default=None, metavar="N",
                      help="ggml thread pool: workers spin N (0-100) before sleeping between graphs "
                           "(default 0); -1 uses llama.cpp's per-graph threads instead of a pool")
@@ -253,11 +254,11 @@ class Daemon:
 
     def _config(self, n_local: int) -> StageConfig:
         a = self.args
-        cores = os.cpu_count() or 2
+        cores = usable_cores()  # affinity and cgroup quota: what a container was given, not the host's
         if a.threads and a.threads > cores:
             then = (f"computing with {cores} and trying more now and then (kept only if faster)"
                     if a.adapt_threads == "on" else f"give --threads {cores} or fewer")
-            log.warning("--threads %d is more than this host's %d cores: ggml's threads wait for each other at "
+            log.warning("--threads %d is more than the %d cores this daemon may use: ggml's threads wait for each other at "
                         "every barrier, which slows a step down several times; %s", a.threads, cores, then)
         poll = a.thread_poll if a.thread_poll >= 0 else None
         if a.keep_warm_ms and n_local > 1:

@@ -18,10 +18,11 @@ import pytest
 
 from skippyd.head.chunking import MARGIN
 from skippyd.stage.host_lock import HostComputeLock
+from skippyd.stage.threads import usable_cores
 from tests.procs import Pipeline, split_for_test
 
 PROMPT = "Write a long story about a dragon who learns to sail."
-CORES = os.cpu_count() or 2
+CORES = usable_cores()  # what the daemon computes with by default (affinity, cgroup quota)
 
 
 def test_host_lock_excludes_other_handles_and_processes(tmp_path):
@@ -121,10 +122,10 @@ async def test_every_stage_counts_its_decode_steps_and_python_time(two):
 async def test_stages_sharing_a_host_use_every_core_and_take_turns(two):
     # one host (loopback): one group of decoding sessions, the stages take turns at the cores
     for snap in await _snapshots(two):
-        assert snap["compute"] == {"threads": os.cpu_count(), "thread_poll": 0, "compute_lock": os.cpu_count() > 1,
+        assert snap["compute"] == {"threads": CORES, "thread_poll": 0, "compute_lock": CORES > 1,
                                    "adapt_threads": True, "flash_attn": "off", "decode_groups": 1,
                                    "keep_warm_ms": 0.0, "keep_warm_spun_s": 0.0}
-        assert snap["threads"]["configured"] == os.cpu_count() and snap["threads"]["adaptive"] == (os.cpu_count() > 1)
+        assert snap["threads"]["configured"] == CORES and snap["threads"]["adaptive"] == (CORES > 1)
 
 
 def _idle_class_threads(pid: int) -> list[int]:
@@ -223,7 +224,7 @@ async def test_more_threads_than_cores_are_warned_of_and_computed_with_as_many_a
     """Twice as many threads as cores: the daemon says so at startup, and the stage computes with as many
     threads as cores (it tries the configured count now and then, and keeps it only if it is faster)."""
     pipe, cores = twice_the_cores, CORES
-    assert f"--threads {2 * cores} is more than this host's {cores} cores" in pipe.stages[0].log()
+    assert f"--threads {2 * cores} is more than the {cores} cores this daemon may use" in pipe.stages[0].log()
     assert (await pipe.stages[0].astatus())["head"]["threads"]["now"] == cores
     first = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=48)
     threads = (await pipe.stages[0].astatus())["head"]["threads"]

@@ -410,16 +410,16 @@ def test_more_threads_than_cores_start_on_the_cores_and_try_the_configured_count
 def test_the_scheduler_sets_prefill_threads_with_decode_ones(monkeypatch):
     """A reduced count applies to prefill (the batch count) too, also where a batch count is configured;
     back on the configured count, the configured batch count returns."""
-    import os
     from types import SimpleNamespace
 
     from skippyd.runtime.llama import ContextParams
+    from skippyd.stage import scheduler as scheduler_module
     from skippyd.stage.scheduler import Scheduler
 
     calls = []
     ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=4, n_threads_batch=6),
                           set_threads=lambda n, nb: calls.append((n, nb)))
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)  # 4 threads fit: the scheduler starts on them
+    monkeypatch.setattr(scheduler_module, "usable_cores", lambda: 8)  # 4 threads fit: the scheduler starts on them
     scheduler = Scheduler(ctx)
     scheduler.threads._trial = 2  # a trial of half as many (the chooser's decisions are tested above)
     assert scheduler._use_threads() == 2
@@ -463,3 +463,35 @@ async def test_the_scheduler_looks_at_the_cores_while_it_waits_for_work(autojump
         await trio.sleep(RECHECK_S + 2 * TICK_S)
         assert ticks >= RECHECK_S / TICK_S and chooser.pick() == 2
         nursery.cancel_scope.cancel()
+
+
+def test_usable_cores_follow_the_cgroup_cpu_quota(tmp_path):
+    """A container given 2 CPUs of a bigger host computes with 2 threads by default, not the host's count:
+    cgroup v2 (cpu.max, the smallest limit from the process's group up), v1 (cfs quota / period), none."""
+    import os
+
+    from skippyd.stage.threads import cgroup_cpu_quota, usable_cores
+
+    affinity = len(os.sched_getaffinity(0))
+    proc = tmp_path / "cgroup"
+    v2 = tmp_path / "v2"
+    (v2 / "box" / "inner").mkdir(parents=True)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    (v2 / "box" / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs for the container ...
+    (v2 / "box" / "inner" / "cpu.max").write_text("max 100000\n")  # ... and no limit of its own below it
+    proc.write_text("0::/box/inner\n")
+    assert cgroup_cpu_quota(str(proc), str(v2)) == 1.5
+    assert usable_cores(str(proc), str(v2)) == min(affinity, 2)
+    (v2 / "box" / "cpu.max").write_text("50000 100000\n")  # half a CPU: still one thread
+    assert usable_cores(str(proc), str(v2)) == 1
+
+    v1 = tmp_path / "v1"
+    (v1 / "cpu,cpuacct" / "docker" / "abc").mkdir(parents=True)
+    (v1 / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("100000\n")
+    (v1 / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_period_us").write_text("100000\n")
+    proc.write_text("12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n")
+    assert cgroup_cpu_quota(str(proc), str(v1)) == 1.0 and usable_cores(str(proc), str(v1)) == 1
+    (v1 / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("-1\n")  # no quota
+    assert cgroup_cpu_quota(str(proc), str(v1)) is None and usable_cores(str(proc), str(v1)) == affinity
+
+    assert usable_cores(str(tmp_path / "no such file"), str(v2)) == affinity  # no cgroup: the affinity

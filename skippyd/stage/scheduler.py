@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections import deque
 from typing import Callable
@@ -41,7 +40,7 @@ import trio
 from skippyd.runtime.llama import Context, LlamaError, Sampler
 from skippyd.stage.conditioning import next_release
 from skippyd.stage.host_lock import HostComputeLock
-from skippyd.stage.threads import ThreadChooser
+from skippyd.stage.threads import ThreadChooser, usable_cores
 from skippyd.telemetry import span
 from skippyd.wire.stream import PreparedFrame
 
@@ -205,7 +204,7 @@ class Scheduler:
         self._arrived: trio.Event | None = None  # set by submit() while _gather waits
         self._busy = False  # the serve task is between its wake-up and its next wait
         # decode (and prefill) with the configured threads, or fewer while that is much faster (threads.py)
-        self.threads = ThreadChooser(ctx.params.n_threads, enabled=adapt_threads, cores=os.cpu_count(),
+        self.threads = ThreadChooser(ctx.params.n_threads, enabled=adapt_threads, cores=usable_cores(),
                                      shared_cpu=host_lock.compute_cpu_s if host_lock is not None else None,
                                      shared_busy=host_lock.held if host_lock is not None else None)
         self._threads_now = ctx.params.n_threads

@@ -99,6 +99,76 @@ except (AttributeError, ValueError, OSError):
     _CLK_TCK = 100
 
 
+def usable_cores(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The cores this process may compute on: its CPU affinity, capped by its cgroup's CPU quota, rounded
+    (at least 1). ``os.cpu_count()`` is the host's: in a container given two CPUs of a 16-core host it says 16,
+    and 16 threads under a 2-CPU quota are throttled in turn, each one holding the others up at every barrier."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(proc_cgroup, cgroup_root)
+    if quota is not None:
+        cores = min(cores, int(quota + 0.5))
+    return max(1, cores)
+
+
+def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPUs' worth of time this process's cgroup and its ancestors allow (the smallest quota), from
+    cgroup v2's cpu.max or v1's cpu.cfs_quota_us / cpu.cfs_period_us; None if there is no quota or no cgroup."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:  # "0::/user.slice/x.scope" (v2), "4:cpu,cpuacct:/docker/abc" (v1)
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            found = _smallest_quota(os.path.join(cgroup_root, path.lstrip("/")), cgroup_root, _v2_quota)
+        elif "cpu" in controllers.split(","):
+            found = _smallest_quota(os.path.join(cgroup_root, controllers, path.lstrip("/")),
+                                    os.path.join(cgroup_root, controllers), _v1_quota)
+        else:
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+def _smallest_quota(directory: str, root: str, read: Callable[[str], float | None]) -> float | None:
+    """The smallest quota from `directory` up to `root` (a parent's limit holds its children too)."""
+    smallest = None
+    root = os.path.normpath(root)
+    directory = os.path.normpath(directory)
+    while True:
+        quota = read(directory)
+        if quota is not None and (smallest is None or quota < smallest):
+            smallest = quota
+        if directory == root or not directory.startswith(root):
+            return smallest
+        directory = os.path.dirname(directory)
+
+
+def _v2_quota(directory: str) -> float | None:
+    try:
+        with open(os.path.join(directory, "cpu.max")) as f:
+            quota, period = (f.read().split() + ["100000"])[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _v1_quota(directory: str) -> float | None:
+    try:
+        with open(os.path.join(directory, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(directory, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
 def host_cpu_times() -> tuple[float, float] | None:
     """(idle, all) time of every core of the host so far, in seconds, from /proc/stat; None where there is none."""
     try:
