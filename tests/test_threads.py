@@ -495,3 +495,7 @@ def test_usable_cores_follow_the_cgroup_cpu_quota(tmp_path):
     assert cgroup_cpu_quota(str(proc), str(v1)) is None and usable_cores(str(proc), str(v1)) == affinity
 
     assert usable_cores(str(tmp_path / "no such file"), str(v2)) == affinity  # no cgroup: the affinity
+    proc.write_text("garbage\n4:cpuacct,cpu:/docker/abc\n")  # a line without fields; v1 mounted as "cpu"
+    (v1 / "cpu,cpuacct").rename(v1 / "cpu")
+    (v1 / "cpu" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("200000\n")
+    assert cgroup_cpu_quota(str(proc), str(v1)) == 2.0

@@ -122,12 +122,18 @@ def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = 
     except OSError:
         return None
     for line in lines:  # "0::/user.slice/x.scope" (v2), "4:cpu,cpuacct:/docker/abc" (v1)
-        _, controllers, path = line.split(":", 2)
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
         if controllers == "":
             found = _smallest_quota(os.path.join(cgroup_root, path.lstrip("/")), cgroup_root, _v2_quota)
         elif "cpu" in controllers.split(","):
-            found = _smallest_quota(os.path.join(cgroup_root, controllers, path.lstrip("/")),
-                                    os.path.join(cgroup_root, controllers), _v1_quota)
+            # mounted under the controllers' names as listed, or (another order, a symlink missing) as "cpu"
+            mount = next((m for m in (os.path.join(cgroup_root, controllers), os.path.join(cgroup_root, "cpu"))
+                          if os.path.isdir(m)), None)
+            found = None if mount is None else _smallest_quota(os.path.join(mount, path.lstrip("/")), mount,
+                                                               _v1_quota)
         else:
             continue
         if found is not None:
