@@ -258,8 +258,8 @@ class Daemon:
         if a.threads and a.threads > cores:
             then = (f"computing with {cores} and trying more now and then (kept only if faster)"
                     if a.adapt_threads == "on" else f"give --threads {cores} or fewer")
-            log.warning("--threads %d is more than the %d cores this daemon may use: ggml's threads wait for each other at "
-                        "every barrier, which slows a step down several times; %s", a.threads, cores, then)
+            log.warning("--threads %d is more than the %d cores this daemon may use: ggml's threads wait for each "
+                        "other at every barrier, which slows a step down several times; %s", a.threads, cores, then)
         poll = a.thread_poll if a.thread_poll >= 0 else None
         if a.keep_warm_ms and n_local > 1:
             log.warning("--keep-warm-ms with %d stages of the topology on this host: each one's keep-warm thread "

@@ -457,4 +457,3 @@ async def test_the_lanes_task_outlives_an_unexpected_error(autojump_clock, caplo
     assert "keeping the lanes warm failed" in caplog.text
     # and status says so (head.lanes_task), not only the log
     assert node.lanes_task_failures == 1 and node.lanes_task_error == "ValueError: list.remove(x): x not in list"
-

@@ -250,7 +250,7 @@ class ThreadChooser:
             return
         self._postponed = 0
         last, self._cpu_mark = self._cpu_mark, self._host_mark()
-        if last is None or self._trial is not None or self._clock() - self._last_step < RECHECK_S:
+        if not due:
             return
         free = self._free_cores(last, self._cpu_mark)
         more = min(self.configured, self.current * 2)
@@ -355,12 +355,12 @@ class ThreadChooser:
         self._alarms.append(seconds)
         if len(self._alarms) < ALARM_STEPS:
             return False
+        slow = statistics.median(self._alarms)
         log.debug("compute threads: trying %d: %d decode steps of %d session(s) in a row took %.1f ms (median) "
-                  "with %d, %.1fx its baseline", key[0] // 2, len(self._alarms), key[1],
-                  statistics.median(self._alarms) * 1e3, key[0], statistics.median(self._alarms) / base)
+                  "with %d, %.1fx its baseline", key[0] // 2, len(self._alarms), key[1], slow * 1e3, key[0],
+                  slow / base)
         self._start_trial(key[0] // 2)
-        self._trial_ref = statistics.median(self._alarms)
-        self._alarms = []
+        self._trial_ref, self._alarms = slow, []
         return True
 
     def _start_trial(self, threads: int) -> None:
