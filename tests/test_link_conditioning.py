@@ -264,10 +264,16 @@ async def test_two_stages_with_delay_pay_two_one_way_delays_per_token(tiny_model
     pipe = await trio.to_thread.run_sync(_pipeline, tmp_path / "topology.toml", tmp_path)
     try:
         tpot = await _tpot_ms(pipe)
+        two = (await pipe.generate(prompt=PROMPT, raw=True, max_tokens=2))["timings"]
         head = (await pipe.head.astatus())["head"]
     finally:
         await trio.to_thread.run_sync(pipe.stop)
     assert 2 * DELAY_MS <= tpot < 2 * DELAY_MS + 40, tpot
+    # the rate ends with the last token in hand: the session's Stop after it (a round trip, two more delays)
+    # counts in elapsed_ms, not as the second token's time
+    gap_ms = 1e3 / two["decode_tokens_per_s"]
+    assert 2 * DELAY_MS <= gap_ms < 3 * DELAY_MS, two
+    assert two["elapsed_ms"] >= two["ttft_ms"] + gap_ms + 2 * DELAY_MS, two
     assert head["token_return"]["listen"] is None  # two stages: nothing to gain from direct return
     assert head["token_return"]["relayed"] > 0
 
