@@ -20,12 +20,15 @@ def _table(rows: list[dict]) -> Table | str:
     if not rows:
         return "no running sessions"
     # session ids are 19 digits: never cut them (people copy them into `sessions kill`)
-    table = Table(Column("session", no_wrap=True, min_width=19), "state", "prompt", "gen", "pos", "age s",
-                  "lane", Column("seq", no_wrap=True), caption="prompt/gen: tokens; seq: KV sequence by stage")
+    table = Table(Column("session", no_wrap=True, min_width=19), "state", "prompt", "gen", "tok/s", "pos",
+                  "age s", "lane", Column("seq", no_wrap=True),
+                  caption="prompt/gen: tokens; tok/s: decode so far; seq: KV sequence by stage")
     for r in rows:
         seqs = ", ".join(f"{k}:{v['seq']}" for k, v in sorted(r["stages"].items()) if v) or "-"
+        rate = r.get("decode_tokens_per_s")  # the head's sessions only (a stage does not time them)
         table.add_row(str(r["session_id"]), r["state"], _dash(r["prompt_tokens"]), str(r["generated"]),
-                      str(r["position"]), f"{r['age_s']:.1f}", _dash(r["lane"]), seqs)
+                      "-" if rate is None else f"{rate:.1f}", str(r["position"]), f"{r['age_s']:.1f}",
+                      _dash(r["lane"]), seqs)
     return table
 
 

@@ -366,11 +366,18 @@ async def test_sessions_list_show_kill(smol2):
         assert s["stages"]["0"]["seq"] >= 0
         shown = await actl_json(smol2.head, "sessions", "show", str(s["session_id"]))
         assert shown["session_id"] == s["session_id"] and shown["generated"] >= s["generated"]
+        with trio.fail_after(10):
+            while shown["generated"] < 3:  # the decode rate so far, from the second token on
+                await trio.sleep(0.02)
+                shown = await actl_json(smol2.head, "sessions", "show", str(s["session_id"]))
+        rate = shown["decode_tokens_per_s"]
+        assert rate > 0 and (shown["generated"] - 1) / rate <= shown["age_s"], shown
         table = await actl(smol2.head, "sessions", "list")
-        assert str(s["session_id"]) in table.stdout
+        assert str(s["session_id"]) in table.stdout and "tok/s" in table.stdout
         # stage 1's own daemon lists the same session with its sequence there
         on_stage1 = await actl_json(smol2.stages[1], "sessions", "list")
         assert [r["session_id"] for r in on_stage1] == [s["session_id"]] and on_stage1[0]["stages"]["1"]["seq"] >= 0
+        assert on_stage1[0]["decode_tokens_per_s"] is None  # a stage does not time the head's generation
         killed = await actl_json(smol2.head, "sessions", "kill", str(s["session_id"]))
         assert killed == {"killed": s["session_id"], "released": True}
         await gen.done.wait()

@@ -191,7 +191,7 @@ class ControlServer:
             for s in stage.sessions.snapshot()["sessions"]:
                 out.append({"session_id": s["session_id"], "request_id": s["request_id"], "state": s["state"],
                             "prompt_tokens": None, "generated": s["generated"], "position": s["position"],
-                            "age_s": s["age_s"], "lane": None,
+                            "age_s": s["age_s"], "lane": None, "decode_tokens_per_s": None,
                             "stages": {str(stage.index): {"seq": s["seq"], "position": s["position"]}}})
         return out
 

@@ -205,12 +205,21 @@ class LiveGeneration:
     state: str = "queued"
     killed: str | None = None  # why it was killed (see HeadEngine.kill)
     resumes: int = 0  # replays after a stage failure
+    first_token_at: float | None = None  # perf_counter: the first token in hand ...
+    last_token_at: float | None = None  # ... and the latest (the decode rate so far)
 
     def describe(self) -> dict:
         return {"session_id": self.session_id, "request_id": self.request_id, "state": self.state,
                 "prompt_tokens": self.prompt_tokens, "generated": self.generated, "position": self.position,
                 "age_s": round(time.monotonic() - self.started, 3), "lane": self.lane_id, "resumes": self.resumes,
-                "stages": {"0": {"seq": self.seq}}}
+                "decode_tokens_per_s": self.decode_rate(), "stages": {"0": {"seq": self.seq}}}
+
+    def decode_rate(self) -> float | None:
+        """Tokens after the first over the time from the first to the latest, as the result's
+        decode_tokens_per_s; None before the second token."""
+        if self.first_token_at is None or self.last_token_at is None or self.last_token_at <= self.first_token_at:
+            return None
+        return round((self.generated - 1) / (self.last_token_at - self.first_token_at), 2)
 
 
 PieceCallback = Callable[[str], None]  # must not wait: see skippyd/head/piece_relay.py
@@ -755,16 +764,17 @@ class _Run:
             self.waited_us = self.native_us = self.loop_native_cpu_us = 0
             self.waited_cpu_s = 0.0
             if self.first_token_at is None:
-                self.first_token_at = step_started
+                self.first_token_at = self.live.first_token_at = step_started
                 self.ttft_ms = (self.first_token_at - self.started) * 1e3
             self.tokens.append(token)
             self.live.generated = len(self.tokens)
             if not self.req.ignore_eos and model.is_eog(token):
                 self.tokens.pop()  # end-of-generation is not part of the answer
+                self.live.generated -= 1  # (nor of the rate so far, while the session is released)
                 self._emit(self.detok.flush(), final=True)
                 self.finish_reason = "stop"
                 return
-            self.last_token_at = step_started
+            self.last_token_at = self.live.last_token_at = step_started
             in_flight = None
             if self.lane is not None and len(self.tokens) < self.max_tokens:
                 # the next step goes down the pipeline first (it is the critical path); this token's text is
