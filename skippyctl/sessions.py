@@ -20,8 +20,11 @@ def _table(rows: list[dict]) -> Table | str:
     if not rows:
         return "no running sessions"
     # session ids are 19 digits: never cut them (people copy them into `sessions kill`)
-    table = Table(Column("session", no_wrap=True, min_width=19), "state", "prompt", "gen", "tok/s", "pos",
-                  "age s", "lane", Column("seq", no_wrap=True),
+    # no rules: nine columns fit 80 characters without cutting a number (rich shortens columns to fit)
+    table = Table(Column("session", no_wrap=True, min_width=19), Column("state", no_wrap=True),
+                  *(Column(name, no_wrap=True, justify="right") for name in ("prompt", "gen", "tok/s", "pos",
+                                                                              "age s", "lane")),
+                  "seq", box=None, pad_edge=False, header_style="bold",
                   caption="prompt/gen: tokens; tok/s: decode so far; seq: KV sequence by stage")
     for r in rows:
         seqs = ", ".join(f"{k}:{v['seq']}" for k, v in sorted(r["stages"].items()) if v) or "-"

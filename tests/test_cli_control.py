@@ -136,6 +136,26 @@ def test_status_table_shows_a_stage_on_fewer_threads_and_a_failing_lanes_task():
     assert "keeping lanes open FAILED 2 time(s), last: ValueError: x not in list" in console.export_text()
 
 
+def test_sessions_table_fits_80_columns_without_cutting_a_number():
+    from rich.console import Console
+
+    from skippyctl.sessions import _table
+
+    rows = [{"session_id": 3063365090573110252, "state": "prefill", "prompt_tokens": 1234, "generated": 1090,
+             "decode_tokens_per_s": 62.2, "position": 2324, "age_s": 121.5, "lane": 17,
+             "stages": {"0": {"seq": 0}, "1": {"seq": 3}, "2": {"seq": 7}}},
+            {"session_id": 13063365090573110252, "state": "decode", "prompt_tokens": None, "generated": 10,
+             "decode_tokens_per_s": None, "position": 24, "age_s": 1.5, "lane": None, "stages": {"1": {"seq": 3}}}]
+    console = Console(width=80, record=True)
+    console.print(_table(rows))
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80, text
+    first = next(line for line in text.splitlines() if line.startswith("3063365090573110252"))
+    assert first.split()[:9] == ["3063365090573110252", "prefill", "1234", "1090", "62.2", "2324", "121.5", "17",
+                                 "0:0,"], text
+    assert "tok/s" in text and "2:7" in text
+
+
 def test_status_of_a_stage_daemon(smol2):
     data = ctl_json(smol2.stages[1], "status")
     assert data["role"] == "stage 1" and data["head"] is None
