@@ -212,14 +212,16 @@ class LiveGeneration:
         return {"session_id": self.session_id, "request_id": self.request_id, "state": self.state,
                 "prompt_tokens": self.prompt_tokens, "generated": self.generated, "position": self.position,
                 "age_s": round(time.monotonic() - self.started, 3), "lane": self.lane_id, "resumes": self.resumes,
-                "decode_tokens_per_s": self.decode_rate(), "stages": {"0": {"seq": self.seq}}}
+                "decode_tokens_per_s": None if (rate := self.decode_rate()) is None else round(rate, 2),
+                "stages": {"0": {"seq": self.seq}}}
 
     def decode_rate(self) -> float | None:
-        """Tokens after the first over the time from the first to the latest, as the result's
-        decode_tokens_per_s; None before the second token."""
+        """Tokens after the first over the time from the first to the latest (to the last, once it ended:
+        not to now, as the session's Stop, a round trip through every stage, is no token's time); None before
+        the second token."""
         if self.first_token_at is None or self.last_token_at is None or self.last_token_at <= self.first_token_at:
             return None
-        return round((self.generated - 1) / (self.last_token_at - self.first_token_at), 2)
+        return (self.generated - 1) / (self.last_token_at - self.first_token_at)
 
 
 PieceCallback = Callable[[str], None]  # must not wait: see skippyd/head/piece_relay.py
@@ -389,9 +391,6 @@ class _Run:
         self.position = 0
         self.ttft_ms = 0.0
         self.first_token_at: float | None = None
-        # when the last token kept was in hand: the decode rate ends there, not after the session's Stop
-        # (its round trip through every stage, 40 ms on 10 ms links, is no token's time)
-        self.last_token_at: float | None = None
         self._stats = StatsTotal()  # every stage's reports for this generation, merged as they come
         self.detok = Detokenizer(engine.model.token_piece)
         self.stops = StopMatcher(req.stop)
@@ -424,8 +423,7 @@ class _Run:
         return (time.perf_counter() - self.started) * 1e3
 
     def result(self) -> GenerationResult:
-        decode_s = (self.last_token_at - self.first_token_at) if self.last_token_at else 0.0
-        tps = (len(self.tokens) - 1) / decode_s if decode_s > 0 and len(self.tokens) > 1 else 0.0
+        tps = self.live.decode_rate() or 0.0
         return GenerationResult(
             request_id=self.live.request_id, session_id=self.live.session_id, text="".join(self.text_parts),
             tokens=list(self.tokens), finish_reason=self.finish_reason or "error", prompt_tokens=len(self.prompt),
@@ -764,7 +762,7 @@ class _Run:
             self.waited_us = self.native_us = self.loop_native_cpu_us = 0
             self.waited_cpu_s = 0.0
             if self.first_token_at is None:
-                self.first_token_at = self.live.first_token_at = step_started
+                self.first_token_at = self.live.first_token_at = step_started  # (the decode rate: see LiveGeneration)
                 self.ttft_ms = (self.first_token_at - self.started) * 1e3
             self.tokens.append(token)
             self.live.generated = len(self.tokens)
@@ -774,7 +772,7 @@ class _Run:
                 self._emit(self.detok.flush(), final=True)
                 self.finish_reason = "stop"
                 return
-            self.last_token_at = self.live.last_token_at = step_started
+            self.live.last_token_at = step_started
             in_flight = None
             if self.lane is not None and len(self.tokens) < self.max_tokens:
                 # the next step goes down the pipeline first (it is the critical path); this token's text is
