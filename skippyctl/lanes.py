@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.table import Table
+from rich.table import Column, Table
 
 from skippyctl.client import ControlError, call_once
-from skippyctl.render import emit, fail
+from skippyctl.render import emit, fail, listing
 from skippyd.control import messages as m
 
 app = typer.Typer(help="Inspect, drain and undrain the head's lanes.", no_args_is_help=True)
@@ -18,7 +18,8 @@ JSON = Annotated[bool, typer.Option("--json", help="Plain JSON on stdout.")]
 
 def _table(data: dict) -> Table:
     title = f"downstream {data.get('downstream')}" + (" (draining)" if data.get("draining") else "")
-    table = Table("lane", "state", "session", "downstream", "generations", title=title)
+    table = listing("lane", "state", Column("session", no_wrap=True), Column("downstream", no_wrap=True),
+                    "generations", title=title)
     for lane in data["lanes"]:
         table.add_row(str(lane["lane_id"]), lane["state"], str(lane["session_id"] or "-"), str(lane["downstream"]),
                       str(lane["generations"]))

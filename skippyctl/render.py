@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, NoReturn
 
 import typer
 from rich.console import Console, RenderableType
+from rich.table import Table
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -47,6 +48,12 @@ def emit(data: Any, json_mode: bool, table_builder: Callable[[Any], RenderableTy
         return
     # Created per call so that it writes to the current sys.stdout (CliRunner swaps it).
     Console(highlight=False).print(table_builder(data))
+
+
+def listing(*columns, **kwargs) -> Table:
+    """A table of what a daemon runs (stages, sessions, lanes): no rules, so that a listing fits 80 characters
+    (a pipe's width) without rich cutting an address's port or a count short."""
+    return Table(*columns, box=None, pad_edge=False, header_style="bold", **kwargs)
 
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:

@@ -8,7 +8,7 @@ import typer
 from rich.table import Column, Table
 
 from skippyctl.client import ControlError, call_once
-from skippyctl.render import emit, fail
+from skippyctl.render import emit, fail, listing
 from skippyd.control import messages as m
 
 app = typer.Typer(help="Inspect and kill running generations (sessions).", no_args_is_help=True)
@@ -20,12 +20,10 @@ def _table(rows: list[dict]) -> Table | str:
     if not rows:
         return "no running sessions"
     # session ids are 19 digits: never cut them (people copy them into `sessions kill`)
-    # no rules: nine columns fit 80 characters without cutting a number (rich shortens columns to fit)
-    table = Table(Column("session", no_wrap=True, min_width=19), Column("state", no_wrap=True),
-                  *(Column(name, no_wrap=True, justify="right") for name in ("prompt", "gen", "tok/s", "pos",
-                                                                              "age s", "lane")),
-                  "seq", box=None, pad_edge=False, header_style="bold",
-                  caption="prompt/gen: tokens; tok/s: decode so far; seq: KV sequence by stage")
+    table = listing(Column("session", no_wrap=True, min_width=19), Column("state", no_wrap=True),
+                    *(Column(name, no_wrap=True, justify="right") for name in ("prompt", "gen", "tok/s", "pos",
+                                                                                "age s", "lane")),
+                    "seq", caption="prompt/gen: tokens; tok/s: decode so far; seq: KV sequence by stage")
     for r in rows:
         seqs = ", ".join(f"{k}:{v['seq']}" for k, v in sorted(r["stages"].items()) if v) or "-"
         rate = r.get("decode_tokens_per_s")  # the head's sessions only (a stage does not time them)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.table import Table
+from rich.table import Column, Table
 
 from skippyctl.client import ControlError, call_once
-from skippyctl.render import emit, fail
+from skippyctl.render import emit, fail, listing
 from skippyd.control import messages as m
 
 
@@ -20,14 +20,15 @@ def _table(data: dict) -> Table:
     model = data.get("model") or {}
     load = data.get("load") or {}
     threads = _threads(data)
-    table = Table("stage", "address", "layers", "local", "threads", "reachable", "protocol",
-                  title=f"{data['role']} · {model.get('name', '?')} · up {data['uptime_s']:.0f}s"
-                        + (" · draining" if data.get("draining") else ""),
-                  caption=f"{load.get('live_generations', 0)} generations running, "
-                          f"{load.get('totals', {}).get('generations', 0)} done; skippy {data.get('version')}"
-                          + _down((data.get("head") or {}).get("downstream"))
-                          + _lanes_task((data.get("head") or {}).get("lanes_task"))
-                          + _listening(data.get("listeners")))
+    table = listing("stage", Column("address", no_wrap=True), Column("layers", no_wrap=True), "local",
+                    Column("threads", no_wrap=True), "reachable", "protocol",
+                    title=f"{data['role']} · {model.get('name', '?')} · up {data['uptime_s']:.0f}s"
+                          + (" · draining" if data.get("draining") else ""),
+                    caption=f"{load.get('live_generations', 0)} generations running, "
+                            f"{load.get('totals', {}).get('generations', 0)} done; skippy {data.get('version')}"
+                            + _down((data.get("head") or {}).get("downstream"))
+                            + _lanes_task((data.get("head") or {}).get("lanes_task"))
+                            + _listening(data.get("listeners")))
     for s in (data.get("topology") or {}).get("stages", []):
         table.add_row(str(s["index"]), s["address"], f"[{s['layers'][0]},{s['layers'][1]})",
                       "yes" if s["local"] else "no", threads.get(s["index"], "-"), _yes(s["reachable"]),
