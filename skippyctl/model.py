@@ -13,7 +13,7 @@ import enum
 import typer
 from rich.table import Table
 
-from skippyctl.render import EXIT_USAGE, byte_progress, emit, fail
+from skippyctl.render import EXIT_USAGE, byte_progress, emit, fail, listing
 from skippyd.runtime.gguf_info import ModelFileError
 from skippyd.runtime.models import DEFAULT_MODEL_SHA256, FetchError, fetch_default_model, inspect_gguf
 from skippyd.runtime.slicing import BALANCE_MODES, TOPOLOGY_FILE, RangeError, SliceError, parse_ranges, split_model
@@ -79,13 +79,14 @@ def split(
 
 
 def _split_table(data: dict[str, Any]) -> Table:
-    table = Table(
+    table = listing(
         title=f"{data['model_name']}: {data['architecture']}, {data['n_layer']} layers, "
         f"{len(data['stages'])} stages",
         caption=f"topology: {data['topology']}",
     )
     for column in ("stage", "layers", "output", "compute", "address", "size", "file"):
-        table.add_column(column, justify="right" if column in ("stage", "compute", "size") else "left")
+        table.add_column(column, justify="right" if column in ("stage", "compute", "size") else "left",
+                         no_wrap=column in ("address", "file"))
     for s in data["stages"]:
         host = f"[{s['host']}]" if ":" in s["host"] else s["host"]
         table.add_row(

@@ -75,6 +75,11 @@ def test_split_table(run, tiny_model_small_vocab_path, tmp_path):
     for text in ("stage-0.gguf", "stage-1.gguf", "0:2", "2:4", "hidden", "logits", "127.0.0.1:7401"):
         assert text in result.stdout
     assert (tmp_path / "topology.toml").exists()
+    # LAN addresses keep their ports in the 80 columns of a pipe
+    result = run("model", "split", tiny_model_small_vocab_path, "--stages", "2", "--out", tmp_path / "lan",
+                 "--hosts", "192.168.100.200:7400,192.168.100.201:7401")
+    assert result.exit_code == 0, result.output
+    assert "192.168.100.200:7400" in result.stdout and "192.168.100.201:7401" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize(
