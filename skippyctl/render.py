@@ -15,7 +15,6 @@ from typing import Any, Callable, Iterator, NoReturn
 
 import typer
 from rich.console import Console, RenderableType
-from rich.table import Table
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -26,6 +25,7 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+from rich.table import Table
 
 # Exit codes: 1 = the operation failed, 2 = the request was invalid (as for usage errors).
 EXIT_FAILURE = 1
