@@ -115,7 +115,8 @@ def inspect(
 
 
 def _inspect_table(info: dict[str, Any]) -> Table:
-    table = Table(title=info["path"], show_header=False)
+    # as wide as the file's path (up to the console's width), so that the title does not break it mid-name
+    table = Table(title=info["path"], show_header=False, min_width=len(str(info["path"])))
     table.add_column("key", style="bold")
     table.add_column("value", overflow="fold")
     rows = [

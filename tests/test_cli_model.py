@@ -127,6 +127,7 @@ def test_inspect_table_and_json(run, tiny_model_small_vocab_path):
     assert result.exit_code == 0, result.output
     for text in ("architecture", "llama", "layers", "F16", "splittable"):
         assert text in result.stdout
+    assert str(tiny_model_small_vocab_path) in result.stdout, result.stdout  # the title, not broken mid-name
     result = run("model", "inspect", tiny_model_small_vocab_path, "--json")
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)
