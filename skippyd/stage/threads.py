@@ -348,7 +348,8 @@ class ThreadChooser:
         threads, compared with those steps' median (the window still holds the steps from before the load)."""
         base = self._baseline.get(key)
         if base is None or key[0] <= 1 or seconds < ALARM * base:
-            self._alarms = []
+            if self._alarms:  # (every decode step comes here: no new list unless one is owed)
+                self._alarms = []
             return False
         if self._alarm_key != key:
             self._alarms, self._alarm_key = [], key
