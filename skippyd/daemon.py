@@ -504,7 +504,8 @@ class Daemon:
         snap = self.snapshot()
         model = self._model()
         snap["model"] = None if model is None else {
-            "name": model.name, "path": str(model.path), "architecture": model.architecture,
+            "name": self.head.model_name if self.head is not None else self.topology.model_name,
+            "gguf_name": model.name, "path": str(model.path), "architecture": model.architecture,
             "n_layer_total": model.stage.n_layer_total}
         local = []
         if self.head is not None and self.head.model is not None:

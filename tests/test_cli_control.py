@@ -99,6 +99,9 @@ def test_status(smol2):
     data = ctl_json(smol2.head, "status")
     assert data["role"] == "head" and data["ready"] and not data["draining"]
     assert data["model"]["architecture"] == "llama" and data["model"]["n_layer_total"] == 30
+    # the name the topology (and the OpenAI endpoint) gives the model, not the GGUF's general.name
+    assert data["model"]["name"] == data["topology"]["model"] == "SmolLM2-135M-Instruct.Q4_1"
+    assert data["model"]["gguf_name"] and data["model"]["gguf_name"] != data["model"]["name"]
     assert data["local_stages"] == [{"index": 0, "layers": [0, 15], "listen": None}]
     assert data["uptime_s"] >= 0 and data["version"] and data["protocol_version"] >= 1
     assert set(data["load"]) >= {"live_generations", "busy_lanes", "queued", "totals"}

@@ -403,7 +403,7 @@ class FakeEngine:
 
 def fake_app(behave, **kw) -> tuple[OpenAIApp, FakeEngine]:
     engine = FakeEngine(behave, slots=kw.pop("slots", 2))
-    head = SimpleNamespace(engine=engine, pool=None, topology=None, model_path=Path("/m/fake-model.gguf"))
+    head = SimpleNamespace(engine=engine, pool=None, model_name="fake-model")
     daemon = SimpleNamespace(head=head, draining=False, stages=[])
     return OpenAIApp(daemon, **kw), engine
 

@@ -49,6 +49,12 @@ class HeadNode:
         self.lanes_task_error: str | None = None
 
     @property
+    def model_name(self) -> str:
+        """The name the operator gave the model: the topology's (the source GGUF's file name, as `model split`
+        wrote it), else the model file's; not the GGUF's general.name, often a training run's label."""
+        return self.topology.model_name if self.topology is not None else self.model_path.name.removesuffix(".gguf")
+
+    @property
     def single_stage(self) -> bool:
         return self.topology is None or len(self.topology.stages) == 1
 
@@ -93,7 +99,7 @@ class HeadNode:
                                      cfg.link_shape.describe())
                         await self.pool.warm()
                         nursery.start_soon(self._keep_lanes_warm)
-                    log.info("head: %s ready (%s)", self.model.name,
+                    log.info("head: %s ready (%s)", self.model_name,
                              "single stage" if self.single_stage else f"{len(self.topology.stages)} stages")
                     task_status.started(self)
             finally:

@@ -76,15 +76,6 @@ class _ClientGone(Exception):
     """The client disconnected before the answer was complete."""
 
 
-def default_model_id(head: Any) -> str:
-    """The name the API serves the model under: the source GGUF's file name without .gguf."""
-    topology = getattr(head, "topology", None)
-    if topology is not None:
-        return topology.model_name
-    path = getattr(head, "model_path", None)
-    return path.name.removesuffix(".gguf") if path is not None else "skippy"
-
-
 class Exchange:
     """One HTTP request and its response on the ASGI channel."""
 
@@ -255,7 +246,7 @@ class OpenAIApp:
 
     @property
     def model_id(self) -> str:
-        return self._model_id or default_model_id(self.daemon.head)
+        return self._model_id or self.daemon.head.model_name
 
     def _draining(self) -> bool:
         pool = getattr(self.daemon.head, "pool", None)
