@@ -18,14 +18,12 @@ def _yes(value) -> str:
 
 def _table(data: dict) -> Table:
     model = data.get("model") or {}
-    load = data.get("load") or {}
     threads = _threads(data)
     table = listing("stage", Column("address", no_wrap=True), Column("layers", no_wrap=True), "local",
                     Column("threads", no_wrap=True), "reachable", "protocol",
                     title=f"{data['role']} · {model.get('name', '?')} · up {data['uptime_s']:.0f}s"
                           + (" · draining" if data.get("draining") else ""),
-                    caption=f"{load.get('live_generations', 0)} generations running, "
-                            f"{load.get('totals', {}).get('generations', 0)} done; skippy {data.get('version')}"
+                    caption=f"{_running(data)}; skippy {data.get('version')}"
                             + _down((data.get("head") or {}).get("downstream"))
                             + _lanes_task((data.get("head") or {}).get("lanes_task"))
                             + _listening(data.get("listeners")))
@@ -38,6 +36,15 @@ def _table(data: dict) -> Table:
             table.add_row(str(s["index"]), s["listen"] or "-", f"[{s['layers'][0]},{s['layers'][1]})", "yes",
                           threads.get(s["index"], "-"), "yes", str(data.get("protocol_version")))
     return table
+
+
+def _running(data: dict) -> str:
+    """What the daemon runs now: the head's generations, or (a daemon of later stages only, which never sees a
+    generation) its stages' sessions."""
+    load = data.get("load") or {}
+    if data.get("head") is None:
+        return f"{sum((load.get('stage_sessions') or {}).values())} sessions live"
+    return f"{load.get('live_generations', 0)} generations running, {load.get('totals', {}).get('generations', 0)} done"
 
 
 def _threads(data: dict) -> dict[int, str]:

@@ -172,6 +172,10 @@ def test_status_of_a_stage_daemon(smol2):
     stages = {s["index"]: s for s in data["topology"]["stages"]}
     assert stages[1]["local"] and stages[1]["reachable"]
     assert stages[0]["reachable"] is None  # the head has no listener to probe
+    # its load is its stage's sessions: it never sees a generation, so it does not count any
+    table = ctl(smol2.stages[1], "status").stdout
+    assert f"{data['load']['stage_sessions']['1']} sessions live" in table and "generations" not in table, table
+    assert data["model"]["name"] == data["topology"]["model"]
     # generation needs the head: a clear refusal (a bad request for this daemon), not a crash
     assert_clean_error(ctl(smol2.stages[1], "generate", "--prompt", "hi"), "no head", code=2)
 
