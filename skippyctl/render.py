@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
 import typer
-from rich.console import Console, RenderableType
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -50,10 +50,31 @@ def emit(data: Any, json_mode: bool, table_builder: Callable[[Any], RenderableTy
     Console(highlight=False).print(table_builder(data))
 
 
+class _Listing(Table):
+    """A table whose caption, when a line of it is wider than the table, goes below it at the console's width
+    instead of wrapping at the table's (a listing without rules is narrow: a line of listeners broke in three)."""
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        caption = self.caption
+        if not caption:
+            yield from super().__rich_console__(console, options)
+            return
+        width = self.__rich_measure__(console, options).maximum
+        if max(map(len, str(caption).splitlines()), default=0) <= width:
+            yield from super().__rich_console__(console, options)
+            return
+        self.caption = None
+        try:
+            yield from super().__rich_console__(console, options)
+        finally:
+            self.caption = caption
+        yield console.render_str(str(caption), style=self.caption_style or "table.caption", highlight=False)
+
+
 def listing(*columns, **kwargs) -> Table:
     """A table of what a daemon runs (stages, sessions, lanes): no rules, so that a listing fits 80 characters
     (a pipe's width) without rich cutting an address's port or a count short."""
-    return Table(*columns, box=None, pad_edge=False, header_style="bold", **kwargs)
+    return _Listing(*columns, box=None, pad_edge=False, header_style="bold", **kwargs)
 
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:

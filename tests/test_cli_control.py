@@ -136,13 +136,23 @@ def test_status_table_shows_a_stage_on_fewer_threads_and_a_failing_lanes_task():
     data["head"]["lanes_task"] = {"failures": 2, "last_error": "ValueError: x not in list"}
     console = Console(width=120, record=True)
     console.print(_table(data))
-    caption = " ".join(console.export_text().split())  # (a caption wraps at the table's width)
+    caption = " ".join(console.export_text().split())  # (a long caption wraps)
     assert "keeping lanes open FAILED 2 time(s), last: ValueError: x not in list" in caption
     # at a pipe's 80 characters, a LAN address keeps its port
     data["topology"]["stages"][1]["address"] = "192.168.100.201:7401"
     console = Console(width=80, record=True)
     console.print(_table(data))
     assert "192.168.100.201:7401" in console.export_text(), console.export_text()
+    # a caption line wider than the (rule-less, narrow) table goes out at the console's width, not broken at
+    # the table's into several
+    data["listeners"] = [{"what": what, "address": address, "loopback": False} for what, address in
+                         (("control", "192.168.100.200:7390"), ("openai", "0.0.0.0:8080"),
+                          ("token-return", "192.168.100.200:7403"))]
+    console = Console(width=160, record=True)
+    console.print(_table(data))
+    text = console.export_text()
+    assert ("listening: control 192.168.100.200:7390 (not loopback), openai 0.0.0.0:8080 (not loopback), "
+            "token-return 192.168.100.200:7403 (not loopback)") in text.splitlines(), text
 
 
 def test_sessions_table_fits_80_columns_without_cutting_a_number():
