@@ -21,9 +21,10 @@ reopens: each is one descriptor on the head and on stage 1) and the memory
 within 10 % of it. Prints a summary; exits 1 on any violation, unexpected
 errors included. `tests/test_soak_short.py` runs a short soak through `soak()`.
 
-Known: with as many slots on stage 1 as the head has lanes (the default), a
-generation that starts right after a cancellation can be refused with
-`no_capacity` (see tests/test_faults.py); `--stage-lanes` gives stage 1 more.
+Stage 1 has as many sequence slots as the head has lanes (the default): a
+cancelled generation stops its session on every stage before its lane and slot
+are free again, so the next one is never refused with `no_capacity` (once it
+could be; `--stage-lanes` gives stage 1 more slots, as it did then).
 """
 
 from __future__ import annotations
