@@ -109,7 +109,9 @@ def test_status(smol2):
     assert [(s["index"], s["layers"], s["local"]) for s in topo["stages"]] == [(0, [0, 15], True),
                                                                                (1, [15, 30], False)]
     assert all(s["reachable"] is True and s["version"] == topo["protocol_version"] for s in topo["stages"])
-    assert data["head"]["threads"]["now"] == data["head"]["threads"]["configured"] >= 1
+    threads = data["head"]["threads"]
+    # (fewer than configured while other programs hold this host's cores: skippyd/stage/threads.py)
+    assert threads["configured"] >= 1 and 1 <= threads["now"] <= threads["configured"] and threads["adaptive"]
     table = ctl(smol2.head, "status")
     assert table.exit_code == 0 and "head" in table.stdout and "[15,30)" in table.stdout and "threads" in table.stdout
 

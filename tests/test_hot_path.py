@@ -211,6 +211,59 @@ async def test_a_stage_computes_with_one_thread_while_other_programs_hold_the_co
     assert after["now"] == 2 and after["switches"] > during["switches"], after
 
 
+async def test_a_load_that_begins_while_a_stage_idles_is_met_on_one_thread_from_the_first_step(two_threads):
+    """Two busy programs per core start while no session decodes: looks at the host's cores move the idle stage
+    to one thread (no decode step tried), and back to two if the load goes before the next generation; one that
+    comes under the load computes on one thread from its first step (no step on two, no trial), with the same
+    tokens. Where this daemon's cores are not the whole host's (a cgroup quota, an affinity), /proc/stat does not
+    tell its load, and the idle stage keeps its threads."""
+    import trio
+
+    from skippyd.stage.threads import BUSY_LOOKS, TICK_S
+
+    pipe = two_threads
+
+    async def threads(settle_on: int | None = None) -> dict:
+        deadline = trio.current_time() + (BUSY_LOOKS + 4) * TICK_S
+        while True:
+            now = (await pipe.stages[0].astatus())["head"]["threads"]
+            if settle_on is None or now["now"] == settle_on or trio.current_time() > deadline:
+                return now
+            await trio.sleep(0.2)
+
+    def hogs() -> list[subprocess.Popen]:
+        return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * CORES)]
+
+    def stop(procs: list[subprocess.Popen]) -> None:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+    want = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=32)
+    before = await threads()
+    load = hogs()
+    try:
+        halved = await threads(settle_on=1)
+        if CORES != os.cpu_count():
+            assert halved["now"] == 2, halved
+            return
+        assert halved["now"] == 1 and halved["trials"] == before["trials"], (before, halved)
+        assert "free while idle (other programs on the cores)" in pipe.stages[0].log()
+    finally:
+        stop(load)
+    assert (await threads(settle_on=2))["now"] == 2  # the load went while idle: looks alone restore two
+    load = hogs()
+    try:
+        assert (await threads(settle_on=1))["now"] == 1
+        loaded = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=32)
+        during = await threads()
+    finally:
+        stop(load)
+    assert loaded["tokens"] == want["tokens"]
+    # on one thread throughout: its tries of two were called off by looks at the busy cores, never made
+    assert during["now"] == 1 and during["trials"] == before["trials"], (before, during)
+
+
 @pytest.fixture
 def twice_the_cores(default_model_path, tmp_path):
     from tests.procs import SingleStage

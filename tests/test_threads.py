@@ -8,6 +8,7 @@ import math
 
 from skippyd.stage.threads import (
     ALARM_STEPS,
+    BUSY_LOOKS,
     FEWER_RECHECK_S,
     JUDGE_EVERY,
     POSTPONE_TICKS,
@@ -63,6 +64,10 @@ class HostCpu:
         self.idle_ticks += (self.cores - self.busy) * elapsed
         self.all_ticks += self.cores * elapsed
         return self.idle_ticks, self.all_ticks
+
+    def runnable(self) -> int:
+        """/proc/loadavg's threads runnable now: the caller and one per busy core."""
+        return 1 + math.ceil(self.busy)
 
     def idle(self, chooser: ThreadChooser, seconds: float, busy: float) -> None:
         """`seconds` of the scheduler waiting for work (a tick every tick_s), `busy` cores taken meanwhile."""
@@ -184,7 +189,7 @@ def test_after_a_pause_with_the_cores_free_the_next_compute_is_on_all_threads():
     assert chooser.pick() == 2 and chooser.pick() == 2  # the prefill's chunks
     run_timed(chooser, clock, 0.5, {2: 13.0, 1: 22.0})
     assert chooser.current == 2 and chooser.switches == 2
-    assert chooser.tick_s() == math.inf  # on all its threads: nothing to look for
+    assert chooser.tick_s() == TICK_S  # on all its threads: it looks for a load beginning while idle
 
 
 def test_after_a_pause_with_the_cores_busy_it_stays_on_fewer_threads():
@@ -207,6 +212,116 @@ def test_after_a_pause_with_the_cores_busy_it_stays_on_fewer_threads():
     # no /proc/stat (not Linux): no looks at the cores
     chooser, clock = halved_by_a_load(loaded)
     assert chooser.tick_s() == math.inf
+
+
+def steady(cpu: HostCpu, **kw) -> ThreadChooser:
+    """A stage of two threads on an unloaded host of two cores, after a few seconds of decoding."""
+    kw.setdefault("runnable", cpu.runnable)
+    chooser = ThreadChooser(2, clock=cpu.clock, cpu_times=cpu, cores=2, **kw)
+    run_timed(chooser, cpu.clock, 3.0, {2: 13.0, 1: 22.0})
+    assert chooser.current == 2
+    return chooser
+
+
+def test_a_load_that_begins_while_idle_halves_the_count_before_the_next_prompt():
+    """Two busy programs start while no session decodes: after BUSY_LOOKS looks at the cores that find them
+    busy, the stage is on one thread, so the next prompt and its first decode steps do not meet the load on
+    two (each step ~20 times as slow); the decode steps after it keep one thread while the load stays."""
+    cpu = HostCpu(Clock())
+    chooser = steady(cpu)
+    cpu.idle(chooser, TICK_S * 1.5, busy=0.0)  # the first look after decoding: its window held computes
+    cpu.idle(chooser, TICK_S * (BUSY_LOOKS + 0.5), busy=1.9)
+    assert chooser.current == 1 and chooser.switches == 1 and chooser.trials == 1  # (the steady stage's one)
+    cpu()
+    cpu.busy = 1.9  # the load stays
+    assert chooser.pick() == 1 and chooser.pick() == 1  # the prompt's chunks
+    cpu.busy = 2.0  # the load and this stage's thread
+    picked = [n for _, n in run_timed(chooser, cpu.clock, 1.0, {2: 120.0, 1: 30.0})]
+    assert set(picked) == {1} and chooser.current == 1  # no try of two: the cores are busy (a look says)
+
+
+def test_a_load_that_ends_as_the_work_comes_gives_the_count_back_at_its_first_compute():
+    """The cores were busy while the stage idled (a benchmark's reference, a build), and the load ends just as a
+    prompt arrives: the looks' windows still hold it, but nothing else runs on the host now, so the prompt is
+    computed on the count from before the looks, not on the lowered one for a window of decode steps."""
+    cpu = HostCpu(Clock())
+    chooser = steady(cpu)
+    cpu.idle(chooser, TICK_S * (BUSY_LOOKS + 1.5), busy=1.9)
+    assert chooser.current == 1
+    assert chooser.pick() == 2 and chooser.current == 2 and chooser.switches == 2  # (cpu.busy: 0 after idle)
+    picked = [n for _, n in run_timed(chooser, cpu.clock, 0.5, {2: 13.0, 1: 22.0})]
+    assert set(picked) == {2}
+    # without /proc/loadavg: the decode steps judge, and a try of two counts the cores from the first compute
+    chooser = steady(cpu, runnable=None)
+    cpu.idle(chooser, TICK_S * (BUSY_LOOKS + 10), busy=1.9)  # (a look over this would find the cores busy)
+    assert chooser.pick() == 1
+    cpu.clock.now += RECHECK_MIN_S
+    picked = [n for _, n in run_timed(chooser, cpu.clock, 0.5, {2: 13.0, 1: 22.0})]
+    first = picked.index(2)  # after a window of steps on one thread, at the next look at their median
+    assert WINDOW <= first <= WINDOW + JUDGE_EVERY and set(picked[first:]) == {2} and chooser.current == 2
+
+
+def test_a_short_busy_spell_while_idle_changes_nothing():
+    """A skippyctl starting, a page loading: the cores busy for less than BUSY_LOOKS looks in a row."""
+    cpu = HostCpu(Clock())
+    chooser = steady(cpu)
+    cpu.idle(chooser, TICK_S * 1.5, busy=0.0)
+    for _ in range(5):
+        cpu.idle(chooser, TICK_S * (BUSY_LOOKS - 1), busy=1.9)
+        cpu.idle(chooser, TICK_S, busy=0.0)
+    assert chooser.current == 2 and chooser.switches == 0
+    # a look whose window held a compute of this stage's is no look at a load: its own threads were busy
+    for _ in range(2 * BUSY_LOOKS):
+        cpu.idle(chooser, TICK_S, busy=1.9)
+        chooser.pick()  # a compute in every window
+    assert chooser.current == 2 and chooser.switches == 0
+
+
+def test_after_an_idle_halving_the_load_going_while_idle_restores_the_count_at_once():
+    """No decode step measured the count the looks set: a look that finds the cores free again undoes it, no
+    trial needed; back on two threads, a load meeting the decode steps is met as before (the unloaded
+    baseline stayed)."""
+    cpu = HostCpu(Clock())
+    chooser = steady(cpu)
+    cpu.idle(chooser, TICK_S * (BUSY_LOOKS + 1.5), busy=1.9)
+    assert chooser.current == 1
+    cpu.idle(chooser, TICK_S * 2.5, busy=0.0)
+    assert chooser.current == 2 and chooser.pick() == 2 and chooser.switches == 2
+    picked = [n for _, n in run_timed(chooser, cpu.clock, 0.6, {2: 120.0, 1: 30.0})]
+    assert picked[:ALARM_STEPS + 1] == [2] * ALARM_STEPS + [1] and chooser.current == 1
+
+
+def test_no_idle_halving_where_the_host_is_not_all_its_own_or_its_neighbours_compute():
+    """Under a CPU quota or a narrower affinity, /proc/stat's host is not this stage's cores: no idle looks on
+    the configured count. A stage of the same host computing under the host lock (the pipeline's other
+    stage, prefilling) is no load: it takes turns with this one."""
+    cpu = HostCpu(Clock())
+    chooser = steady(cpu, whole_host=False)
+    assert chooser.tick_s() == math.inf
+    cpu.idle(chooser, TICK_S * 5, busy=1.9)
+    assert chooser.current == 2
+    tally = [0.0]
+    chooser = steady(cpu, shared_cpu=lambda: tally[0])
+    for _ in range(2 * BUSY_LOOKS + 2):
+        tally[0] += 1.9 * TICK_S
+        cpu.idle(chooser, TICK_S, busy=1.9)
+    assert chooser.current == 2 and chooser.switches == 0
+
+
+def test_a_trial_that_no_decode_step_judged_is_called_off_by_a_load_that_begins_while_idle():
+    """After a load, the cores free while idle: a one-token answer's prompt is computed on two threads (the armed
+    trial), and no decode step judges them. Looks at the cores while idle then keep that trial for the next
+    compute while the cores stay free, and call it off once a load begins."""
+    cpu = HostCpu(Clock())
+    chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0}, cpu)
+    cpu.idle(chooser, RECHECK_S + 2 * TICK_S, busy=0.0)
+    assert chooser.pick() == 2  # the prompt (its chunks); no decode step
+    trials = chooser.trials
+    cpu.idle(chooser, 3 * TICK_S, busy=0.0)
+    assert chooser.pick() == 2 and chooser.trials == trials  # kept: the same trial, not another one
+    cpu.idle(chooser, 3 * TICK_S, busy=1.9)
+    assert chooser.pick() == 1 and chooser.current == 1
+    assert chooser.trials == trials - 1  # called off before any step judged it: no trial
 
 
 def test_the_turns_of_stages_sharing_the_host_lock_count_as_free_cores():
@@ -430,7 +545,8 @@ def test_the_scheduler_sets_prefill_threads_with_decode_ones(monkeypatch):
 
 async def test_the_scheduler_looks_at_the_cores_while_it_waits_for_work(autojump_clock):
     """Below its count, the scheduler's idle wait ticks the chooser, so a free pause arms the next compute;
-    on its configured count it waits without ticking."""
+    on its configured count it waits without ticking where its cores are not the whole host's (a quota), and
+    ticks where they are: a load beginning while it waits halves the count, its end restores it."""
     from types import SimpleNamespace
 
     import trio
@@ -444,7 +560,8 @@ async def test_the_scheduler_looks_at_the_cores_while_it_waits_for_work(autojump
     ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=2), set_threads=lambda n, nb: None)
     scheduler = Scheduler(ctx)
     cpu = HostCpu(TrioClock())
-    chooser = scheduler.threads = ThreadChooser(2, cores=2, clock=trio.current_time, cpu_times=cpu)
+    chooser = scheduler.threads = ThreadChooser(2, cores=2, clock=trio.current_time, cpu_times=cpu,
+                                                whole_host=False)
     ticks = 0
     tick = chooser.tick
 
@@ -462,6 +579,23 @@ async def test_the_scheduler_looks_at_the_cores_while_it_waits_for_work(autojump
         scheduler._wakeup.set()  # (the wait restarts with the new tick_s)
         await trio.sleep(RECHECK_S + 2 * TICK_S)
         assert ticks >= RECHECK_S / TICK_S and chooser.pick() == 2
+        nursery.cancel_scope.cancel()
+    cpu = HostCpu(TrioClock())
+    chooser = scheduler.threads = ThreadChooser(2, cores=2, clock=trio.current_time, cpu_times=cpu,
+                                                runnable=cpu.runnable)
+    scheduler._closed = False
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scheduler.serve)
+        await trio.sleep(10 * TICK_S)
+        assert chooser.current == 2  # the cores free
+        cpu()  # (the time so far, without it)
+        cpu.busy = 1.5  # a load begins
+        await trio.sleep((BUSY_LOOKS + 0.5) * TICK_S)
+        assert chooser.current == 1 and chooser.pick() == 1
+        cpu()
+        cpu.busy = 0.0  # and goes
+        await trio.sleep(2.5 * TICK_S)  # (a look whose window holds no part of the load)
+        assert chooser.current == 2 and chooser.pick() == 2
         nursery.cancel_scope.cancel()
 
 

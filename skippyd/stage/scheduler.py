@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import deque
 from typing import Callable
@@ -204,9 +205,11 @@ class Scheduler:
         self._arrived: trio.Event | None = None  # set by submit() while _gather waits
         self._busy = False  # the serve task is between its wake-up and its next wait
         # decode (and prefill) with the configured threads, or fewer while that is much faster (threads.py)
-        self.threads = ThreadChooser(ctx.params.n_threads, enabled=adapt_threads, cores=usable_cores(),
+        cores = usable_cores()
+        self.threads = ThreadChooser(ctx.params.n_threads, enabled=adapt_threads, cores=cores,
                                      shared_cpu=host_lock.compute_cpu_s if host_lock is not None else None,
-                                     shared_busy=host_lock.held if host_lock is not None else None)
+                                     shared_busy=host_lock.held if host_lock is not None else None,
+                                     whole_host=cores == os.cpu_count())
         self._threads_now = ctx.params.n_threads
 
     # ---------------------------------------------------------------- clients
@@ -370,8 +373,9 @@ class Scheduler:
             self._jobs.clear()
 
     async def _wait_for_work(self) -> None:
-        """Until a job or a KV operation arrives. Below its thread count, the chooser looks at the host's cores
-        every tick_s meanwhile; only then does the wait take a cancel scope (10-20 us per wake-up here)."""
+        """Until a job or a KV operation arrives. The chooser looks at the host's cores every tick_s meanwhile
+        (for a load, or its end: ThreadChooser.tick); only then does the wait take a cancel scope (10-20 us per
+        wake-up here: a session decoding alone computes inline and never wakes this task)."""
         while True:
             tick_s = self.threads.tick_s()
             if tick_s == math.inf:

@@ -53,6 +53,16 @@ between the configured count and its halves down to one (8, 4, 2, 1):
   A prompt that arrives once the load has gone is computed on all threads, not on the count its last
   decode steps were left on (the decode steps after it judge the trial); under a load that stays,
   nothing changes. Elsewhere than on Linux, such a stage waits for decode steps as before.
+- on more than one thread and idle, where /proc/stat's cores are this process's (no narrower CPU affinity,
+  no cgroup quota), it looks at them every TICK_S too: BUSY_LOOKS looks in a row whose windows held no
+  compute of its own and found fewer cores free than its count (less FREE_SLACK; the host lock's turns count
+  as free) halve the count. A load that began while the stage idled then meets the next prompt and decode
+  steps on a count that suits it: on the configured one the prompt was prefilled on two threads (~500 tokens
+  under two busy programs: 5.7 s against 4.6 on one) and its first ALARM_STEPS decode steps crawled (~20 times
+  as slow). A look that finds the cores free again restores the count at once (no decode step measured the
+  lower one), and so does the first compute on it if no other thread runs on the host then (/proc/loadavg:
+  the load ended as the work came, as a benchmark's reference does); once decode steps have run on it, the
+  rules above apply. A command starting or a page loading keeps the cores busy for fewer looks than BUSY_LOOKS.
 
 A trial ends at once, lost, on a step slower than the current count's median: a count that wins is
 faster step by step (under load, by 2-3 times), and one that loses costs one slow step instead of
@@ -92,6 +102,7 @@ RECHECK_S = 2.0  # ... and the longest wait between two tries (each lost one dou
 TICK_S = 1.0  # below the configured count and idle: how often it looks at the host's cores ...
 FREE_SLACK = 0.5  # ... for twice as many free cores, less this, over the last TICK_S
 POSTPONE_TICKS = 3  # looks put off in a row while a stage sharing the host computes under the lock
+BUSY_LOOKS = 2  # idle on more than one thread: looks in a row with the cores busy that halve the count
 
 try:
     _CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/stat's unit
@@ -175,6 +186,15 @@ def _v1_quota(directory: str) -> float | None:
         return None
 
 
+def host_runnable() -> int | None:
+    """Threads runnable on the host now, the caller's included (/proc/loadavg); None where that cannot be read."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def host_cpu_times() -> tuple[float, float] | None:
     """(idle, all) time of every core of the host so far, in seconds, from /proc/stat; None where there is none."""
     try:
@@ -192,7 +212,8 @@ class ThreadChooser:
                  clock: Callable[[], float] = time.monotonic,
                  cpu_times: Callable[[], tuple[float, float] | None] | None = host_cpu_times,
                  shared_cpu: Callable[[], float | None] | None = None,
-                 shared_busy: Callable[[], bool] | None = None):
+                 shared_busy: Callable[[], bool] | None = None, whole_host: bool = True,
+                 runnable: Callable[[], int | None] | None = host_runnable):
         self.configured = configured
         self.enabled = enabled and configured > 1
         # more threads than cores wait for each other at every barrier: start on as many as there are cores
@@ -225,9 +246,22 @@ class ThreadChooser:
         self._alarms: list[float] = []  # the latest steps in a row of ALARM times their baseline (one key)
         self._alarm_key: tuple[int, int] | None = None
         self._trial_ref: float | None = None  # what a trial started by an alarm is compared with
+        # idle on more than one thread, it looks at the cores for a load beginning (whole_host: /proc/stat's
+        # cores are this process's; under a narrower affinity or a cgroup quota they are not)
+        self._look_for_load = whole_host
+        self._picks = 0  # computes so far (pick): a look's window is idle if none came since the last look
+        self._picks_at_mark = -1
+        self._busy_looks = 0  # idle looks in a row that found the cores busy
+        self._idle_set = False  # the count was set by idle looks, with no decode step on it since
+        self._unconfirmed = False  # ... lowered, and no compute on it yet (see _confirm)
+        self._before_idle = configured  # the count the idle looks lowered
+        self._runnable = runnable
 
     def pick(self) -> int:
         """The thread count for the next compute."""
+        self._picks += 1
+        if self._unconfirmed:
+            self._confirm()
         if self._armed is not None:
             self._start_trial(self._armed)
             self._armed = None
@@ -235,31 +269,88 @@ class ThreadChooser:
 
     def tick_s(self) -> float:
         """How long the scheduler may wait for work before calling ``tick`` (inf: no need)."""
-        if self.enabled and self.current < self.configured and self._cores and self._cpu_times is not None:
+        if (self.enabled and self._cores and self._cpu_times is not None
+                and (self.current < self.configured or (self.current > 1 and self._look_for_load))):
             return TICK_S
         return math.inf
 
     def tick(self) -> None:
-        """The scheduler waited TICK_S for work: not decoding for RECHECK_S, arm a trial of twice as many threads
-        for the next compute if as many cores were free since the last tick (called off if not any more)."""
+        """The scheduler waited TICK_S for work. Below the configured count and not decoding for RECHECK_S: arm a
+        trial of twice as many threads for the next compute if as many cores were free since the last tick
+        (called off if not any more); or, on a count set by idle looks alone, take it at once. On more than one
+        thread, with no compute since the last tick: BUSY_LOOKS such windows in a row with fewer cores free than
+        the count (less FREE_SLACK) halve it, so that the next prompt and decode steps do not meet the load on
+        all threads first (two busy programs: a decode step of two threads ~20 times as slow as of one)."""
         if not math.isfinite(self.tick_s()):
             return
-        due = self._trial is None and self._cpu_mark is not None and self._clock() - self._last_step >= RECHECK_S
-        if due and self._shared_busy is not None and self._postponed < POSTPONE_TICKS and self._shared_busy():
+        if self._trial is not None and self._trial > self.current and not self._trial_steps:
+            # a trial of more threads that a prompt started and no decode step has judged (a one-token answer
+            # ends without any): armed again, so that the looks keep it for the next compute or call it off
+            self._armed = self._trial
+            self._end_trial()
+            self.trials -= 1  # (counted again when it starts)
+        clear = self._trial is None and self._cpu_mark is not None
+        due = clear and self.current < self.configured and self._clock() - self._last_step >= RECHECK_S
+        watch = (clear and self.current > 1 and self._look_for_load and self._armed is None
+                 and self._picks == self._picks_at_mark)
+        if ((due or watch) and self._shared_busy is not None and self._postponed < POSTPONE_TICKS
+                and self._shared_busy()):
             self._postponed += 1  # its compute is not in the tally yet: look once it is
             return
         self._postponed = 0
         last, self._cpu_mark = self._cpu_mark, self._host_mark()
-        if not due:
-            return
-        free = self._free_cores(last, self._cpu_mark)
-        more = min(self.configured, self.current * 2)
-        if free is not None and free >= more - FREE_SLACK:
-            if self._armed is None:
-                log.debug("compute threads: %d next (%.1f cores free while idle)", more, free)
-            self._armed = more
-        else:
+        self._picks_at_mark = self._picks
+        free = self._free_cores(last, self._cpu_mark) if due or watch else None
+        if due:
+            more = min(self.configured, self.current * 2)
+            if free is not None and free >= more - FREE_SLACK:
+                self._busy_looks = 0
+                if self._idle_set:  # no decode step measured the count the looks set: they undo it alone
+                    self._switch_idle(more, f"{free:.1f} of {self._cores} cores free while idle (the load has gone)")
+                    return
+                if self._armed is None:
+                    log.debug("compute threads: %d next (%.1f cores free while idle)", more, free)
+                self._armed = more
+                return
             self._armed = None
+        if not watch or free is None or free >= self.current - FREE_SLACK:
+            self._busy_looks = 0
+            return
+        self._busy_looks += 1
+        if self._busy_looks >= BUSY_LOOKS:
+            self._switch_idle(self.current // 2, f"{free:.1f} of {self._cores} cores free while idle (other programs "
+                                                 f"on the cores)")
+
+    def _confirm(self) -> None:
+        """The first compute on a count idle looks lowered: if no other thread runs on the host now, the load
+        ended as the work came (a benchmark's reference, a build): back to the count before, at once (the looks'
+        windows still hold the load, and decode steps would take a window of them and a trial). Otherwise the
+        decode steps judge from here; a look before a try of more counts the cores from now, not from the load."""
+        self._unconfirmed = False
+        running = self._runnable() if self._runnable is not None else None
+        if running is not None and running <= 1:
+            self._switch_idle(self._before_idle, "nothing else runs on the host as work comes")
+        else:
+            self._recheck_mark = self._host_mark()
+
+    def _switch_idle(self, threads: int, why: str) -> None:
+        """Idle looks at the cores (or the first compute after them) change the count to `threads` (no decode step
+        judged it)."""
+        log.info("compute threads %d -> %d: %s", self.current, threads, why)
+        if threads < self.current and not self._idle_set:
+            self._before_idle = self.current
+        self._unconfirmed = threads < self.current
+        self.current = threads
+        self.switches += 1
+        self._idle_set = threads < self.configured
+        self._busy_looks = 0
+        self._armed = None
+        self._descending = False
+        self._alarms = []
+        self._recent = {}  # steps of another load; the baselines (unloaded) stay, for the alarm once back
+        self._recheck_s = RECHECK_MIN_S
+        self._recheck_at = self._clock() + RECHECK_MIN_S
+        self._recheck_mark = self._cpu_mark
 
     def _host_mark(self) -> tuple[tuple[float, float], float | None] | None:
         """The host's (idle, all) core time and the host lock's tally now; None where there is no /proc/stat."""
@@ -304,6 +395,7 @@ class ThreadChooser:
             return
         if threads != self.current:
             return
+        self._idle_set = False
         key = (threads, rows)
         recent = self._recent.get(key)
         if recent is None:
