@@ -308,6 +308,33 @@ def test_no_idle_halving_where_the_host_is_not_all_its_own_or_its_neighbours_com
     assert chooser.current == 2 and chooser.switches == 0
 
 
+def test_a_load_that_ends_just_before_a_prompt_is_tried_on_all_threads_at_its_first_compute():
+    """On one thread after a load, which ends half a second before the next prompt (no look yet: those wait for
+    RECHECK_S of idle time): nothing else runs on the host as the prompt comes (/proc/loadavg), so its first
+    compute is a trial of two threads, kept by the decode steps after it. Were the load still there, it would
+    stay on one; a decode step that follows the one before it does not ask."""
+    cpu = HostCpu(Clock())
+    asked = []
+
+    def runnable() -> int:
+        asked.append(cpu.clock.now)
+        return cpu.runnable()
+
+    chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0}, cpu, runnable=runnable)
+    asked.clear()
+    run_timed(chooser, clock, 0.5, {2: 120.0, 1: 30.0})
+    assert asked == [] and chooser.current == 1  # steps back to back
+    clock.now += 0.5
+    cpu.busy = 1.9  # the load is still there
+    assert chooser.pick() == 1 and len(asked) == 1
+    chooser.observe(1, 1, 0.03)
+    clock.now += 0.5
+    cpu.busy = 0.0  # gone
+    assert chooser.pick() == 2
+    picked = [n for _, n in run_timed(chooser, clock, 0.2, {2: 13.0, 1: 22.0})]
+    assert set(picked) == {2} and chooser.current == 2
+
+
 def test_a_trial_that_no_decode_step_judged_is_called_off_by_a_load_that_begins_while_idle():
     """After a load, the cores free while idle: a one-token answer's prompt is computed on two threads (the armed
     trial), and no decode step judges them. Looks at the cores while idle then keep that trial for the next

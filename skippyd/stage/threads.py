@@ -52,7 +52,9 @@ between the configured count and its halves down to one (8, 4, 2, 1):
   first prefill chunk saw the chunk's cores busy and called off the trial the prompt was about to start.
   A prompt that arrives once the load has gone is computed on all threads, not on the count its last
   decode steps were left on (the decode steps after it judge the trial); under a load that stays,
-  nothing changes. Elsewhere than on Linux, such a stage waits for decode steps as before.
+  nothing changes. Elsewhere than on Linux, such a stage waits for decode steps as before. A compute that
+  comes after IDLE_GAP_S without one, before any such look (the load ended just before the work came), is a
+  trial of twice as many threads if no other thread runs on the host at that moment (/proc/loadavg).
 - on more than one thread and idle, where /proc/stat's cores are this process's (no narrower CPU affinity,
   no cgroup quota), it looks at them every TICK_S too: BUSY_LOOKS looks in a row whose windows held no
   compute of its own and found fewer cores free than its count (less FREE_SLACK; the host lock's turns count
@@ -103,6 +105,7 @@ TICK_S = 1.0  # below the configured count and idle: how often it looks at the h
 FREE_SLACK = 0.5  # ... for twice as many free cores, less this, over the last TICK_S
 POSTPONE_TICKS = 3  # looks put off in a row while a stage sharing the host computes under the lock
 BUSY_LOOKS = 2  # idle on more than one thread: looks in a row with the cores busy that halve the count
+IDLE_GAP_S = 0.25  # below the configured count: a compute this long after the last one asks /proc/loadavg
 
 try:
     _CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/stat's unit
@@ -213,7 +216,7 @@ class ThreadChooser:
                  cpu_times: Callable[[], tuple[float, float] | None] | None = host_cpu_times,
                  shared_cpu: Callable[[], float | None] | None = None,
                  shared_busy: Callable[[], bool] | None = None, whole_host: bool = True,
-                 runnable: Callable[[], int | None] | None = host_runnable):
+                 runnable: Callable[[], int | None] | None = None):
         self.configured = configured
         self.enabled = enabled and configured > 1
         # more threads than cores wait for each other at every barrier: start on as many as there are cores
@@ -255,13 +258,15 @@ class ThreadChooser:
         self._idle_set = False  # the count was set by idle looks, with no decode step on it since
         self._unconfirmed = False  # ... lowered, and no compute on it yet (see _confirm)
         self._before_idle = configured  # the count the idle looks lowered
-        self._runnable = runnable
+        # /proc/loadavg with /proc/stat (a test's made-up host gives its own or none)
+        self._runnable = runnable if runnable is not None or cpu_times is not host_cpu_times else host_runnable
+        self._last_pick = clock()  # the clock at the last compute below the configured count (or switch)
 
     def pick(self) -> int:
         """The thread count for the next compute."""
         self._picks += 1
-        if self._unconfirmed:
-            self._confirm()
+        if self.current < self.configured and self._look_for_load:
+            self._after_idle()
         if self._armed is not None:
             self._start_trial(self._armed)
             self._armed = None
@@ -320,6 +325,22 @@ class ThreadChooser:
         if self._busy_looks >= BUSY_LOOKS:
             self._switch_idle(self.current // 2, f"{free:.1f} of {self._cores} cores free while idle (other programs "
                                                  f"on the cores)")
+
+    def _after_idle(self) -> None:
+        """Below the configured count, a compute after the stage idled IDLE_GAP_S or more: on a count idle looks
+        lowered, see _confirm; else, if no other thread runs on the host now, it is a trial of twice as many
+        threads (the load ended just before the work came: a look would wait for RECHECK_S of idle time, and
+        decode steps for a window of them). Lost at its first slower step if the load is still there."""
+        now = self._clock()
+        last, self._last_pick = self._last_pick, now
+        if self._unconfirmed:
+            self._confirm()
+        elif now - last >= IDLE_GAP_S and self._trial is None and self._armed is None:
+            running = self._runnable() if self._runnable is not None else None
+            if running is not None and running <= 1:
+                log.debug("compute threads: trying %d: nothing else runs on the host after a pause",
+                          min(self.configured, self.current * 2))
+                self._armed = min(self.configured, self.current * 2)
 
     def _confirm(self) -> None:
         """The first compute on a count idle looks lowered: if no other thread runs on the host now, the load
@@ -501,6 +522,7 @@ class ThreadChooser:
                      " (other programs on the cores, or steps too small to share?)" if tried < self.current else "")
             self.current = tried
             self.switches += 1
+            self._last_pick = self._clock()
             # what was measured before the switch is stale: the load has changed
             self._recent = {}
             self._baseline = {(tried, rows): trial}
