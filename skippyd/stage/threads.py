@@ -54,17 +54,20 @@ between the configured count and its halves down to one (8, 4, 2, 1):
   decode steps were left on (the decode steps after it judge the trial); under a load that stays,
   nothing changes. Elsewhere than on Linux, such a stage waits for decode steps as before. A compute that
   comes after IDLE_GAP_S without one, before any such look (the load ended just before the work came), is a
-  trial of twice as many threads if no other thread runs on the host at that moment (/proc/loadavg).
+  trial of twice as many threads if no other thread runs on the host at that moment (/proc/loadavg, as
+  below).
 - on more than one thread and idle, where /proc/stat's cores are this process's (no narrower CPU affinity,
   no cgroup quota), it looks at them every TICK_S too: BUSY_LOOKS looks in a row whose windows held no
   compute of its own and found fewer cores free than its count (less FREE_SLACK; the host lock's turns count
   as free) halve the count. A load that began while the stage idled then meets the next prompt and decode
   steps on a count that suits it: on the configured one the prompt was prefilled on two threads (~500 tokens
-  under two busy programs: 5.7 s against 4.6 on one) and its first ALARM_STEPS decode steps crawled (~20 times
-  as slow). A look that finds the cores free again restores the count at once (no decode step measured the
-  lower one), and so does the first compute on it if no other thread runs on the host then (/proc/loadavg:
-  the load ended as the work came, as a benchmark's reference does); once decode steps have run on it, the
-  rules above apply. A command starting or a page loading keeps the cores busy for fewer looks than BUSY_LOOKS.
+  under two busy programs: 7.9 s against 3.5 on one, 2 stages) and its first ALARM_STEPS decode steps crawled
+  (~20 times as slow). A look that finds the cores free again restores the count at once (no decode step
+  measured the lower one), and so does the first compute on it if no other thread runs on the host then
+  (/proc/loadavg: the load ended as the work came, as a benchmark's reference does; one thread of each other
+  stage of the pipeline on this host is allowed, the one before it sends the work and goes on with its own);
+  once decode steps have run on it, the rules above apply. A command starting or a page loading keeps the
+  cores busy for fewer looks than BUSY_LOOKS.
 
 A trial ends at once, lost, on a step slower than the current count's median: a count that wins is
 faster step by step (under load, by 2-3 times), and one that loses costs one slow step instead of
@@ -216,7 +219,7 @@ class ThreadChooser:
                  cpu_times: Callable[[], tuple[float, float] | None] | None = host_cpu_times,
                  shared_cpu: Callable[[], float | None] | None = None,
                  shared_busy: Callable[[], bool] | None = None, whole_host: bool = True,
-                 runnable: Callable[[], int | None] | None = None):
+                 runnable: Callable[[], int | None] | None = None, neighbours: int = 0):
         self.configured = configured
         self.enabled = enabled and configured > 1
         # more threads than cores wait for each other at every barrier: start on as many as there are cores
@@ -261,6 +264,9 @@ class ThreadChooser:
         # /proc/loadavg with /proc/stat (a test's made-up host gives its own or none)
         self._runnable = runnable if runnable is not None or cpu_times is not host_cpu_times else host_runnable
         self._last_pick = clock()  # the clock at the last compute below the configured count (or switch)
+        # threads runnable on a host where nothing else runs, as work comes: this one, and one of each other stage
+        # of the pipeline on this host (the one before it sends it the work and goes on with its own)
+        self._quiet = 1 + neighbours
 
     def pick(self) -> int:
         """The thread count for the next compute."""
@@ -337,7 +343,7 @@ class ThreadChooser:
             self._confirm()
         elif now - last >= IDLE_GAP_S and self._trial is None and self._armed is None:
             running = self._runnable() if self._runnable is not None else None
-            if running is not None and running <= 1:
+            if running is not None and running <= self._quiet:
                 log.debug("compute threads: trying %d: nothing else runs on the host after a pause",
                           min(self.configured, self.current * 2))
                 self._armed = min(self.configured, self.current * 2)
@@ -349,7 +355,7 @@ class ThreadChooser:
         decode steps judge from here; a look before a try of more counts the cores from now, not from the load."""
         self._unconfirmed = False
         running = self._runnable() if self._runnable is not None else None
-        if running is not None and running <= 1:
+        if running is not None and running <= self._quiet:
             self._switch_idle(self._before_idle, "nothing else runs on the host as work comes")
         else:
             self._recheck_mark = self._host_mark()
