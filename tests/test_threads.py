@@ -340,6 +340,20 @@ def test_a_load_that_ends_just_before_a_prompt_is_tried_on_all_threads_at_its_fi
     assert set(picked) == {2} and chooser.current == 2
 
 
+def test_a_pause_with_the_cores_free_does_not_lure_the_steps_after_it_into_a_try_under_a_load():
+    """On one thread under a load; it goes for a while (a one-token answer's prompt on two threads, no decode
+    step), comes back, and a generation decodes under it: the look before a try of two threads counts the
+    cores from that generation's first compute, not from the switch (a window that held the free spell)."""
+    cpu = HostCpu(Clock())
+    chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0}, cpu, runnable=cpu.runnable)
+    cpu.idle(chooser, RECHECK_S + 2 * TICK_S, busy=0.0)
+    assert chooser.pick() == 2  # the prompt, no decode step
+    cpu.idle(chooser, 3 * TICK_S, busy=1.9)  # the load is back: the unjudged trial is called off
+    cpu.busy = 2.0
+    picked = [n for _, n in run_timed(chooser, clock, 1.0, {2: 120.0, 1: 30.0})]
+    assert set(picked) == {1} and chooser.skipped_tries >= 1
+
+
 def test_a_trial_that_no_decode_step_judged_is_called_off_by_a_load_that_begins_while_idle():
     """After a load, the cores free while idle: a one-token answer's prompt is computed on two threads (the armed
     trial), and no decode step judges them. Looks at the cores while idle then keep that trial for the next

@@ -336,7 +336,8 @@ class ThreadChooser:
         """Below the configured count, a compute after the stage idled IDLE_GAP_S or more: on a count idle looks
         lowered, see _confirm; else, if no other thread runs on the host now, it is a trial of twice as many
         threads (the load ended just before the work came: a look would wait for RECHECK_S of idle time, and
-        decode steps for a window of them). Lost at its first slower step if the load is still there."""
+        decode steps for a window of them). Lost at its first slower step if the load is still there. If not,
+        the decode steps judge, and a look before their try of more counts the cores from this compute on."""
         now = self._clock()
         last, self._last_pick = self._last_pick, now
         if self._unconfirmed:
@@ -347,6 +348,8 @@ class ThreadChooser:
                 log.debug("compute threads: trying %d: nothing else runs on the host after a pause",
                           min(self.configured, self.current * 2))
                 self._armed = min(self.configured, self.current * 2)
+            else:  # a look before a try of more counts the cores from here: the pause may have had another load
+                self._recheck_mark = self._host_mark()
 
     def _confirm(self) -> None:
         """The first compute on a count idle looks lowered: if no other thread runs on the host now, the load
