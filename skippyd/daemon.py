@@ -279,7 +279,7 @@ class Daemon:
             lock = a.compute_lock == "on" or threads > 1
         cfg = StageConfig(n_ctx_per_seq=a.ctx, lanes=a.lanes, n_batch=a.batch, n_threads=threads, thread_poll=poll,
                           compute_lock=lock, adapt_threads=a.adapt_threads == "on", flash_attn=a.flash_attn,
-                          keep_warm_ms=a.keep_warm_ms, local_stages=max(1, n_local),
+                          keep_warm_ms=a.keep_warm_ms,
                           decode_groups=self._decode_groups(),
                           credit_limit=a.credit, reply_timeout_s=a.reply_timeout,
                           direct_return=getattr(a, "direct_return", None) is not False,

@@ -251,9 +251,9 @@ def test_a_load_that_ends_as_the_work_comes_gives_the_count_back_at_its_first_co
     assert chooser.pick() == 2 and chooser.current == 2 and chooser.switches == 2  # (cpu.busy: 0 after idle)
     picked = [n for _, n in run_timed(chooser, cpu.clock, 0.5, {2: 13.0, 1: 22.0})]
     assert set(picked) == {2}
-    # a stage after the head on its host: the head, which just sent the work, may still run a thread of its own
-    for neighbours, back in ((0, 1), (1, 2)):
-        chooser = steady(cpu, runnable=lambda: 2, neighbours=neighbours)
+    # besides this thread, the one that sent the work (a client, the stage before) may still run; not a third
+    for running, back in ((2, 2), (3, 1)):
+        chooser = steady(cpu, runnable=lambda: running)  # (called within this iteration only)
         cpu.idle(chooser, TICK_S * (BUSY_LOOKS + 1.5), busy=1.9)
         assert chooser.pick() == back
     # without /proc/loadavg: the decode steps judge, and a try of two counts the cores from the first compute

@@ -182,8 +182,7 @@ class Scheduler:
     """
 
     def __init__(self, ctx: Context, *, max_batch_tokens: int | None = None,
-                 host_lock: HostComputeLock | None = None, decode_groups: int = 1, adapt_threads: bool = True,
-                 neighbours: int = 0):
+                 host_lock: HostComputeLock | None = None, decode_groups: int = 1, adapt_threads: bool = True):
         self.ctx = ctx
         self.host_lock = host_lock  # owned: closed when serve() ends
         self.max_batch_tokens = max_batch_tokens or ctx.n_batch
@@ -210,7 +209,7 @@ class Scheduler:
         self.threads = ThreadChooser(ctx.params.n_threads, enabled=adapt_threads, cores=cores,
                                      shared_cpu=host_lock.compute_cpu_s if host_lock is not None else None,
                                      shared_busy=host_lock.held if host_lock is not None else None,
-                                     whole_host=cores == os.cpu_count(), neighbours=neighbours)
+                                     whole_host=cores == os.cpu_count())
         self._threads_now = ctx.params.n_threads
 
     # ---------------------------------------------------------------- clients

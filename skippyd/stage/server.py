@@ -65,7 +65,6 @@ class StageConfig:
     thread_poll: int | None = 0
     compute_lock: bool = False  # take turns at the cores with the other stages on this host (HostComputeLock)
     adapt_threads: bool = True  # fewer threads while that is much faster (skippyd/stage/threads.py)
-    local_stages: int = 1  # stages of the topology on this host, this one included (ThreadChooser's neighbours)
     flash_attn: str = "off"  # llama.cpp's flash attention: off | on | auto (see ContextParams)
     keep_warm_ms: float = 0.0  # idle-class spinning after each compute (ContextParams.keep_warm_ms); 0: off
     # the stages compute at the same time (hosts of their own): keep this many groups of sessions in flight
@@ -85,8 +84,7 @@ class StageConfig:
 
     def scheduler(self, context: Context) -> Scheduler:
         return Scheduler(context, host_lock=HostComputeLock() if self.compute_lock else None,
-                         decode_groups=self.decode_groups, adapt_threads=self.adapt_threads,
-                         neighbours=self.local_stages - 1)
+                         decode_groups=self.decode_groups, adapt_threads=self.adapt_threads)
 
     @property
     def link_shape(self) -> LinkShape:

@@ -64,8 +64,8 @@ between the configured count and its halves down to one (8, 4, 2, 1):
   under two busy programs: 7.9 s against 3.5 on one, 2 stages) and its first ALARM_STEPS decode steps crawled
   (~20 times as slow). A look that finds the cores free again restores the count at once (no decode step
   measured the lower one), and so does the first compute on it if no other thread runs on the host then
-  (/proc/loadavg: the load ended as the work came, as a benchmark's reference does; one thread of each other
-  stage of the pipeline on this host is allowed, the one before it sends the work and goes on with its own);
+  (/proc/loadavg: the load ended as the work came, as a benchmark's reference does; besides this thread, the
+  one that sent the work may run, the client or the stage before on this host, which goes on with its own);
   once decode steps have run on it, the rules above apply. A command starting or a page loading keeps the
   cores busy for fewer looks than BUSY_LOOKS.
 
@@ -108,7 +108,9 @@ TICK_S = 1.0  # below the configured count and idle: how often it looks at the h
 FREE_SLACK = 0.5  # ... for twice as many free cores, less this, over the last TICK_S
 POSTPONE_TICKS = 3  # looks put off in a row while a stage sharing the host computes under the lock
 BUSY_LOOKS = 2  # idle on more than one thread: looks in a row with the cores busy that halve the count
-IDLE_GAP_S = 0.25  # below the configured count: a compute this long after the last one asks /proc/loadavg
+IDLE_GAP_S = 0.25  # below the configured count: a compute this long after the last one asks /proc/loadavg ...
+QUIET_RUNNABLE = 2  # ... whether no more threads than this run: this one and the one that sent the work (the
+# client, or the stage before on this host, which goes on with its own part of the step)
 
 try:
     _CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/stat's unit
@@ -219,7 +221,7 @@ class ThreadChooser:
                  cpu_times: Callable[[], tuple[float, float] | None] | None = host_cpu_times,
                  shared_cpu: Callable[[], float | None] | None = None,
                  shared_busy: Callable[[], bool] | None = None, whole_host: bool = True,
-                 runnable: Callable[[], int | None] | None = None, neighbours: int = 0):
+                 runnable: Callable[[], int | None] | None = None):
         self.configured = configured
         self.enabled = enabled and configured > 1
         # more threads than cores wait for each other at every barrier: start on as many as there are cores
@@ -264,9 +266,6 @@ class ThreadChooser:
         # /proc/loadavg with /proc/stat (a test's made-up host gives its own or none)
         self._runnable = runnable if runnable is not None or cpu_times is not host_cpu_times else host_runnable
         self._last_pick = clock()  # the clock at the last compute below the configured count (or switch)
-        # threads runnable on a host where nothing else runs, as work comes: this one, and one of each other stage
-        # of the pipeline on this host (the one before it sends it the work and goes on with its own)
-        self._quiet = 1 + neighbours
 
     def pick(self) -> int:
         """The thread count for the next compute."""
@@ -344,7 +343,7 @@ class ThreadChooser:
             self._confirm()
         elif now - last >= IDLE_GAP_S and self._trial is None and self._armed is None:
             running = self._runnable() if self._runnable is not None else None
-            if running is not None and running <= self._quiet:
+            if running is not None and running <= QUIET_RUNNABLE:
                 log.debug("compute threads: trying %d: nothing else runs on the host after a pause",
                           min(self.configured, self.current * 2))
                 self._armed = min(self.configured, self.current * 2)
@@ -358,7 +357,7 @@ class ThreadChooser:
         decode steps judge from here; a look before a try of more counts the cores from now, not from the load."""
         self._unconfirmed = False
         running = self._runnable() if self._runnable is not None else None
-        if running is not None and running <= self._quiet:
+        if running is not None and running <= QUIET_RUNNABLE:
             self._switch_idle(self._before_idle, "nothing else runs on the host as work comes")
         else:
             self._recheck_mark = self._host_mark()
