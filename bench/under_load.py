@@ -16,6 +16,11 @@ configuration generates a few tokens (the adaptive one moves to fewer threads), 
 pause of RECHECK_S + 1 s each computes a ~500-token prompt: its time to first token (the prefill). The
 adaptive stage should be on all its threads again for it (the reference's x1.00), not on the count the load
 left it on (the "1 thread" row's).
+
+Last, each round, a load that begins while no session decodes: --hogs' highest number of hogs start, a pause
+of ONSET_PAUSE_S, then each configuration computes a ~500-token prompt and --tokens tokens under the load: its
+time to first token and decode tokens/s. The adaptive stage should meet it on one thread from the prompt on
+(the "1 thread" row's figures), not on two for the prompt and its first decode steps (skippyd/stage/threads.py).
 """
 
 from __future__ import annotations
@@ -71,12 +76,15 @@ def start(work: Path, stages: int) -> dict[str, Pipeline]:
 
 
 AFTER = "after"  # results' key of the prefill after the load
+ONSET, ONSET_TTFT = "onset", "onset ttft"  # ... of decode and the prefill under a load that began while idle
+ONSET_PAUSE_S = 4.5  # the idle stages' looks at the cores: one to start, BUSY_LOOKS (2) more, and a margin
 
 
 async def measure(args, daemons: dict[str, Pipeline]) -> dict[int | str, dict[str, list[float]]]:
     levels = [int(h) for h in args.hogs.split(",")]
     results: dict[int | str, dict[str, list[float]]] = {h: {name: [] for name in CONFIGS} for h in levels}
-    results[AFTER] = {name: [] for name in CONFIGS}
+    for key in (AFTER, ONSET_TTFT, ONSET):
+        results[key] = {name: [] for name in CONFIGS}
     for pipe in daemons.values():  # warm-up, and the adaptive chooser's unloaded baseline
         await pipe.generate(prompt=PROMPT, raw=True, max_tokens=32)
     for r in range(args.rounds):
@@ -94,6 +102,7 @@ async def measure(args, daemons: dict[str, Pipeline]) -> dict[int | str, dict[st
                 stop(running)
         if max(levels):
             await prefill_after_load(daemons, max(levels), results[AFTER])
+            await load_begun_while_idle(daemons, max(levels), args.tokens, results[ONSET], results[ONSET_TTFT])
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     return results
 
@@ -120,12 +129,33 @@ async def prefill_after_load(daemons: dict[str, Pipeline], n_hogs: int, ttft_ms:
         ttft_ms[name].append(got["timings"]["ttft_ms"])
 
 
+async def load_begun_while_idle(daemons: dict[str, Pipeline], n_hogs: int, tokens: int,
+                                 tps: dict[str, list[float]], ttft_ms: dict[str, list[float]]) -> None:
+    """`n_hogs` hogs start while every configuration idles; after ONSET_PAUSE_S each one in turn computes a
+    ~500-token prompt and `tokens` tokens under them."""
+    running = hogs(n_hogs)
+    try:
+        await trio.sleep(ONSET_PAUSE_S)
+        for name, pipe in daemons.items():
+            got = await pipe.generate(prompt=LONG_PROMPT, raw=True, max_tokens=tokens)
+            ttft_ms[name].append(got["timings"]["ttft_ms"])
+            tps[name].append(got["timings"]["decode_tokens_per_s"])
+    finally:
+        stop(running)
+
+
 def report(results: dict[int | str, dict[str, list[float]]], shape: str) -> None:
     print(f"decode tok/s, {shape}, median (min-max); ratio to 2 threads with adapt off, same hogs")
     for h, by_name in results.items():
         if h == AFTER:
             if by_name[REFERENCE]:
                 print("  time to first token (ms) of a ~500-token prompt, after the load went away and a pause:")
+        elif h == ONSET_TTFT:
+            if by_name[REFERENCE]:
+                print("  time to first token (ms) of a ~500-token prompt under a load that began while idle:")
+        elif h == ONSET:
+            if by_name[REFERENCE]:
+                print("  decode tok/s after that prompt:")
         else:
             print(f"  {h} busy program(s):")
         ref = statistics.median(by_name[REFERENCE]) if by_name[REFERENCE] else 0.0
