@@ -365,7 +365,9 @@ class ThreadChooser:
     def _switch_idle(self, threads: int, why: str) -> None:
         """Idle looks at the cores (or the first compute after them) change the count to `threads` (no decode step
         judged it)."""
-        log.info("compute threads %d -> %d: %s", self.current, threads, why)
+        # debug, not info: no compute is affected yet, status shows the count, and a load that comes and goes
+        # while the stage idles would switch it back and forth every few seconds
+        log.debug("compute threads %d -> %d: %s", self.current, threads, why)
         if threads < self.current and not self._idle_set:
             self._before_idle = self.current
         self._unconfirmed = threads < self.current
