@@ -104,7 +104,7 @@ ABORT = 1.0  # a trial's step this many times slower than the current count's me
 FEWER_RECHECK_S = 30.0  # the most decode compute time between two trials of fewer threads
 RECHECK_MIN_S = 0.25  # below the configured count: the first try of twice as many threads, after a switch
 RECHECK_S = 2.0  # ... and the longest wait between two tries (each lost one doubles it)
-TICK_S = 1.0  # below the configured count and idle: how often it looks at the host's cores ...
+TICK_S = 1.0  # idle (below the configured count, or on more threads than one: tick): how often it looks ...
 FREE_SLACK = 0.5  # ... for twice as many free cores, less this, over the last TICK_S
 POSTPONE_TICKS = 3  # looks put off in a row while a stage sharing the host computes under the lock
 BUSY_LOOKS = 2  # idle on more than one thread: looks in a row with the cores busy that halve the count
@@ -333,10 +333,11 @@ class ThreadChooser:
 
     def _after_idle(self) -> None:
         """Below the configured count, a compute after the stage idled IDLE_GAP_S or more: on a count idle looks
-        lowered, see _confirm; else, if no other thread runs on the host now, it is a trial of twice as many
-        threads (the load ended just before the work came: a look would wait for RECHECK_S of idle time, and
-        decode steps for a window of them). Lost at its first slower step if the load is still there. If not,
-        the decode steps judge, and a look before their try of more counts the cores from this compute on."""
+        lowered, see _confirm; else, if nothing runs on the host now but this thread and the one that sent the
+        work (QUIET_RUNNABLE), it is a trial of twice as many threads (the load ended just before the work came:
+        a look would wait for RECHECK_S of idle time, and decode steps for a window of them). Lost at its first
+        slower step if the load is still there. If not, the decode steps judge, and a look before their try of
+        more counts the cores from this compute on."""
         now = self._clock()
         last, self._last_pick = self._last_pick, now
         if self._unconfirmed:
@@ -351,10 +352,11 @@ class ThreadChooser:
                 self._recheck_mark = self._host_mark()
 
     def _confirm(self) -> None:
-        """The first compute on a count idle looks lowered: if no other thread runs on the host now, the load
-        ended as the work came (a benchmark's reference, a build): back to the count before, at once (the looks'
-        windows still hold the load, and decode steps would take a window of them and a trial). Otherwise the
-        decode steps judge from here; a look before a try of more counts the cores from now, not from the load."""
+        """The first compute on a count idle looks lowered: if nothing runs on the host now but this thread and
+        the sender of the work (QUIET_RUNNABLE), the load ended as the work came (a benchmark's reference, a
+        build): back to the count before, at once (the looks' windows still hold the load, and decode steps
+        would take a window of them and a trial). Otherwise the decode steps judge from here; a look before a
+        try of more counts the cores from now, not from the load."""
         self._unconfirmed = False
         running = self._runnable() if self._runnable is not None else None
         if running is not None and running <= QUIET_RUNNABLE:
