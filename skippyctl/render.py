@@ -26,6 +26,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 # Exit codes: 1 = the operation failed, 2 = the request was invalid (as for usage errors).
 EXIT_FAILURE = 1
@@ -68,12 +69,16 @@ class _Listing(Table):
             yield from super().__rich_console__(console, options)
         finally:
             self.caption = caption
-        yield console.render_str(str(caption), style=self.caption_style or "table.caption", highlight=False)
+        yield caption
 
 
 def listing(*columns, **kwargs) -> Table:
     """A table of what a daemon runs (stages, sessions, lanes): no rules, so that a listing fits 80 characters
-    (a pipe's width) without rich cutting an address's port or a count short."""
+    (a pipe's width) without rich cutting an address's port or a count short. Title and caption are plain
+    text: they carry addresses and error messages, whose brackets rich would take for markup."""
+    for key in ("title", "caption"):
+        if isinstance(kwargs.get(key), str):
+            kwargs[key] = Text(kwargs[key], style=f"table.{key}")
     return _Listing(*columns, box=None, pad_edge=False, header_style="bold", **kwargs)
 
 
