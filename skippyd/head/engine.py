@@ -390,7 +390,6 @@ class _Run:
         self.finish_reason: str | None = None
         self.position = 0
         self.ttft_ms = 0.0
-        self.first_token_at: float | None = None
         self._stats = StatsTotal()  # every stage's reports for this generation, merged as they come
         self.detok = Detokenizer(engine.model.token_piece)
         self.stops = StopMatcher(req.stop)
@@ -761,9 +760,9 @@ class _Run:
             step_started, step_cpu = time.perf_counter(), time.thread_time()
             self.waited_us = self.native_us = self.loop_native_cpu_us = 0
             self.waited_cpu_s = 0.0
-            if self.first_token_at is None:
-                self.first_token_at = self.live.first_token_at = step_started  # (the decode rate: see LiveGeneration)
-                self.ttft_ms = (self.first_token_at - self.started) * 1e3
+            if self.live.first_token_at is None:  # (with last_token_at, the decode rate: see LiveGeneration)
+                self.live.first_token_at = step_started
+                self.ttft_ms = (step_started - self.started) * 1e3
             self.tokens.append(token)
             self.live.generated = len(self.tokens)
             if not self.req.ignore_eos and model.is_eog(token):
