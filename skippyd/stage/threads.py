@@ -261,7 +261,7 @@ class ThreadChooser:
         self._picks_at_mark = -1
         self._busy_looks = 0  # idle looks in a row that found the cores busy
         self._idle_set = False  # the count was set by idle looks, with no decode step on it since
-        self._unconfirmed = False  # ... lowered, and no compute on it yet (see _confirm)
+        self._unconfirmed = False  # ... lowered, and no compute on it yet (see _after_idle)
         self._before_idle = configured  # the count the idle looks lowered
         # /proc/loadavg with /proc/stat (a test's made-up host gives its own or none)
         self._runnable = runnable if runnable is not None or cpu_times is not host_cpu_times else host_runnable
@@ -332,37 +332,28 @@ class ThreadChooser:
                                                  f"on the cores)")
 
     def _after_idle(self) -> None:
-        """Below the configured count, a compute after the stage idled IDLE_GAP_S or more: on a count idle looks
-        lowered, see _confirm; else, if nothing runs on the host now but this thread and the one that sent the
-        work (QUIET_RUNNABLE), it is a trial of twice as many threads (the load ended just before the work came:
-        a look would wait for RECHECK_S of idle time, and decode steps for a window of them). Lost at its first
-        slower step if the load is still there. If not, the decode steps judge, and a look before their try of
-        more counts the cores from this compute on."""
+        """Below the configured count, the first compute on a count idle looks lowered, or a compute after the
+        stage idled IDLE_GAP_S or more. If nothing runs on the host now but this thread and the one that sent the
+        work (QUIET_RUNNABLE), the load ended as (or just before) the work came: a count the looks lowered goes
+        back at once (their windows still hold the load, and decode steps would take a window of them and a
+        trial); another is tried twice as high (a look would wait for RECHECK_S of idle time, and decode steps
+        for a window of them), lost at its first slower step if the load is still there. Otherwise the decode
+        steps judge from here, and a look before their try of more counts the cores from this compute on, not
+        from the pause (which may have had another load)."""
         now = self._clock()
         last, self._last_pick = self._last_pick, now
-        if self._unconfirmed:
-            self._confirm()
-        elif now - last >= IDLE_GAP_S and self._trial is None and self._armed is None:
-            running = self._runnable() if self._runnable is not None else None
-            if running is not None and running <= QUIET_RUNNABLE:
-                log.debug("compute threads: trying %d: nothing else runs on the host after a pause",
-                          min(self.configured, self.current * 2))
-                self._armed = min(self.configured, self.current * 2)
-            else:  # a look before a try of more counts the cores from here: the pause may have had another load
-                self._recheck_mark = self._host_mark()
-
-    def _confirm(self) -> None:
-        """The first compute on a count idle looks lowered: if nothing runs on the host now but this thread and
-        the sender of the work (QUIET_RUNNABLE), the load ended as the work came (a benchmark's reference, a
-        build): back to the count before, at once (the looks' windows still hold the load, and decode steps
-        would take a window of them and a trial). Otherwise the decode steps judge from here; a look before a
-        try of more counts the cores from now, not from the load."""
-        self._unconfirmed = False
+        if not self._unconfirmed and (now - last < IDLE_GAP_S or self._trial is not None or self._armed is not None):
+            return
         running = self._runnable() if self._runnable is not None else None
-        if running is not None and running <= QUIET_RUNNABLE:
+        if running is None or running > QUIET_RUNNABLE:
+            self._unconfirmed = False
+            self._recheck_mark = self._host_mark()
+        elif self._unconfirmed:
             self._switch_idle(self._before_idle, "nothing else runs on the host as work comes")
         else:
-            self._recheck_mark = self._host_mark()
+            log.debug("compute threads: trying %d: nothing else runs on the host after a pause",
+                      min(self.configured, self.current * 2))
+            self._armed = min(self.configured, self.current * 2)
 
     def _switch_idle(self, threads: int, why: str) -> None:
         """Idle looks at the cores (or the first compute after them) change the count to `threads` (no decode step
