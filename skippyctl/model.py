@@ -12,6 +12,7 @@ import enum
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from skippyctl.render import EXIT_USAGE, byte_progress, emit, fail, listing
 from skippyd.runtime.gguf_info import ModelFileError
@@ -115,8 +116,10 @@ def inspect(
 
 
 def _inspect_table(info: dict[str, Any]) -> Table:
-    # as wide as the file's path (up to the console's width), so that the title does not break it mid-name
-    table = Table(title=info["path"], show_header=False, min_width=len(str(info["path"])))
+    # as wide as the file's path (up to the console's width), so that the title does not break it mid-name;
+    # title and values are plain text: a path or a GGUF's name may hold brackets rich would take for markup
+    table = Table(title=Text(str(info["path"]), style="table.title"), show_header=False,
+                  min_width=len(str(info["path"])))
     table.add_column("key", style="bold")
     table.add_column("value", overflow="fold")
     rows = [
@@ -144,7 +147,7 @@ def _inspect_table(info: dict[str, Any]) -> Table:
     else:
         rows.append(("splittable", "yes" if info["splittable"] else f"no: {info['split_refusal']}"))
     for key, value in rows:
-        table.add_row(key, "-" if value is None else str(value))
+        table.add_row(key, Text("-" if value is None else str(value)))
     return table
 
 

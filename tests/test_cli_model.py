@@ -135,6 +135,15 @@ def test_inspect_table_and_json(run, tiny_model_small_vocab_path):
     assert info["file_type"] == "F16" and info["splittable"] is True
 
 
+def test_inspect_shows_brackets_as_written(run, tiny_model_small_vocab_path, tmp_path):
+    """A path with brackets is shown word for word, not taken for rich markup (which dropped "[bold]")."""
+    odd = tmp_path / "[bold]m.gguf"
+    odd.write_bytes(tiny_model_small_vocab_path.read_bytes())
+    result = run("model", "inspect", odd)
+    assert result.exit_code == 0, result.output
+    assert "[bold]m.gguf" in result.stdout, result.stdout
+
+
 def test_inspect_errors(run, tiny_model_small_vocab_path, tmp_path):
     assert_clean_error(run("model", "inspect", tmp_path / "nope.gguf"), 1, "no such file")
     cut = tmp_path / "cut.gguf"
