@@ -29,6 +29,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -292,6 +293,9 @@ async def test_sigkill(pipes, n, victim, when):
             assert s.pieces == 0, "the kill came after the prefill"
         detection = s.ended_at - injected
         check_clean_error(s, victim)
+        if victim > 0:  # the operator learns of it too: a line in the head's log with what the client got
+            assert re.search(r"warning skippyd\.head: head: session \d+ \(request \d+\) failed after \d+ "
+                             r"tokens: " + re.escape(str(s.error)), pipe.stages[0].log()), pipe.stages[0].log()[-2000:]
         release_s, state = await released(pipe, s.ended_at)
         recovery = await restart_and_check(pipe, victim)
     kind = "link closed from the middle (kill -9 middle stage)" if n == 3 and victim == 1 else "kill -9"

@@ -326,6 +326,10 @@ class HeadEngine:
         except GenerationError as exc:
             self.totals["errors"] += 1
             run.error = str(exc)
+            # the client gets the error; the operator, a line: a busy or recovering pipeline (503) is routine
+            log.log(logging.INFO if exc.status == 503 else logging.WARNING,
+                    "head: session %d (request %d) failed after %d tokens: %s", session_id, request_id,
+                    len(run.tokens), exc)
             raise
         except trio.Cancelled:
             run.finish_reason = "cancelled"
