@@ -305,6 +305,22 @@ async def test_sigkill(pipes, n, victim, when):
     check_retryable(s, victim)
 
 
+async def test_the_head_logs_stage_1_going_away_and_coming_back(pipes):
+    """An operator reading the head's log sees stage 1 go (a lane cannot be opened) and come back, whoever
+    opens the first lane after it (before, only the background task that keeps lanes warm said so, and a
+    generation's checkout that got there first reopened the lanes without a word)."""
+    pipe = await pipes.get(2)
+    head = pipe.stages[0]
+    mark = len(head.log())
+    await sigkill(pipe.stages[1])
+    with trio.fail_after(20):  # the head notices at its next attempt to open a lane (the warm task's, <= 10 s)
+        while "could not open a lane" not in head.log()[mark:]:
+            await trio.sleep(0.05)
+    await restart_and_check(pipe, 1)
+    text = head.log()[mark:]
+    assert "is reachable again" in text[text.index("could not open a lane"):], text
+
+
 # ---------------------------------------------------------------------------- SIGSTOP / SIGCONT
 STOPS = [(2, 1), (3, 1), (3, 2)]
 

@@ -81,6 +81,9 @@ class LanePool:
         return f"{self.host}:{self.port}"
 
     async def _open(self) -> DownstreamLink:
+        """A new lane's link. Logs a failure once until it changes, and the first success after one, whoever
+        opens it (the background task that keeps lanes warm, or a generation's checkout)."""
+        previous = self.last_error
         try:
             link = await DownstreamLink.connect(self.host, self.port, self.hello,
                                                 connect_timeout=self.connect_timeout,
@@ -88,8 +91,12 @@ class LanePool:
                                                 shape=self.shape, nursery=self.nursery)
         except DownstreamError as exc:
             self.last_error = str(exc)
+            if self.last_error != previous:
+                log.warning("head: could not open a lane: %s", exc)
             raise
         self.last_error = None
+        if previous is not None:
+            log.info("head: %s is reachable again", self.address)
         return link
 
     async def prune(self) -> None:
@@ -100,18 +107,13 @@ class LanePool:
             await self._discard(dead)
 
     async def warm(self, n: int | None = None) -> None:
-        """Open lanes ahead of time (best effort; a failure is logged once until it changes)."""
+        """Open lanes ahead of time (best effort: a failure is logged by _open)."""
         target = min(n or self.capacity, self.capacity)
         while len(self.lanes) < target:
-            previous = self.last_error
             try:
                 link = await self._open()
-            except DownstreamError as exc:
-                if str(exc) != previous:
-                    log.warning("head: could not open a lane: %s", exc)
+            except DownstreamError:
                 return
-            if previous is not None:
-                log.info("head: %s is reachable again", self.address)
             if len(self.lanes) >= target:  # checkouts opened lanes of their own meanwhile
                 await link.aclose()
                 return
