@@ -20,7 +20,7 @@ def generate(
     system: Annotated[Optional[str], typer.Option("--system", help="A system message.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")] = 256,
-    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option("--top-k", help="0 = off.")] = 0,
     top_p: Annotated[float, typer.Option("--top-p", help="1 = off.")] = 1.0,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (reproducible runs).")] = None,

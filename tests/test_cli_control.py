@@ -211,6 +211,9 @@ def test_generate_option_out_of_range_is_a_usage_error(tmp_path):
     base = ["--url", f"ws://127.0.0.1:{free_ports(1)[0]}", "--token-file", str(token), "generate", "-p", "hi"]
     for option, value, needle in (("--temperature", "1e300", "(a float32)"), ("--top-k", "4294967296", "2147483647")):
         assert_clean_error(CliRunner().invoke(app, [*base, option, value]), f"{option}: ", needle, code=2)
+    # the daemon would take a negative temperature for greedy, as llama.cpp does; the CLI says 0 is greedy
+    negative = CliRunner().invoke(app, [*base, "--temperature", "-1"])
+    assert negative.exit_code == 2 and "--temperature" in negative.output, negative.output
 
 
 def test_daemon_not_running(smol2, tmp_path):
