@@ -112,6 +112,8 @@ async def test_models(api):
     assert (await run(api.client.models.retrieve, MODEL_ID)).id == MODEL_ID
     with pytest.raises(openai.NotFoundError):
         await run(api.client.models.retrieve, "gpt-4o")
+    log = api.pipe.head.log()  # where the API is, once, without hypercorn's "(CTRL + C to quit)" banner
+    assert f"OpenAI API on {api.base}/v1" in log and "CTRL + C" not in log, log
 
 
 async def test_chat_matches_control_channel_and_counts_tokens(api, vocab):

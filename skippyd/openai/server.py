@@ -16,6 +16,12 @@ from skippyd.openai.metrics import Metrics
 log = logging.getLogger("skippyd.openai")
 
 
+def _not_hypercorns_banner(record: logging.LogRecord) -> bool:
+    """Drops hypercorn's "Running on http://... (CTRL + C to quit)": a daemon's journal has no Ctrl-C, and the
+    line after it ("OpenAI API on ...") says where the API is."""
+    return not str(record.msg).startswith("Running on ")
+
+
 class OpenAIServer:
     """``await nursery.start(OpenAIServer(daemon, host, port).run)``: returns once it accepts connections.
 
@@ -43,7 +49,10 @@ class OpenAIServer:
         config = Config()
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         config.bind = [f"{host}:{self.port}"]
-        config.errorlog = logging.getLogger("skippyd.openai.http")
+        errorlog = logging.getLogger("skippyd.openai.http")
+        if _not_hypercorns_banner not in errorlog.filters:
+            errorlog.addFilter(_not_hypercorns_banner)
+        config.errorlog = errorlog
         config.accesslog = None
         config.graceful_timeout = self.graceful_timeout_s
         config.include_server_header = False
