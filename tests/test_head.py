@@ -457,3 +457,41 @@ async def test_the_lanes_task_outlives_an_unexpected_error(autojump_clock, caplo
     assert "keeping the lanes warm failed" in caplog.text
     # and status says so (head.lanes_task), not only the log
     assert node.lanes_task_failures == 1 and node.lanes_task_error == "ValueError: list.remove(x): x not in list"
+
+
+async def test_a_stop_that_raises_still_frees_the_session_everywhere(tiny_model_path, tmp_path, monkeypatch):
+    """In one process (--stage all): a generation whose Stop down the lane raises something unforeseen (a bug)
+    still frees the head's own sequence and closes the lane, so that stage 1 releases its session too;
+    before, the head's slot stayed held, and after as many such ends as there are slots nothing could run."""
+    from skippyd.config import Settings
+    from skippyd.daemon import Daemon as SkippyDaemon, build_parser
+    from skippyd.head import engine as head_engine
+
+    split_for_test(tiny_model_path, 2, tmp_path)
+    (tmp_path / "skippyd.toml").write_text("")  # the defaults, whatever /etc/skippy holds
+    parser = build_parser()
+    settings = Settings.load(parser.parse_args(["--config", str(tmp_path / "skippyd.toml"), "--topology",
+                                                str(tmp_path / "topology.toml"), "--stage", "all", "--no-control",
+                                                "--lanes", "2", "--ctx", "256"]), parser, environ={})
+    daemon = SkippyDaemon(settings.args, settings=settings)
+
+    async def bug(self, lane):
+        raise RuntimeError("a bug in the stop")
+
+    request = head_engine.GenerationRequest(prompt="hello", raw=True, max_tokens=3)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(daemon.run)
+        with trio.fail_after(60):
+            while not daemon.ready:
+                await trio.sleep(0.01)
+        engine, stage1 = daemon.head.engine, daemon.stages[0]
+        with monkeypatch.context() as patched:
+            patched.setattr(head_engine._Run, "_stop_lane", bug)
+            for _ in range(3):  # more than the 2 slots
+                with pytest.raises(RuntimeError, match="a bug in the stop"):
+                    await engine.generate(request)
+        assert (await engine.generate(request)).finish_reason in ("length", "stop")
+        with trio.fail_after(5):
+            while engine.sessions.snapshot()["live_sessions"] or stage1.sessions.snapshot()["live_sessions"]:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()

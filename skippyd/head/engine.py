@@ -872,34 +872,37 @@ class _Run:
                 self.on_piece(text)  # queued for the client's own task: a generation never waits for its client
 
     async def _cleanup(self) -> None:
-        """Runs shielded. Stop the session down the lane (bounded), then free the head's own sequence."""
+        """Runs shielded. Stop the session down the lane (bounded), then free the head's own sequence (whatever
+        the stop raised: a bug there must not leak a session slot)."""
         engine = self.engine
         self._close_returns()
         if self.session is not None:
             engine.scheduler.forget(self.session.seq)  # now: the other sessions' batches wait for it no more
-        if self.lane is not None:
-            lane, self.lane = self.lane, None
-            stopped = False
-            try:
-                with trio.move_on_after(STOP_TIMEOUT_S) as bounded:
-                    stopped = await self._stop_lane(lane)
-                if bounded.cancelled_caught:
-                    log.warning("head: stop for session %d not acknowledged within %g s: closing lane %d",
-                                self.live.session_id, STOP_TIMEOUT_S, lane.lane_id)
-                if not stopped:
-                    # closing the lane makes stage 1 (and every stage after it) release the session
-                    lane.dirty = True
-            finally:
-                await engine.pool.checkin(lane)
-        if self.sampler is not None:
-            self.sampler.close()
-        if self.session is not None:
-            seq = self.session.seq
-            try:
-                with trio.move_on_after(STOP_TIMEOUT_S):
-                    await engine.scheduler.run_kv(lambda: engine.context.kv_clear_seq(seq))
-            finally:
-                engine.sessions.forget(self.session)
+        try:
+            if self.lane is not None:
+                lane, self.lane = self.lane, None
+                stopped = False
+                try:
+                    with trio.move_on_after(STOP_TIMEOUT_S) as bounded:
+                        stopped = await self._stop_lane(lane)
+                    if bounded.cancelled_caught:
+                        log.warning("head: stop for session %d not acknowledged within %g s: closing lane %d",
+                                    self.live.session_id, STOP_TIMEOUT_S, lane.lane_id)
+                finally:
+                    if not stopped:
+                        # closing the lane makes stage 1 (and every stage after it) release the session
+                        lane.dirty = True
+                    await engine.pool.checkin(lane)
+        finally:
+            if self.sampler is not None:
+                self.sampler.close()
+            if self.session is not None:
+                seq = self.session.seq
+                try:
+                    with trio.move_on_after(STOP_TIMEOUT_S):
+                        await engine.scheduler.run_kv(lambda: engine.context.kv_clear_seq(seq))
+                finally:
+                    engine.sessions.forget(self.session)
 
     async def _stop_lane(self, lane: Lane) -> bool:
         """Finish the request a cancellation interrupted, then Stop the session; True once stage 1
