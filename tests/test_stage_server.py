@@ -277,6 +277,29 @@ async def test_exception_in_a_handler_costs_one_connection(final_stage, monkeypa
     await other.aclose()
 
 
+async def test_a_release_that_raises_leaves_the_connections_other_sessions_released(final_stage, monkeypatch):
+    """A bug releasing one session of a closed connection (logged) does not keep its other sessions held."""
+    n_embd = final_stage.topology.n_embd
+    link = await connect(final_stage)
+    await open_session(link, 1, n_embd)
+    await open_session(link, 2, n_embd)
+    release = StageServer.release
+    failed = []
+
+    async def first_one_fails(self, session):
+        if not failed:
+            failed.append(session.session_id)
+            raise RuntimeError("a bug in the release")
+        await release(self, session)
+
+    monkeypatch.setattr(StageServer, "release", first_one_fails)
+    await link.aclose()
+    with trio.fail_after(2):
+        while final_stage.snapshot()["live_sessions"] != 1:
+            await trio.sleep(0.01)
+    assert [s["session_id"] for s in final_stage.snapshot()["sessions"]] == failed  # only the failed one
+
+
 async def test_shutdown_releases_every_session(split3):
     server = StageServer(split3, 2, config())
     async with trio.open_nursery() as nursery:

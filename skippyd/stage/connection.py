@@ -238,7 +238,11 @@ class UpstreamConnection:
 
     async def _release_all(self) -> None:
         for session in self.server.sessions.owned_by(self.conn_id):
-            await self.server.release(session)
+            try:
+                await self.server.release(session)
+            except Exception:  # a bug releasing one session must not keep the others (and the links) held
+                log.exception("stage %d: releasing session %d failed", self.server.index, session.session_id)
+                continue
             log.info("stage %d: released session %d (connection closed)", self.server.index, session.session_id)
 
     async def _fail_connection(self, code: ErrorCode, message: str, request_id: int = 0, session_id: int = 0):
