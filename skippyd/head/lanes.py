@@ -188,4 +188,3 @@ class LanePool:
 
     def describe(self) -> list[dict]:
         return [lane.describe() for lane in self.lanes.values()]
-

@@ -154,4 +154,3 @@ def summarize(reader: gguf.GGUFReader, path: str | os.PathLike[str]) -> dict[str
             "source_sha256": field_value(reader, SKIPPY_SOURCE_SHA256),
         }
     return info
-

@@ -318,5 +318,3 @@ class DownstreamLink:
             reply = with_stats(reply, merge(reply.stats, self._folded))
             self._folded = NO_STATS
         return reply, wait_us
-
-
