@@ -57,11 +57,8 @@ class _Listing(Table):
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         caption = self.caption
-        if not caption:
-            yield from super().__rich_console__(console, options)
-            return
-        width = self.__rich_measure__(console, options).maximum
-        if max(map(len, str(caption).splitlines()), default=0) <= width:
+        if not caption or (max(map(len, str(caption).splitlines()), default=0)
+                           <= self.__rich_measure__(console, options).maximum):  # (measured only with a caption)
             yield from super().__rich_console__(console, options)
             return
         self.caption = None

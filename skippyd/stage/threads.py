@@ -351,9 +351,8 @@ class ThreadChooser:
         elif self._unconfirmed:
             self._switch_idle(self._before_idle, "nothing else runs on the host as work comes")
         else:
-            log.debug("compute threads: trying %d: nothing else runs on the host after a pause",
-                      min(self.configured, self.current * 2))
             self._armed = min(self.configured, self.current * 2)
+            log.debug("compute threads: trying %d: nothing else runs on the host after a pause", self._armed)
 
     def _switch_idle(self, threads: int, why: str) -> None:
         """Idle looks at the cores (or the first compute after them) change the count to `threads` (no decode step
