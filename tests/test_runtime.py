@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import math
 import os
 import platform
 import socket
@@ -29,6 +30,7 @@ from skippyd.runtime.llama import (
 from skippyd.runtime.local_pipeline import LocalPipeline
 from skippyd.runtime.slicing import split_model
 from skippyd.runtime.text import Detokenizer
+from skippyd.sampling import InvalidSampling
 
 PARAMS = ContextParams(n_ctx_per_seq=1024, n_seq_max=4, n_batch=512, n_ubatch=512, n_threads=2)
 POEM = "Write a short poem about the sea, then explain what a lighthouse does."
@@ -479,9 +481,11 @@ def test_close_is_idempotent_and_guards_use(default_model_path):
 
 
 def test_sampling_params_validated(smol):
-    for bad in (SamplingParams(top_p=0.0), SamplingParams(seed=2**40), SamplingParams(logit_bias=((10**7, 1.0),))):
+    for bad in (dict(top_p=0.0), dict(logit_bias=((10**7, 1.0),)), dict(logit_bias=((1, math.inf),))):
         with pytest.raises(InvalidArgumentError):
-            Sampler(smol, bad)
+            Sampler(smol, SamplingParams(**bad))
+    with pytest.raises(InvalidSampling):  # what no C struct could hold is refused as it is made
+        SamplingParams(seed=2**40)
 
 
 def test_detokenizer_never_splits_utf8(smol):

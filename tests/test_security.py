@@ -20,7 +20,7 @@ import trio.testing
 
 from skippyd import config as cfgmod
 from skippyd.daemon import build_parser
-from skippyd.runtime.llama import InvalidArgumentError, SamplingParams
+from skippyd.sampling import InvalidSampling, SamplingParams
 from skippyd.stage.access import LinkSecretError, UpstreamAllow, link_auth, load_link_secret
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.topology import TopologyError, parse_allow_entry
@@ -217,7 +217,7 @@ F32_MAX = float(np.finfo(np.float32).max)
     dict(logit_bias=((1, math.nan),)), dict(logit_bias=((100, 1.0),)),
 ])
 def test_sampling_params_out_of_c_range_are_refused(bad):
-    with pytest.raises(InvalidArgumentError):
+    with pytest.raises(InvalidSampling):
         SamplingParams(**bad).validate(n_vocab=100)
 
 

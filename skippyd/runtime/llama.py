@@ -21,6 +21,8 @@ from typing import Iterable, Mapping, Sequence
 import attrs
 import numpy as np
 
+from skippyd.sampling import InvalidSampling, SamplingParams
+
 try:
     from skippyd._native._skippy_llama import ffi, lib
 except ImportError as exc:  # pragma: no cover - depends on the build
@@ -320,69 +322,14 @@ def _check_gguf_file(path: Path) -> None:
 # --------------------------------------------------------------------------- sampling
 
 
-_F32_MAX = float(np.finfo(np.float32).max)
-
-
-@attrs.frozen
-class SamplingParams:
-    """Per-generation sampling. `temperature <= 0` means greedy (argmax)."""
-
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    penalty_last_n: int = 64
-    seed: int | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
-
-    @property
-    def is_plain_greedy(self) -> bool:
-        return (self.temperature <= 0 and not self.logit_bias and self.repeat_penalty == 1.0
-                and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0)
-
-    def validate(self, n_vocab: int) -> None:
-        op = "sampling parameters"
-        # The C structs hold float32 and int32/uint32: a larger value would overflow (cffi raises, or a
-        # float becomes inf) on the way in, so the range is checked here, with a message.
-        def f32(x) -> bool:
-            return isinstance(x, (int, float, np.floating)) and bool(np.isfinite(x)) and abs(x) <= _F32_MAX
-
-        def i32(x, low: int = -(2**31)) -> bool:
-            return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and low <= x < 2**31
-
-        checks = [
-            (f32(self.temperature), "temperature must be a finite float32"),
-            (i32(self.top_k, 0), "top_k must be an int32 >= 0"),
-            (f32(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (f32(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            (f32(self.repeat_penalty) and self.repeat_penalty > 0, "repeat_penalty must be a finite float32 > 0"),
-            (f32(self.presence_penalty), "presence_penalty must be a finite float32"),
-            (f32(self.frequency_penalty), "frequency_penalty must be a finite float32"),
-            (i32(self.penalty_last_n, -1), "penalty_last_n must be an int32 >= -1"),
-            (self.seed is None or (isinstance(self.seed, (int, np.integer)) and not isinstance(self.seed, bool)
-                                   and 0 <= self.seed < 2**32), "seed must fit in 32 bits"),
-            (len(self.logit_bias) <= n_vocab, "more logit_bias entries than the vocabulary has tokens"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise InvalidArgumentError(op, msg)
-        for token, bias in self.logit_bias:
-            if not 0 <= token < n_vocab:
-                raise InvalidArgumentError(op, f"logit_bias token {token} outside the vocabulary")
-            if np.isnan(bias):
-                raise InvalidArgumentError(op, f"logit_bias for token {token} is NaN")
-            if bias != -np.inf and not f32(bias):  # -inf bans a token; anything else must fit a float32
-                raise InvalidArgumentError(op, f"logit_bias for token {token} must be a finite float32 or -inf")
-
-
 class Sampler:
     """A llama.cpp sampler chain for one generation; it remembers accepted tokens (penalties)."""
 
     def __init__(self, model: Model, params: SamplingParams):
-        params.validate(model.n_vocab)
+        try:
+            params.validate(model.n_vocab)
+        except InvalidSampling as exc:
+            raise InvalidArgumentError("sampling parameters", str(exc)) from None
         self.params = params
         cparams = lib.llama_sampler_chain_default_params()
         cparams.no_perf = True

@@ -58,6 +58,7 @@ import numpy as np
 from skippyd.wire.errors import ProtocolError
 from skippyd.wire.messages import (
     DEFAULT_LIMITS,
+    DEFAULT_SEED,
     MAX_AUTH_BYTES,
     MAX_HELLO_BODY_BYTES,
     MAX_NODE_NAME_BYTES,
@@ -286,7 +287,7 @@ def _encode_sampling(p: SamplingParams) -> bytes:
         p.presence_penalty,
         p.frequency_penalty,
         p.penalty_last_n,
-        p.seed,
+        DEFAULT_SEED if p.seed is None else p.seed,
     )
     return block + b"".join(_BIAS.pack(t, b) for t, b in p.logit_bias)
 

@@ -19,12 +19,12 @@ message that exists can be encoded.
 from __future__ import annotations
 
 import enum
-import math
-import struct
 from typing import Callable, ClassVar, TypeAlias, TypeVar
 
 import attrs
 import numpy as np
+
+from skippyd.sampling import MAX_LOGIT_BIAS, RANDOM_SEED, SamplingParams
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -80,7 +80,6 @@ PROTOCOL_VERSION = 3
 MAX_TOKENS = 8192  # tokens (positions) in one message or reply
 MAX_N_EMBD = 65536  # activation width
 MAX_ACTIVATION_BYTES = 256 * 1024 * 1024  # activation payload of one message
-MAX_LOGIT_BIAS = 1024  # logit-bias entries in a sampling block
 MAX_ERROR_MESSAGE_BYTES = 4096  # UTF-8 bytes of an ErrorReply message
 MAX_REASON_BYTES = 1024  # UTF-8 bytes of a HelloReply refusal reason
 MAX_AUTH_BYTES = 64  # Hello auth field
@@ -88,7 +87,7 @@ MAX_NODE_NAME_BYTES = 255  # Hello node name (UTF-8)
 MAX_HELLO_BODY_BYTES = 4096  # any Hello body, in every protocol version
 MAX_FRAME_BYTES = MAX_ACTIVATION_BYTES + 64 * 1024  # prefix + body of any frame
 MAX_POSITION = 2**31 - 1  # positions are llama_pos (int32)
-DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: "pick a random seed"
+DEFAULT_SEED = RANDOM_SEED  # a seed of None on the wire
 
 _U32 = 2**32 - 1
 _U64 = 2**64 - 1
@@ -221,20 +220,6 @@ def _activation_eq(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     return a.shape == b.shape and bool(np.array_equal(a.view("<u4"), b.view("<u4")))
 
 
-_F32 = struct.Struct("<f")
-
-
-def _f32(value: float) -> float:
-    """Round to the nearest float32, so a value equals what the wire carries."""
-    try:
-        return _F32.unpack(_F32.pack(float(value)))[0]
-    except OverflowError:
-        raise ValueError(f"{value!r} does not fit a float32") from None
-
-
-def _finite(_inst: object, attribute: attrs.Attribute, value: float) -> None:
-    if not math.isfinite(value):
-        raise ValueError(f"{attribute.name} must be finite, got {value!r}")
 
 
 def _int_range(lo: int, hi: int):
@@ -249,24 +234,6 @@ _u64 = _int_range(0, _U64)
 _u32 = _int_range(0, _U32)
 _i32 = _int_range(-(2**31), 2**31 - 1)
 _position = _int_range(0, MAX_POSITION)
-
-
-def _as_bias(value: object) -> tuple[tuple[int, float], ...]:
-    out = []
-    for token, bias in value:  # type: ignore[attr-defined]
-        token = int(token)
-        if not -(2**31) <= token < 2**31:
-            raise ValueError(f"logit_bias token {token} does not fit int32")
-        bias = _f32(bias)
-        if math.isnan(bias):
-            raise ValueError("logit_bias must not be NaN")
-        out.append((token, bias))
-    return tuple(out)
-
-
-def _bias_len(_inst: object, _attribute: attrs.Attribute, value: tuple) -> None:
-    if len(value) > MAX_LOGIT_BIAS:
-        raise ValueError(f"{len(value)} logit_bias entries, at most {MAX_LOGIT_BIAS}")
 
 
 def _check_tokens(tokens: np.ndarray, *, lo: int, hi: int, what: str) -> None:
@@ -338,34 +305,6 @@ DEFAULT_LIMITS = Limits()
 
 # --------------------------------------------------------------------------
 # sampling and stats
-
-
-@attrs.frozen
-class SamplingParams:
-    """Sampler settings the final stage applies; defaults are llama.cpp's.
-
-    Floats are rounded to float32 on construction (that is what the wire
-    carries), so ``decode(encode(p)) == p`` always holds.
-    ``temperature <= 0`` means greedy. ``logit_bias`` is a tuple of
-    ``(token, bias)`` pairs; a bias may be ``-inf`` to ban a token.
-    """
-
-    temperature: float = attrs.field(default=0.8, converter=_f32, validator=_finite)
-    top_k: int = attrs.field(default=40, validator=_i32)
-    top_p: float = attrs.field(default=0.95, converter=_f32, validator=_finite)
-    min_p: float = attrs.field(default=0.05, converter=_f32, validator=_finite)
-    repeat_penalty: float = attrs.field(default=1.0, converter=_f32, validator=_finite)
-    presence_penalty: float = attrs.field(default=0.0, converter=_f32, validator=_finite)
-    frequency_penalty: float = attrs.field(default=0.0, converter=_f32, validator=_finite)
-    penalty_last_n: int = attrs.field(default=64, validator=_i32)
-    seed: int = attrs.field(default=DEFAULT_SEED, validator=_u32)
-    logit_bias: tuple[tuple[int, float], ...] = attrs.field(
-        default=(), converter=_as_bias, validator=_bias_len
-    )
-
-    @classmethod
-    def greedy(cls) -> SamplingParams:
-        return cls(temperature=0.0, top_k=1, top_p=1.0, min_p=0.0)
 
 
 @attrs.frozen
