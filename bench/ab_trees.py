@@ -1,8 +1,8 @@
 """A/B of the hot path's CPU between two versions of the code: event-loop CPU per decode step on every stage,
-the two versions' pipelines measured in interleaved rounds in the same run (this VM's noise drowns a
+the two versions' pipelines measured in interleaved rounds in the same run (a shared VM's noise drowns a
 difference of 10% between runs minutes apart).
 
-    .venv/bin/python bench/ab_trees.py --base b10951d [--rounds 5] [--stages 2,3] [--link-delay-ms 10]
+    .venv/bin/python bench/ab_trees.py --base HEAD~1 [--rounds 5] [--stages 2,3] [--link-delay-ms 10]
                                        [--streamed 4] [--model PATH] [--json out.json]
 
 ``--base`` is a git revision, checked out in a temporary worktree; the other side is this working tree

@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/bench_pipeline.py [--rounds 3] [--json out.json] [--delay-ms 10] [--no-reference]
 
-Configurations, each measured in every round, in interleaved order (these
-VMs drift by ±10% over a minute, so only same-run figures are compared):
+Configurations, each measured in every round, in interleaved order (a
+shared VM drifts by ±10% over a minute, so only same-run figures are compared):
 
 * ``llama-cpp-python``: plain llama.cpp through its Python binding, built
   from the same pinned source (bench/reference.py installs it; a fresh
@@ -44,8 +44,9 @@ each with ``--keep-warm-ms`` (default 100; 0 skips them): cores left idle
 between a stage's steps compute the next one more slowly, and the ratio of
 the time per token kept warm to not is what that option gives.
 
-Prints tables of medians (min-max) with ratios, then the issue-7 targets (each with a bound marked met
-or NOT met), and writes everything as JSON.
+Prints tables of medians (min-max) with ratios, then the targets (ratios to llama-cpp-python and to a
+single stage, Python time per decode step, the delay bound; each with its bound marked met or NOT met),
+and writes everything as JSON.
 """
 
 from __future__ import annotations
@@ -459,7 +460,7 @@ def main() -> int:
             if f"{n}-stage kept warm" in delayed:
                 targets[f"  {n}-stage with delay, kept warm / not: ms/token"] = (
                     med(f"{n}-stage kept warm", "ms_per_token", dtab) / med(f"{n}-stage", "ms_per_token", dtab))
-    print("\ntargets (issue 7), same-run medians:")
+    print("\ntargets, same-run medians:")
     for label, value in targets.items():
         print(f"  {label:52} {value:.3f}{verdict(label, value)}")
     if args.json:

@@ -23,8 +23,8 @@ errors included. `tests/test_soak_short.py` runs a short soak through `soak()`.
 
 Stage 1 has as many sequence slots as the head has lanes (the default): a
 cancelled generation stops its session on every stage before its lane and slot
-are free again, so the next one is never refused with `no_capacity` (once it
-could be; `--stage-lanes` gives stage 1 more slots, as it did then).
+are free again, so the next one is never refused with `no_capacity`
+(`--stage-lanes` gives stage 1 more slots all the same).
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def test_inspect_table_and_json(run, tiny_model_small_vocab_path):
 
 
 def test_inspect_shows_brackets_as_written(run, tiny_model_small_vocab_path, tmp_path):
-    """A path with brackets is shown word for word, not taken for rich markup (which dropped "[bold]")."""
+    """A path with brackets is shown word for word, not taken for rich markup (which would drop "[bold]")."""
     odd = tmp_path / "[bold]m.gguf"
     odd.write_bytes(tiny_model_small_vocab_path.read_bytes())
     result = run("model", "inspect", odd)

@@ -18,9 +18,7 @@ fault. Every fault adds a row (fault, detection_s, outcome, state after) to
 a report printed at the end of the module and written to
 ``<pytest base temp>/fault-report.json`` (or ``$SKIPPY_FAULT_REPORT``).
 
-The issue asks for detection within 2 s while a generation runs.
-Expectations the current code does not meet are strict xfails, with the
-reason.
+A fault that happens while a generation runs must be detected within 2 s.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ from skippyd.control import messages as m
 from skippyd.head.engine import ACKED_DECODE_STEPS
 from tests.procs import Daemon, Pipeline, retarget, split_for_test
 
-DETECT_S = 2.0  # the issue: a fault is detected within 2 s while a generation runs
+DETECT_S = 2.0  # a fault is detected within 2 s while a generation runs
 RELEASE_S = 2.0  # every surviving stage frees its sessions within 2 s
 REPLY_TIMEOUT_S = 2.0
 CTX = 256
@@ -307,8 +305,7 @@ async def test_sigkill(pipes, n, victim, when):
 
 async def test_the_head_logs_stage_1_going_away_and_coming_back(pipes):
     """An operator reading the head's log sees stage 1 go (a lane cannot be opened) and come back, whoever
-    opens the first lane after it (before, only the background task that keeps lanes warm said so, and a
-    generation's checkout that got there first reopened the lanes without a word)."""
+    opens the first lane after it: the background task that keeps lanes warm, or a generation's checkout."""
     pipe = await pipes.get(2)
     head = pipe.stages[0]
     mark = len(head.log())

@@ -1,11 +1,10 @@
 """A short soak (bench/soak.py's `soak`): 40 generations with random lengths, cancellations and disconnects
 over a 2-stage pipeline leave no session, no descriptor and no memory behind.
 
-The stage after the head gets more sequence slots than the head has lanes: a
-cancelled session is released on stage 1 only once it notices the closed lane,
-and with equal slot counts the next generation may be refused meanwhile (a
-known race, `test_faults.py::test_slot_freed_by_a_kill_is_usable_at_once`).
-Here the point is what is left at the end.
+The stage after the head gets more sequence slots than the head has lanes, so
+that slots never limit the run: the point here is what is left at the end
+(`test_faults.py::test_slot_freed_by_a_kill_is_usable_at_once` covers equal
+slot counts).
 
 Memory: the head's RSS rises in one or two steps of 12-15 MiB at ctx 512
 (then stays flat over 1000 generations: bench/soak.py), from glibc's

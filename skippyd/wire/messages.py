@@ -75,7 +75,7 @@ __all__ = [
 # too (no lane reply on success, an Error on the lane on failure)
 PROTOCOL_VERSION = 3
 
-# Hard limits of protocol version 2 (unchanged since 1). A receiver may be configured tighter
+# Hard limits of the protocol (the same in every version). A receiver may be configured tighter
 # (see Limits), never looser.
 MAX_TOKENS = 8192  # tokens (positions) in one message or reply
 MAX_N_EMBD = 65536  # activation width

@@ -247,7 +247,7 @@ class WaitWatch:
     than by a cancel scope around every read.
 
     Entering and leaving a trio cancel scope runs some 700 interpreted
-    instructions (about 50 µs here), and a decode step reads one frame on
+    instructions (tens of µs), and a decode step reads one frame on
     every connection it crosses, while the deadlines of those waits (an idle
     lane: minutes; a reply: ``--reply-timeout``) almost never run out. So a
     watched read (:func:`read_frame` with ``watch=``) only notes when its
