@@ -292,7 +292,7 @@ def test_stage_mutated_frames_after_handshake(live, canary, data):
     if how == "configure-then-field":  # a session exists when the bad frame comes
         prelude, how = frames[0], "field"
     if how == "field":
-        # offsets: prefix kind 2, flags 3, body_len 4; header request 8, session 16, pos 24, token_count 28,
+        # offsets: prefix kind 2, flags 3, body_len 4; header request_id 8, session_id 16, pos 24, token_count 28,
         # activation_bytes 32, bias_count 36
         offset, size = data.draw(st.sampled_from([(2, 1), (3, 1), (4, 4), (24, 4), (28, 4), (32, 4), (36, 2)]))
         value = data.draw(st.integers(0, 2 ** (8 * size) - 1))
