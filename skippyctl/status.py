@@ -49,7 +49,7 @@ def _running(data: dict) -> str:
 
 def _threads(data: dict) -> dict[int, str]:
     """The compute threads of each stage this daemon runs: "N", or "N of M" while it computes with fewer than
-    its M (other programs busy on its cores; skippyd --adapt-threads)."""
+    its M (other programs busy on its cores; runtime.adapt_threads in skippyd.toml(5))."""
     out = {}
     for snap in [data.get("head"), *(data.get("stages") or [])]:
         t = (snap or {}).get("threads")

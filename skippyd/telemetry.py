@@ -4,7 +4,7 @@
         ...
         s.set(tokens=n)          # add ids or numbers learnt along the way
 
-Three levels, chosen with ``skippyd --telemetry``:
+Three levels, chosen with ``daemon.telemetry`` in skippyd.toml(5):
 
 ``off``      (default) ``span()`` returns one shared object whose enter and
              exit do nothing: no clock read, no allocation beyond the call's

@@ -41,7 +41,7 @@ def test_two_names_of_one_machine_count_once():
 
 
 def test_a_topologys_hosts_as_written():
-    """--decode-groups 0 keeps one group per machine: every loopback address is this one machine, and a
+    """decode_groups = 0 keeps one group per machine: every loopback address is this one machine, and a
     name is one machine however it is capitalised."""
     m = machines()
     assert m.count(["127.0.0.1", "::1"]) == 1

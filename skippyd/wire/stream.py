@@ -249,7 +249,7 @@ class WaitWatch:
     Entering and leaving a trio cancel scope runs some 700 interpreted
     instructions (tens of µs), and a decode step reads one frame on
     every connection it crosses, while the deadlines of those waits (an idle
-    lane: minutes; a reply: ``--reply-timeout``) almost never run out. So a
+    lane: minutes; a reply: ``runtime.reply_timeout``) almost never run out. So a
     watched read (:func:`read_frame` with ``watch=``) only notes when its
     wait began, and :meth:`run` sleeps until the current wait would be due;
     a wait that lasted ``timeout`` is woken with
