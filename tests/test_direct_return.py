@@ -26,7 +26,7 @@ import trio
 from skippyd.head.engine import ACKED_DECODE_STEPS
 from skippyd.head.token_return import ReturnLost, TokenReturnHub
 from skippyd.runtime.llama import ContextParams
-from skippyd.runtime.local_pipeline import LocalPipeline
+from tests.local_pipeline import LocalPipeline
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.stage.token_return import TokenReturnLink, TokenReturnLost
 from skippyctl.client import ControlError

@@ -24,7 +24,7 @@ import trio
 from skippyctl.client import ControlError, open_control
 from skippyd.control import messages as m
 from skippyd.runtime.llama import ContextParams
-from skippyd.runtime.local_pipeline import LocalPipeline
+from tests.local_pipeline import LocalPipeline
 from skippyd.wire.codec import frame_bytes
 from skippyd.wire.messages import Ack, ErrorCode, ErrorReply, PredictedToken, PrefillChunk
 from skippyd.wire.stream import read_reply

@@ -1,8 +1,7 @@
 """Several stage slices chained in one process.
 
 The reference for the networked pipeline: tests compare the daemon's output
-with this, the benchmarks measure it against the unsplit model, and the
-README's demo used it before the daemon existed.
+with this, and the benchmarks measure it against the unsplit model.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .llama import Context, ContextParams, InvalidArgumentError, Model, Sampler, SamplingParams
+from skippyd.runtime.llama import Context, ContextParams, InvalidArgumentError, Model, Sampler, SamplingParams
 
 
 class LocalPipeline:
