@@ -385,14 +385,14 @@ async def test_connections_beyond_max_handshakes_are_closed_at_once(tiny_model_s
     server = await nursery.start(StageServer(topo, 1, cfg).run)
     silent = [await trio.open_tcp_stream("127.0.0.1", server.port) for _ in range(4)]
     with trio.fail_after(2):
-        while server.handshaking < 4:
+        while server.counters.handshaking < 4:
             await trio.sleep(0.01)
     extra = await trio.open_tcp_stream("127.0.0.1", server.port)
     with trio.fail_after(1):  # closed at once, not at the handshake deadline
         assert await extra.receive_some(100) == b""
-    assert server.dropped_handshakes == 1
+    assert server.counters.dropped_handshakes == 1
     with trio.fail_after(4):  # the silent ones time out; the slots are free again
-        while server.handshaking:
+        while server.counters.handshaking:
             await trio.sleep(0.05)
     s0 = topo.stage(0)
     hello = Hello(fingerprint=topo.source_sha256, stage_index=0, layer_start=s0.layer_start, layer_end=s0.layer_end,

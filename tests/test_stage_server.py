@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import trio
 
-from skippyd.stage.connection import UpstreamConnection
+from skippyd.stage.core import StageCore
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
+from skippyd.stage.handlers import FinalStage
 from skippyd.stage.server import StageConfig, StageServer
 from skippyd.wire.codec import frame_bytes
 from skippyd.wire.errors import PeerClosed
@@ -260,7 +261,7 @@ async def test_exception_in_a_handler_costs_one_connection(final_stage, monkeypa
     async def broken(self, msg):
         raise RuntimeError("a bug in the decode handler")
 
-    monkeypatch.setattr(UpstreamConnection, "on_decode", broken)
+    monkeypatch.setattr(FinalStage, "on_decode", broken)
     n_embd = final_stage.topology.n_embd
     other = await connect(final_stage)
     await open_session(other, 2, n_embd)
@@ -283,7 +284,7 @@ async def test_a_release_that_raises_leaves_the_connections_other_sessions_relea
     link = await connect(final_stage)
     await open_session(link, 1, n_embd)
     await open_session(link, 2, n_embd)
-    release = StageServer.release
+    release = StageCore.release
     failed = []
 
     async def first_one_fails(self, session):
@@ -292,7 +293,7 @@ async def test_a_release_that_raises_leaves_the_connections_other_sessions_relea
             raise RuntimeError("a bug in the release")
         await release(self, session)
 
-    monkeypatch.setattr(StageServer, "release", first_one_fails)
+    monkeypatch.setattr(StageCore, "release", first_one_fails)
     await link.aclose()
     with trio.fail_after(2):
         while final_stage.snapshot()["live_sessions"] != 1:

@@ -15,6 +15,10 @@ still travelling). A daemon conditions every frame it sends to another stage
 after the handshake: messages down its lanes, replies up its upstream
 connections, and predictions on the token-return connection; so a link
 between two conditioned daemons is delayed in both directions.
+
+The wrapper is put around a connection where it is made (:meth:`LinkShape.wrap`,
+given as ``wrap`` to whatever dials or accepts); the code that then sends and
+closes through it treats it as the stream itself.
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ from collections import deque
 
 import attrs
 import trio
-import trio.testing
 
 from skippyd.wire.errors import PeerClosed
 from skippyd.wire.stream import send_buffer
 
 __all__ = ["LinkShape", "ShapedSendStream", "next_release", "shaped"]
+
+LINGER_S = 1.0  # closing a link lets what it queued arrive for this long (plus the delay), then drops it
 
 
 def _non_negative(_inst, attribute: attrs.Attribute, value: float) -> None:
@@ -52,6 +57,18 @@ class LinkShape:
     def active(self) -> bool:
         return self.delay_ms > 0 or self.mbps > 0
 
+    def wrap(self, stream: trio.abc.SendStream, nursery: trio.Nursery | None) -> trio.abc.SendStream:
+        """What a connection just made sends through: ``stream`` itself, or (an active shape) a
+        ShapedSendStream over it whose transmit task runs in ``nursery``. Closing what this returns (its
+        ``aclose``) closes ``stream`` too."""
+        if not self.active:
+            return stream
+        if nursery is None:
+            raise ValueError("a conditioned link needs a nursery for its transmit task")
+        out = ShapedSendStream(stream, self)
+        nursery.start_soon(out.run)
+        return out
+
     def describe(self) -> str:
         parts = []
         if self.delay_ms > 0:
@@ -69,7 +86,9 @@ class ShapedSendStream(trio.abc.SendStream):
 
     :meth:`run` is the transmit task (start it in the nursery that owns the
     connection); :meth:`close` stops it and drops what has not left yet;
-    :meth:`aclose` first lets the queued bytes leave, then closes ``stream``.
+    :meth:`aclose` first lets the queued bytes leave (for up to ``LINGER_S``
+    plus the delay; cancelled: at once), then closes ``stream``, so its owner
+    closes it as it would close ``stream`` itself.
     A transport error in the transmit task is reported by the next
     ``send_all`` (``trio.BrokenResourceError``); the receiving side of the
     connection sees the close itself.
@@ -147,13 +166,16 @@ class ShapedSendStream(trio.abc.SendStream):
         self._forget_releases()
 
     async def aclose(self) -> None:
-        """Let the queued chunks leave, then close ``stream`` (forcefully if cancelled)."""
+        """Let the queued chunks leave (up to LINGER_S plus the delay), then close ``stream``; cancelled (as by
+        ``trio.aclose_forcefully``): drop them and close ``stream`` at once."""
         self._closed = True
         self._send.close()
         try:
-            await self._done.wait()
+            with trio.move_on_after(LINGER_S + self.shape.delay_ms / 1e3):
+                await self._done.wait()
         finally:
             self._scope.cancel()
+            self._forget_releases()
             await trio.aclose_forcefully(self.stream)
 
     def _forget_releases(self) -> None:
@@ -287,7 +309,9 @@ async def _wait_until(when: float, timer: _TimerFd | None) -> None:
 
 def _precise_timer() -> _TimerFd | None:
     """A timerfd when trio's clock is the real one (a test's MockClock keeps trio's own timers)."""
-    if isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock):
+    # a MockClock can exist only where trio.testing was imported: no need to import it here
+    testing = sys.modules.get("trio.testing")
+    if testing is not None and isinstance(trio.lowlevel.current_clock(), testing.MockClock):
         return None
     return _TimerFd.open()
 
@@ -295,10 +319,4 @@ def _precise_timer() -> _TimerFd | None:
 def shaped(stream: trio.abc.SendStream, shape: LinkShape | None,
            nursery: trio.Nursery | None) -> trio.abc.SendStream:
     """``stream`` itself, or a ShapedSendStream over it whose transmit task runs in ``nursery``."""
-    if shape is None or not shape.active:
-        return stream
-    if nursery is None:
-        raise ValueError("a conditioned link needs a nursery for its transmit task")
-    out = ShapedSendStream(stream, shape)
-    nursery.start_soon(out.run)
-    return out
+    return stream if shape is None else shape.wrap(stream, nursery)

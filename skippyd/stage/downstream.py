@@ -15,9 +15,9 @@ go with DIRECT_RETURN and owe nothing (:meth:`DownstreamLink.send`): the
 next stage says something only if it fails, and :meth:`watch_silence` wakes
 the sender when it does, without a read per step.
 
-With link conditioning (``shape``), what the link sends goes through a
-:class:`~skippyd.stage.conditioning.ShapedSendStream` whose transmit task
-runs in the nursery given to :meth:`DownstreamLink.connect`.
+What the link sends goes through ``out``: the stream itself, or a wrapper
+that whoever made the stream put around it (``wrap`` of :meth:`DownstreamLink.connect`);
+closing ``out`` closes the stream.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from __future__ import annotations
 import select
 import time
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
-from skippyd.stage.conditioning import LinkShape, ShapedSendStream, shaped
 from skippyd.wire.errors import PeerClosed, ProtocolError, WireError
 from skippyd.wire.handshake import handshake_client
 from skippyd.wire.messages import NO_STATS, Ack, ErrorReply, Hello, Message, Reply, StageStats, merge, with_stats
@@ -84,10 +84,13 @@ class DownstreamLink:
     @classmethod
     async def connect(cls, host: str, port: int, hello: Hello, *, connect_timeout: float = 5.0,
                       credit_limit: int = 2, reply_timeout: float = 30.0, write_timeout: float = 10.0,
-                      shape: LinkShape | None = None, nursery: trio.Nursery | None = None) -> DownstreamLink:
-        """Dial and handshake. With an active ``shape``, frames after the handshake are conditioned
-        (their transmit task runs in ``nursery``). With a ``nursery``, the reply deadline is kept by a task
-        there (see WaitWatch), not by a cancel scope per read."""
+                      wrap: Callable[[trio.SocketStream, trio.Nursery | None], trio.abc.SendStream] | None = None,
+                      nursery: trio.Nursery | None = None, shape: Any = None) -> DownstreamLink:
+        """Dial and handshake. ``wrap(stream, nursery)``: what frames after the handshake are sent through
+        (default: the stream). With a ``nursery``, the reply deadline is kept by a task there (see
+        WaitWatch), not by a cancel scope per read. ``shape``: a LinkShape, as ``wrap=shape.wrap``."""
+        if wrap is None and shape is not None:
+            wrap = shape.wrap
         address = f"{host}:{port}"
         try:
             with trio.fail_after(connect_timeout):
@@ -102,7 +105,8 @@ class DownstreamLink:
             await trio.aclose_forcefully(stream)
             raise DownstreamError(address, f"handshake failed: {exc}") from exc
         return cls(stream, peer, address, receive, credit_limit=credit_limit, reply_timeout=reply_timeout,
-                   write_timeout=write_timeout, out=shaped(stream, shape, nursery), nursery=nursery)
+                   write_timeout=write_timeout, out=wrap(stream, nursery) if wrap is not None else stream,
+                   nursery=nursery)
 
     def looks_alive(self) -> bool:
         """Non-blocking check between requests: False once the next stage closed or reset the connection.
@@ -111,7 +115,7 @@ class DownstreamLink:
         readable socket means EOF, a reset, or a frame nobody asked for.
         While acks are outstanding the answer is True (unknown).
         """
-        if self.broken or (isinstance(self._out, ShapedSendStream) and self._out.broken):
+        if self.broken or getattr(self._out, "broken", False):  # a wrapper whose own sending failed
             return False
         if self.pending_acks:
             return True
@@ -145,8 +149,8 @@ class DownstreamLink:
         self._end_silence()
         if self._watch is not None:
             self._watch.close()
-        if isinstance(self._out, ShapedSendStream):
-            self._out.close()
+        if self._out is not self.stream:
+            await trio.aclose_forcefully(self._out)  # what it still holds is dropped
         await trio.aclose_forcefully(self.stream)
 
     def prepare_step(self, head: bytes, activation_bytes: int) -> PreparedFrame | None:

@@ -5,9 +5,12 @@
 accepts connections; cancelling it closes every connection, whose cleanup
 releases every session, then frees the context and the model.
 
-The final stage of a pipeline of three or more stages also owns the
-token-return connection to the head (:mod:`skippyd.stage.token_return`),
-dialed when the first session asks for direct return.
+The stage's place and resources (model, context, scheduler, sessions, the
+final stage's token-return connection to the head, dialed when the first
+session asks for direct return) are a :class:`~skippyd.stage.core.StageCore`;
+the server owns admission and the set of connections
+(:class:`~skippyd.stage.connection.UpstreamConnection`, whose handlers are in
+skippyd/stage/handlers.py).
 """
 
 from __future__ import annotations
@@ -24,13 +27,17 @@ from skippyd.runtime.llama import Context, ContextParams, Model
 from skippyd.stage.access import UpstreamAllow
 from skippyd.stage.conditioning import LinkShape
 from skippyd.stage.connection import UpstreamConnection
+from skippyd.stage.core import StageCore
+from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.stage.host_lock import HostComputeLock
 from skippyd.stage.scheduler import Scheduler
-from skippyd.stage.sessions import SessionTable, StageSession
+from skippyd.stage.sessions import SessionTable
 from skippyd.stage.token_return import TokenReturnLink
 from skippyd.topology import StageSpec, Topology
+from skippyd.wire.errors import HandshakeRefused, PeerClosed, ReadTimeout, WireError
+from skippyd.wire.handshake import handshake_server, refuse_handshake
 from skippyd.wire.messages import Hello
-from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT, DEFAULT_MIN_RATE, keep_alive
+from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT, DEFAULT_MIN_RATE, ReceiveBuffer, keep_alive
 
 log = logging.getLogger("skippyd.stage")
 
@@ -92,6 +99,11 @@ class StageConfig:
 
 
 class StageServer:
+    """The listener of one stage: loads its slice, admits upstream connections (the handshake cap, the
+    allow-list, the handshake, whose admit hook opens a middle stage's link to the next stage) and keeps the
+    set of connections; each connection gets the stage's core (:class:`~skippyd.stage.core.StageCore`),
+    its stream and its peer."""
+
     def __init__(self, topology: Topology, index: int, config: StageConfig = StageConfig(), *,
                  model_path: Path | None = None):
         self.topology = topology
@@ -99,16 +111,8 @@ class StageServer:
         self.spec: StageSpec = topology.stage(index)
         self.config = config
         self.model_path = model_path or self.spec.file
-        self.is_final = index == len(topology.stages) - 1
-        self.next_is_final = index == len(topology.stages) - 2
-        self.next_stage: StageSpec | None = None if self.is_final else topology.stage(index + 1)
-        self.model: Model | None = None
-        self.context: Context | None = None
-        self.scheduler: Scheduler | None = None
-        self.sessions = SessionTable(config.lanes)
         self.connections: dict[int, UpstreamConnection] = {}
         self.port: int | None = None
-        self.draining = False  # see begin_drain
         self.hello = Hello(
             fingerprint=topology.source_sha256,
             stage_index=index,
@@ -120,34 +124,47 @@ class StageServer:
             auth=config.link_auth,
         )
         self.upstream_allow = UpstreamAllow.for_stage(topology, index, config.upstream_allow) if index else None
-        self.refused_upstreams = 0  # upstream connections this stage refused at the handshake (any reason)
-        self.handshaking = 0  # connections in their handshake now
-        self.dropped_handshakes = 0  # connections closed unheard because max_handshakes were in progress
-        # decode steps with DIRECT_RETURN: sent to the final stage (no ack owed), answered by the final stage
-        # on the token-return connection only, and taken by a middle stage without a reply on its lane
-        self.returns_only = {"forwarded": 0, "answered": 0, "unacked": 0}
         self._drop_logged = (-math.inf, 0)  # when the last "dropped" line was logged, and the count then
-        self.token_return: TokenReturnLink | None = None
-        if self.is_final and len(topology.stages) >= 3 and config.direct_return:
+        # link conditioning (tests, benchmarks): put around every stage link this stage makes, where it makes it
+        self._shape = config.link_shape
+        n_stages = len(topology.stages)
+        token_return = None
+        if index == n_stages - 1 and n_stages >= 3 and config.direct_return:
             head = topology.stage(0)
-            self.token_return = TokenReturnLink(self.hello, head.host, head.port,
-                                                connect_timeout=config.connect_timeout_s,
-                                                write_timeout=config.write_timeout_s, shape=config.link_shape)
+            token_return = TokenReturnLink(self.hello, head.host, head.port, connect_timeout=config.connect_timeout_s,
+                                           write_timeout=config.write_timeout_s, wrap=self._shape.wrap)
+        min_rate = config.frame_min_rate
+        if config.link_mbps > 0:  # conditioned links (given to every daemon) may be slower than the default rate
+            min_rate = min(min_rate, config.link_mbps * 1e6 / 8 / 2)
+        self.core = StageCore(index, n_stages, self.hello, config,
+                              next_stage=None if index == n_stages - 1 else topology.stage(index + 1),
+                              sessions=SessionTable(config.lanes), token_return=token_return,
+                              wrap=self._shape.wrap, frame_min_rate=min_rate)
+
+    # the core's, for the daemon, the control plane and the tests
+    is_final = property(lambda self: self.core.is_final)
+    sessions = property(lambda self: self.core.sessions)
+    model = property(lambda self: self.core.model)
+    context = property(lambda self: self.core.context)
+    scheduler = property(lambda self: self.core.scheduler)
+    token_return = property(lambda self: self.core.token_return)
+    draining = property(lambda self: self.core.draining)
+    counters = property(lambda self: self.core.counters)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        cfg = self.config
-        self.model = await trio.to_thread.run_sync(Model, self.model_path)
+        cfg, core = self.config, self.core
+        core.model = model = await trio.to_thread.run_sync(Model, self.model_path)
         try:
-            stage = self.model.stage
+            stage = model.stage
             if (stage.layer_start, stage.layer_end) != (self.spec.layer_start, self.spec.layer_end):
                 raise ValueError(f"{self.model_path} holds layers [{stage.layer_start},{stage.layer_end}), "
                                  f"the topology says [{self.spec.layer_start},{self.spec.layer_end})")
-            self.context = await trio.to_thread.run_sync(Context, self.model, cfg.context_params())
-            self.scheduler = cfg.scheduler(self.context)
+            core.context = await trio.to_thread.run_sync(Context, model, cfg.context_params())
+            core.scheduler = cfg.scheduler(core.context)
             async with trio.open_nursery() as nursery:
-                await nursery.start(self.scheduler.serve)
-                if self.token_return is not None:
-                    await nursery.start(self.token_return.run)
+                await nursery.start(core.scheduler.serve)
+                if core.token_return is not None:
+                    await nursery.start(core.token_return.run)
                 host = cfg.listen_host or self.spec.host
                 port = self.spec.port if cfg.listen_port is None else cfg.listen_port
                 # trio's SocketStream turns on TCP_NODELAY for every accepted connection
@@ -161,65 +178,141 @@ class StageServer:
                     log.info("stage %d: upstream connections allowed from %s (%s)%s", self.index,
                              self.upstream_allow.describe(), self.upstream_allow.source,
                              "; link secret required" if cfg.link_auth else "")
-                if cfg.link_shape.active:
+                if self._shape.active:
                     log.info("stage %d: link conditioning on what this stage sends: %s", self.index,
-                             cfg.link_shape.describe())
+                             self._shape.describe())
                 task_status.started(self)
         finally:
-            if self.context is not None:
-                self.context.close()
-            self.model.close()
+            if core.context is not None:
+                core.context.close()
+            model.close()
 
     def begin_drain(self) -> None:
         """Refuse new sessions (SHUTTING_DOWN); running ones go on until they end or the stage is cancelled."""
-        if not self.draining:
+        if not self.core.draining:
             log.info("stage %d: draining: no new sessions (%d running)", self.index, len(self.sessions.live))
-        self.draining = True
+        self.core.draining = True
 
-    def note_dropped_handshake(self) -> None:
+    # ------------------------------------------------------------------ connections
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        """One accepted connection: admission, then the connection's life (its links' tasks run in the
+        nursery opened here)."""
+        keep_alive(stream)
+        peer_ip, peer = _peer_address(stream)
+        try:
+            async with trio.open_nursery() as nursery:
+                admitted = await self._admit(stream, peer_ip, peer, nursery)
+                if admitted is not None:
+                    receive, down = admitted
+                    conn = UpstreamConnection(self.core, stream, peer, receive=receive, down=down,
+                                              out=self._shape.wrap(stream, nursery))
+                    self.connections[conn.conn_id] = conn
+                    try:
+                        await conn.serve()
+                    finally:
+                        self.connections.pop(conn.conn_id, None)
+                nursery.cancel_scope.cancel()
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async def _admit(self, stream: trio.SocketStream, peer_ip: str, peer: str,
+                     nursery: trio.Nursery) -> tuple[ReceiveBuffer, DownstreamLink | None] | None:
+        """Admission: the handshake cap, the allow-list, then the handshake. Returns the connection's reads
+        (with what the handshake read ahead) and a middle stage's link to the next stage; None when the
+        connection is refused or gone (logged)."""
+        cfg, counters = self.config, self.core.counters
+        if counters.handshaking >= cfg.max_handshakes:
+            # a flood of connections that never finish their handshake must not use up this stage's
+            # descriptors: beyond the cap they are closed at once (lanes are long-lived, so few handshake)
+            self._note_dropped_handshake()
+            return None
+        receive = ReceiveBuffer(stream)
+        opened: list[DownstreamLink] = []
+
+        async def open_downstream(hello: Hello) -> str | None:
+            """The handshake's admit hook: a middle stage opens its downstream connection before accepting
+            an upstream, so a lane is accepted only when it leads all the way to the final stage; otherwise
+            the upstream is refused with the reason (and a head backs off instead of holding lanes that
+            lead nowhere)."""
+            if self.core.is_final:
+                return None
+            try:
+                opened.append(await self.core.open_downstream(nursery))
+            except DownstreamError as exc:  # logged as the refusal
+                return f"downstream unavailable: stage {self.index + 1} at {exc.address}: {exc.detail}"
+            return None
+
+        counters.handshaking += 1
+        try:
+            allow = self.upstream_allow
+            if allow is not None and not await allow.allows(peer_ip):
+                # not the handshake's full deadline: a refused peer only needs to finish its Hello
+                await refuse_handshake(stream, f"upstream address not allowed: {peer_ip} may not "
+                                       f"connect to stage {self.index}", receive=receive,
+                                       timeout=min(cfg.handshake_timeout_s, 2.0))
+            await handshake_server(stream, self.hello, timeout=cfg.handshake_timeout_s, receive=receive,
+                                   admit=open_downstream)
+        except HandshakeRefused as exc:
+            if exc.by_peer:  # e.g. a status probe, which declines once it has seen our Hello
+                log.info("stage %d: upstream %s declined: %s", self.index, peer, exc.reason)
+            else:
+                counters.refused_upstreams += 1
+                log.warning("stage %d: refused upstream %s: %s", self.index, peer, exc.reason)
+        except ReadTimeout as exc:
+            if exc.mid_frame:
+                log.warning("stage %d: upstream %s: %s; closing", self.index, peer, exc)
+            else:
+                log.info("stage %d: upstream %s idle past the deadline; closing", self.index, peer)
+        except (PeerClosed, WireError, trio.BrokenResourceError, trio.ClosedResourceError):
+            log.info("stage %d: upstream %s closed", self.index, peer)
+        except Exception:  # a bug must cost one connection, never the daemon
+            log.exception("stage %d: connection from %s failed", self.index, peer)
+        else:
+            return receive, (opened[0] if opened else None)
+        finally:
+            counters.handshaking -= 1
+        for down in opened:  # refused or gone after the next stage accepted us: that lane leads nowhere
+            await down.aclose()
+        return None
+
+    def _note_dropped_handshake(self) -> None:
         """Count a connection closed because max_handshakes were in progress; log at most every 10 s."""
-        self.dropped_handshakes += 1
+        counters = self.core.counters
+        counters.dropped_handshakes += 1
         now = trio.current_time()
         if now - self._drop_logged[0] >= 10.0:
             log.warning("stage %d: %d handshakes in progress: closed %d new connections unheard", self.index,
-                        self.handshaking, self.dropped_handshakes - self._drop_logged[1])
-            self._drop_logged = (now, self.dropped_handshakes)
-
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        keep_alive(stream)
-        await UpstreamConnection(self, stream).serve()
-
-    async def release(self, session: StageSession) -> None:
-        """Clear the session's KV sequence, then free its slot and sampler. Idempotent."""
-        if self.sessions.get(session.conn_id, session.session_id) is not session:
-            return
-        seq = session.seq
-        self.scheduler.forget(seq)
-        # shielded: a slot must never be freed with its KV sequence still full
-        with trio.CancelScope(shield=True):
-            try:
-                await self.scheduler.run_kv(lambda: self.context.kv_clear_seq(seq))
-            finally:
-                self.sessions.forget(session)
+                        counters.handshaking, counters.dropped_handshakes - self._drop_logged[1])
+            self._drop_logged = (now, counters.dropped_handshakes)
 
     def snapshot(self) -> dict:
         """Live sessions and slots (for the control plane and the tests)."""
-        snap = self.sessions.snapshot()
+        core, counters = self.core, self.core.counters
+        snap = core.sessions.snapshot()
         snap.update(
             stage_index=self.index,
             layers=[self.spec.layer_start, self.spec.layer_end],
             connections=len(self.connections),
-            draining=self.draining,
-            scheduler=attrs.asdict(self.scheduler.stats) if self.scheduler else {},
-            hot_path=self.scheduler.hot_path.describe() if self.scheduler else None,
-            threads=self.scheduler.threads.describe() if self.scheduler else None,
-            compute=self.config.describe_compute(self.context),
-            queued=self.scheduler.queued if self.scheduler else 0,
-            token_return=self.token_return.describe() if self.token_return else None,
+            draining=core.draining,
+            scheduler=attrs.asdict(core.scheduler.stats) if core.scheduler else {},
+            hot_path=core.scheduler.hot_path.describe() if core.scheduler else None,
+            threads=core.scheduler.threads.describe() if core.scheduler else None,
+            compute=self.config.describe_compute(core.context),
+            queued=core.scheduler.queued if core.scheduler else 0,
+            token_return=core.token_return.describe() if core.token_return else None,
             upstream_allow=self.upstream_allow.describe() if self.upstream_allow else None,
-            refused_upstreams=self.refused_upstreams,
-            dropped_handshakes=self.dropped_handshakes,
-            returns_only=dict(self.returns_only),
+            refused_upstreams=counters.refused_upstreams,
+            dropped_handshakes=counters.dropped_handshakes,
+            returns_only=dict(counters.returns_only),
             link_secret=bool(self.config.link_auth),
         )
         return snap
+
+
+def _peer_address(stream: trio.SocketStream) -> tuple[str, str]:
+    """(IP address, "HOST:PORT" for the log); "?" when unknown (never allowed by an allow-list)."""
+    try:
+        host, port = stream.socket.getpeername()[:2]
+        return host, f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    except (OSError, AttributeError, ValueError):
+        return "?", "?"

@@ -1,20 +1,22 @@
 """Sessions on one stage: which KV sequence each generation holds, and who owns it.
 
 A session is keyed by (connection, session id): the upstream connection that
-created it owns it, so when that connection drops every session it owned is
-released (see ``StageServer.handle_upstream``). Releasing a session frees its
-sequence slot and sampler here; the KV sequence itself is cleared through the
-scheduler so that it never races a compute.
+created it owns it, so when that connection ends every session it owned is
+released (``UpstreamConnection.serve``, skippyd/stage/connection.py).
+Releasing a session (``StageCore.release``) clears its KV sequence through the
+scheduler, so that it never races a compute, then frees its sequence slot and
+sampler here (:meth:`SessionTable.forget`).
 """
 
 from __future__ import annotations
 
 import heapq
 import time
+from typing import Any
 
 import attrs
 
-from skippyd.runtime.llama import Sampler, SamplingParams
+from skippyd.runtime.llama import Sampler
 from skippyd.wire.messages import StatsTotal
 
 
@@ -30,12 +32,13 @@ class StageSession:
     seq: int
     created: float = attrs.field(factory=time.monotonic)
     position: int = 0  # KV length on this stage
-    sampling: SamplingParams | None = None
     sampler: Sampler | None = None
-    prompt_tokens: int = 0
     generated: int = 0
     state: str = "prefill"
     direct_return: bool = False  # predictions go to the head on the token-return connection
+    # how this session's decode steps are answered (skippyd/stage/handlers.py AnswerPath): chosen when the
+    # session is created or configured, so that no step tests the session's flags
+    answer: Any = None
     # a middle stage's reports of the decode steps it did not acknowledge (DIRECT_RETURN): they go up with
     # the session's next reply on the lane (its Stop's, usually); summed in place, as they come every token
     unreported: StatsTotal = attrs.field(factory=StatsTotal)

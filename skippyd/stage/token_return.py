@@ -11,19 +11,19 @@ for a while (2 s, doubling after each failed dial up to a minute; the head
 then uses the relayed path) instead of paying a connect timeout each time.
 
 The connection's tasks (an EOF watch: the head never writes, so anything
-readable means it closed; a keepalive Ack when idle; the conditioned link's
-transmit task) run in the nursery of :meth:`TokenReturnLink.run`, which is
-part of the stage's lifetime.
+readable means it closed; a keepalive Ack when idle; those of a wrapper put
+around the stream by ``wrap``) run in the nursery of :meth:`TokenReturnLink.run`,
+which is part of the stage's lifetime.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import attrs
 import trio
 
-from skippyd.stage.conditioning import LinkShape, ShapedSendStream, shaped
 from skippyd.wire.errors import WireError
 from skippyd.wire.handshake import handshake_client
 from skippyd.wire.messages import Ack, Hello, Reply, Role
@@ -59,20 +59,22 @@ class _Connection:
         self.last_send = trio.current_time()
 
     async def close(self) -> None:
-        if isinstance(self.out, ShapedSendStream):
-            self.out.close()
         self.closed.set()
+        if self.out is not self.stream:
+            await trio.aclose_forcefully(self.out)  # what it still holds is dropped
         await trio.aclose_forcefully(self.stream)
 
 
 class TokenReturnLink:
     def __init__(self, hello: Hello, host: str, port: int, *, connect_timeout: float = 5.0,
-                 write_timeout: float = 10.0, shape: LinkShape | None = None):
+                 write_timeout: float = 10.0,
+                 wrap: Callable[[trio.SocketStream, trio.Nursery], trio.abc.SendStream] | None = None):
+        """``wrap(stream, nursery)``: what a connection just dialed sends through (default: the stream)."""
         self.hello = attrs.evolve(hello, role=Role.TOKEN_RETURN)
         self.host, self.port = host, port
         self.connect_timeout = connect_timeout
         self.write_timeout = write_timeout
-        self.shape = shape
+        self.wrap = wrap
         self.stats = ReturnStats()
         self.last_error: str | None = None
         self._conn: _Connection | None = None
@@ -141,7 +143,8 @@ class TokenReturnLink:
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
-        conn = _Connection(stream, shaped(stream, self.shape, self._nursery), receive, peer)
+        out = self.wrap(stream, self._nursery) if self.wrap is not None else stream
+        conn = _Connection(stream, out, receive, peer)
         self._nursery.start_soon(self._watch, conn)
         return conn
 
