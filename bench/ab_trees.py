@@ -6,8 +6,8 @@ difference of 10% between runs minutes apart).
                                        [--streamed 4] [--model PATH] [--json out.json]
 
 ``--base`` is a git revision, checked out in a temporary worktree; the other side is this working tree
-(with ``--this-args``' skippyd options too: ``--base HEAD --this-args "--keep-warm-ms 100"`` is an A/B of
-an option).
+(with ``--this-args``' skippyd options and ``--this-config``' configuration keys too: ``--base HEAD
+--this-config runtime.keep_warm_ms=100`` is an A/B of a setting).
 Both run on this tree's native build (skippyd/_native): the comparison is of the Python. For each stage
 count, a pipeline of each version (one skippyd per stage, loopback, the default model or ``--model``) stays up
 for the whole run; each round measures every pipeline in turn (order reversed every other round) over two 96-token
@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 import trio
@@ -67,6 +68,18 @@ def fmt(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def _keys(pairs: list[str]) -> dict:
+    """["runtime.decode_groups=2", ...] → {"runtime.decode_groups": 2}: each value as TOML, else a string."""
+    out = {}
+    for pair in pairs:
+        key, _, text = pair.partition("=")
+        try:
+            out[key] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = text
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="git revision to compare this working tree with")
@@ -77,15 +90,19 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=None,
                     help="GGUF to measure (default: the embedded default model), as bench_pipeline.py's")
     ap.add_argument("--daemon-args", default="", metavar="ARGS",
-                    help='more skippyd options for both sides, one string (e.g. "--threads 1 --decode-groups 2")')
+                    help='more skippyd options for both sides, one string (e.g. "--threads 1 --lanes 2")')
     ap.add_argument("--this-args", default="", metavar="ARGS",
-                    help='skippyd options for this tree\'s side only: with --base HEAD, an A/B of an option '
-                         '(e.g. "--keep-warm-ms 100")')
+                    help="skippyd options for this tree's side only: with --base HEAD, an A/B of an option")
+    ap.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", dest="daemon_config",
+                    help="a skippyd.toml key for both sides (e.g. runtime.decode_groups=2); repeatable")
+    ap.add_argument("--this-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="a skippyd.toml key for this tree's side only (e.g. runtime.keep_warm_ms=100)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     extra = ["--lanes", str(max(2, args.streamed)), "--ctx", "1024", *shlex.split(args.daemon_args)]
+    config = _keys(args.daemon_config)
     if args.link_delay_ms > 0:
-        extra += ["--link-delay-ms", str(args.link_delay_ms)]
+        config["stage.link_delay_ms"] = args.link_delay_ms
     stage_counts = [int(n) for n in args.stages.split(",")]
     model = args.model or fetch_default_model()
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,7 +120,9 @@ def main() -> int:
                     procs.split_for_test(model, n, work)
                     procs.REPO = tree  # the daemons run `python -m skippyd.daemon` from this tree
                     own = shlex.split(args.this_args) if name == "this" else []
-                    pipes[(name, n)] = procs.Pipeline(work / "topology.toml", work, extra=extra + own).start()
+                    own_config = _keys(args.this_config) if name == "this" else {}
+                    pipes[(name, n)] = procs.Pipeline(work / "topology.toml", work, extra=extra + own,
+                                                      config={**config, **own_config}).start()
                     results[(name, n)] = []
             for r in range(args.rounds):
                 order = list(pipes) if r % 2 == 0 else list(reversed(list(pipes)))

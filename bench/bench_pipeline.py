@@ -32,7 +32,7 @@ single-stage in that round: the 2-stage/single target is read both ways.
 Stages on hosts of their own (default on; ``--no-overlap`` skips it),
 emulated here: a 2-stage pipeline split by compute (``--balance compute``)
 whose stages have one thread each and no compute lock, so each computes on
-its own core, with ``--decode-groups 1`` (every session in one batch, the
+its own core, with ``decode_groups = 1`` (every session in one batch, the
 stages taking turns) and ``2`` (two groups, one in flight on each stage):
 aggregate decode of 1, 2, 4 and 8 sessions, in interleaved rounds.
 
@@ -40,7 +40,7 @@ With ``--delay-ms D`` (default 10; 0 skips it) the 2- and 3-stage pipelines
 run again with D ms one-way delay on every link and the time per output
 token is set against compute + the one-way delays around the loop + 1.5 ms
 (2 stages: 2 links; 3 stages with direct return: 3, not 4); and once more
-each with ``--keep-warm-ms`` (default 100; 0 skips them): cores left idle
+each with ``keep_warm_ms`` (``--keep-warm-ms``, default 100; 0 skips them): cores left idle
 between a stage's steps compute the next one more slowly, and the ratio of
 the time per token kept warm to not is what that option gives.
 
@@ -228,13 +228,14 @@ async def aggregates(pipe: Pipeline, concurrency: tuple[int, ...] = CONCURRENCY)
 
 def measure_overlap(model: Path, tmp: Path, common: list[str], rounds: int) -> dict[str, list[dict]]:
     """The own-cores section: 2 stages, one thread each, no compute lock, decode groups 1 and 2."""
-    base = [*common, "--threads", "1", "--compute-lock", "off"]
+    base = [*common, "--threads", "1"]
     configs = {}
     for g in (1, 2):
         work = tmp / f"overlap{g}"
         work.mkdir()
         split_for_test(model, 2, work, balance="compute")  # ports of its own: both pipelines run at once
-        configs[f"decode groups {g}"] = Pipeline(work / "topology.toml", work, extra=[*base, "--decode-groups", str(g)])
+        configs[f"decode groups {g}"] = Pipeline(work / "topology.toml", work, extra=base,
+                                                 config={"runtime.compute_lock": "off", "runtime.decode_groups": g})
     results: dict[str, list[dict]] = {name: [] for name in configs}
     try:
         for pipe in configs.values():
@@ -310,7 +311,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="compute threads of every stage and of the reference")
     ap.add_argument("--delay-ms", type=float, default=10.0, help="one-way link delay for the WAN section (0: skip)")
     ap.add_argument("--keep-warm-ms", type=float, default=100.0,
-                    help="the WAN section also measures the pipelines with skippyd --keep-warm-ms this long (0: not)")
+                    help="the WAN section also measures the pipelines with skippyd's keep_warm_ms this long (0: not)")
     ap.add_argument("--no-reference", action="store_true", help="skip llama-cpp-python")
     ap.add_argument("--no-overlap", action="store_true", help="skip the stages-on-their-own-cores section")
     ap.add_argument("--model", type=Path, default=None,
@@ -361,16 +362,16 @@ def main() -> int:
         if args.delay_ms > 0:
             configs = {}
             try:
-                warm = [("", [])] + ([(" kept warm", ["--keep-warm-ms", str(args.keep_warm_ms)])]
+                warm = [("", {})] + ([(" kept warm", {"runtime.keep_warm_ms": args.keep_warm_ms})]
                                      if args.keep_warm_ms > 0 else [])
                 for n in (2, 3):
-                    for label, flags in warm:  # each pipeline its own topology (ports)
+                    for label, keys in warm:  # each pipeline its own topology (ports)
                         work = tmp / f"delay{n}{label.replace(' ', '-')}"
                         work.mkdir()
                         split_for_test(model, n, work)
                         configs[f"{n}-stage{label}"] = Pipeline(
                             work / "topology.toml", work,
-                            extra=[*common, "--link-delay-ms", str(args.delay_ms), *flags]).start()
+                            extra=common, config={"stage.link_delay_ms": args.delay_ms, **keys}).start()
                 delayed = {name: [] for name in configs}
                 for pipe in configs.values():
                     trio.run(lambda p=pipe: measure(p, concurrency=()))

@@ -52,7 +52,8 @@ from skippyd.control import messages as m  # noqa: E402
 from tests.procs import Pipeline, split_for_test  # noqa: E402
 
 CTX, LANES = 512, 4
-FLAGS = ["--lanes", str(LANES), "--ctx", str(CTX), "--prefill-chunk", "64"]
+FLAGS = ["--lanes", str(LANES), "--ctx", str(CTX)]
+CONFIG = {"runtime.prefill_chunk": 64}
 RSS_TOLERANCE = 0.10
 SETTLE_S = 10.0  # how long the descriptor count gets to settle (lanes are reopened in the background)
 RAW_PROMPTS = [
@@ -380,10 +381,10 @@ class SoakPipeline(Pipeline):
 
 
 def start_pipeline(model: Path, n_stages: int, workdir: Path, extra: list[str] = FLAGS, *,
-                   stage_lanes: int | None = None, env: dict | None = None) -> Pipeline:
+                   stage_lanes: int | None = None, env: dict | None = None, config: dict = CONFIG) -> Pipeline:
     """Split and start; `stage_lanes` gives the stages after the head that many sequence slots."""
     split_for_test(model, n_stages, workdir)
-    pipe = SoakPipeline(workdir / "topology.toml", workdir, extra=list(extra), env=env,
+    pipe = SoakPipeline(workdir / "topology.toml", workdir, extra=list(extra), env=env, config=config,
                         stage_extra=["--lanes", str(stage_lanes)] if stage_lanes else [])
     return pipe.start()
 

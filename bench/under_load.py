@@ -1,5 +1,5 @@
 """Decode speed while other programs keep the cores busy: a single-stage skippyd (or a 2-stage pipeline on
-loopback, --stages 2) with 2 threads per stage and --adapt-threads on (the default), the same with it off,
+loopback, --stages 2) with 2 threads per stage and adapt_threads on (the default), the same with it off,
 and one with 1 thread.
 
     .venv/bin/python bench/under_load.py [--stages 1] [--hogs 0,1,2] [--rounds 3] [--tokens 64] [--json out.json]
@@ -44,10 +44,10 @@ from skippyd.stage.threads import RECHECK_S  # noqa: E402
 from tests.procs import Pipeline, SingleStage, split_for_test  # noqa: E402
 
 PROMPT = "Write a long story about a dragon who learns to sail."
-CONFIGS = {
-    "2 threads, adapt on": ["--threads", "2"],
-    "2 threads, adapt off": ["--threads", "2", "--adapt-threads", "off"],
-    "1 thread": ["--threads", "1"],
+CONFIGS = {  # name: (flags, configuration keys)
+    "2 threads, adapt on": (["--threads", "2"], {}),
+    "2 threads, adapt off": (["--threads", "2"], {"runtime.adapt_threads": "off"}),
+    "1 thread": (["--threads", "1"], {}),
 }
 REFERENCE = "2 threads, adapt off"
 
@@ -61,13 +61,13 @@ def start(work: Path, stages: int) -> dict[str, Pipeline]:
     common = ["--lanes", "1", "--ctx", "1024"]
     out: dict[str, Pipeline] = {}
     try:
-        for i, (name, flags) in enumerate(CONFIGS.items()):
+        for i, (name, (flags, config)) in enumerate(CONFIGS.items()):
             where = work / f"d{i}"
             if stages == 1:
-                out[name] = SingleStage(model, where, [*flags, *common])
+                out[name] = SingleStage(model, where, [*flags, *common], config)
             else:
                 split_for_test(model, stages, where)
-                out[name] = Pipeline(where / "topology.toml", where, extra=[*flags, *common]).start()
+                out[name] = Pipeline(where / "topology.toml", where, extra=[*flags, *common], config=config).start()
     except BaseException:
         for pipe in out.values():
             pipe.stop()

@@ -1,9 +1,10 @@
-"""skippyd's configuration file, ``skippyd.toml`` (tomllib → attrs classes); flags override it.
+"""skippyd's settings: every key of ``skippyd.toml``, its default and its check, in one place.
 
 The file is found by, in order: ``--config FILE``; ``$CONFIGURATION_DIRECTORY/skippyd.toml``
 (systemd's ``ConfigurationDirectory=``); ``/etc/skippy/skippyd.toml``. No file at all
-means the built-in defaults. Every key has the name of the flag that overrides it
-(``runtime.reply_timeout`` ↔ ``--reply-timeout``); see skippyd.toml(5).
+means the built-in defaults. A few keys also have a flag of the same name, which
+overrides the file (``runtime.lanes`` ↔ ``--lanes``, see skippyd.cli); the tuning
+keys are set in the file only. See skippyd.toml(5).
 
 Unknown keys and bad values are errors, reported with the file and the key
 (``/etc/skippy/skippyd.toml: runtime.lanes: must be at least 1, got 0``).
@@ -12,15 +13,16 @@ Relative paths in the file are relative to the file's directory.
 
 from __future__ import annotations
 
-import argparse
 import os
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import attrs
 
 from skippyd.control.messages import Invalid, converter, structure_errors
+from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT
 
 CONFIG_NAME = "skippyd.toml"
 SYSTEM_CONFIG_DIR = Path("/etc/skippy")
@@ -93,37 +95,38 @@ def _stage_value(_inst, attribute, value) -> None:
 
 
 # ---------------------------------------------------------------- sections
+# Each field's default is the daemon's default (StageConfig and the others read theirs from DEFAULTS).
 @attrs.frozen
 class DaemonSection:
     log_level: str = attrs.field(default="info", validator=_one_of(LOG_LEVELS))
     drain_grace: float = attrs.field(default=30.0, validator=_at_least(0))  # seconds
-    receipts: Optional[Path] = None
+    receipts: Path | None = None
     telemetry: str = attrs.field(default="off", validator=_one_of(TELEMETRY))
 
 
 @attrs.frozen
 class PipelineSection:
-    topology: Optional[Path] = None
+    topology: Path | None = None
     stage: Any = attrs.field(default=None, validator=_stage_value)  # an index, or "all"
-    model: Optional[Path] = None
+    model: Path | None = None
 
 
 @attrs.frozen
 class RuntimeSection:
     lanes: int = attrs.field(default=4, validator=_at_least(1))
     ctx: int = attrs.field(default=4096, validator=_at_least(16))
-    threads: int = attrs.field(default=0, validator=_at_least(0))  # 0: automatic (see skippyd --help)
+    threads: int = attrs.field(default=0, validator=_at_least(0))  # 0: every core this daemon may use
     # ggml thread pool: workers poll this long (0-100) then sleep; -1: llama.cpp's per-graph threads
     thread_poll: int = attrs.field(default=0, validator=_in_range(-1, 100))
     # idle-class threads spin this long after each compute so the next starts on warm cores; 0: off
     keep_warm_ms: float = attrs.field(default=0.0, validator=_between(0, 10_000))
     # skippy stages on one host take turns at the cores; auto: unless a stage has one thread
     compute_lock: str = attrs.field(default="auto", validator=_one_of(("auto", "on", "off")))
-    # with several threads: fewer while that is much faster (other programs on the cores; ThreadChooser)
+    # with several threads: fewer while that is much faster (other programs on the cores)
     adapt_threads: str = attrs.field(default="on", validator=_one_of(("on", "off")))
-    # llama.cpp's flash attention; off: on this CPU build it halves decode at a few hundred tokens of context
+    # llama.cpp's flash attention; off: on the CPU build it slows decoding once a session holds some context
     flash_attn: str = attrs.field(default="off", validator=_one_of(("off", "on", "auto")))
-    # sessions decoding at once kept in this many groups, one in flight per stage; 0: one per host
+    # sessions decoding at once kept in this many groups, one in flight per stage; 0: one per machine
     decode_groups: int = attrs.field(default=0, validator=_at_least(0))
     batch: int = attrs.field(default=512, validator=_at_least(1))
     prefill_chunk: int = attrs.field(default=256, validator=_at_least(1))
@@ -151,12 +154,13 @@ def _allow_list(_inst, attribute, value) -> None:
 
 @attrs.frozen
 class StageSection:
-    listen: Optional[str] = attrs.field(default=None, validator=_hostport)
+    listen: str | None = attrs.field(default=None, validator=_hostport)
     # who may open a lane to this stage: addresses, networks, host names, or "any"; None: the host the
     # topology names for the previous stage
-    upstream_allow: Optional[list[str]] = attrs.field(default=None, validator=_allow_list)
-    link_secret_file: Optional[Path] = None  # a shared secret every stage link must present (see skippyd(8))
-    frame_timeout: float = attrs.field(default=5.0, validator=_at_least(0.1))  # a started frame's deadline, s
+    upstream_allow: list[str] | None = attrs.field(default=None, validator=_allow_list)
+    link_secret_file: Path | None = None  # a shared secret every stage link must present (see skippyd(8))
+    # a started frame's deadline, s (plus its size at 1 MiB/s)
+    frame_timeout: float = attrs.field(default=DEFAULT_FRAME_TIMEOUT, validator=_at_least(0.1))
     link_delay_ms: float = attrs.field(default=0.0, validator=_at_least(0))  # link conditioning
     link_mbps: float = attrs.field(default=0.0, validator=_at_least(0))  # 0: no cap
 
@@ -165,13 +169,13 @@ class StageSection:
 class ControlSection:
     enabled: bool = True
     listen: str = attrs.field(default=DEFAULT_CONTROL, validator=_hostport)
-    token_file: Optional[Path] = None
+    token_file: Path | None = None
 
 
 @attrs.frozen
 class OpenAISection:
-    listen: Optional[str] = attrs.field(default=None, validator=_hostport)
-    model_id: Optional[str] = None  # default: the GGUF file name without .gguf
+    listen: str | None = attrs.field(default=None, validator=_hostport)
+    model_id: str | None = None  # default: the GGUF file name without .gguf
 
 
 @attrs.frozen
@@ -190,46 +194,10 @@ class Config:
                 yield f"{section.name}.{field.name}", getattr(getattr(self, section.name), field.name)
 
 
+DEFAULTS = Config()
+
 # Settings SIGHUP may change in a running daemon; everything else needs a restart.
 RELOADABLE = ("daemon.log_level", "daemon.drain_grace")
-
-# argparse dest → config key. A flag given on the command line wins over the file.
-FLAG_KEYS = {
-    "topology": "pipeline.topology",
-    "stage": "pipeline.stage",
-    "model": "pipeline.model",
-    "lanes": "runtime.lanes",
-    "ctx": "runtime.ctx",
-    "threads": "runtime.threads",
-    "thread_poll": "runtime.thread_poll",
-    "keep_warm_ms": "runtime.keep_warm_ms",
-    "compute_lock": "runtime.compute_lock",
-    "adapt_threads": "runtime.adapt_threads",
-    "flash_attn": "runtime.flash_attn",
-    "decode_groups": "runtime.decode_groups",
-    "batch": "runtime.batch",
-    "prefill_chunk": "runtime.prefill_chunk",
-    "credit": "runtime.credit",
-    "reply_timeout": "runtime.reply_timeout",
-    "direct_return": "runtime.direct_return",
-    "queue_timeout": "runtime.queue_timeout",
-    "resume": "runtime.resume",
-    "resume_window": "runtime.resume_window",
-    "listen": "stage.listen",
-    "upstream_allow": "stage.upstream_allow",
-    "link_secret_file": "stage.link_secret_file",
-    "frame_timeout": "stage.frame_timeout",
-    "link_delay_ms": "stage.link_delay_ms",
-    "link_mbps": "stage.link_mbps",
-    "control": "control.listen",
-    "control_token_file": "control.token_file",
-    "openai": "openai.listen",
-    "model_id": "openai.model_id",
-    "telemetry": "daemon.telemetry",
-    "receipts": "daemon.receipts",
-    "log_level": "daemon.log_level",
-    "drain_grace": "daemon.drain_grace",
-}
 
 
 # ---------------------------------------------------------------- loading
@@ -248,7 +216,7 @@ def find_config(explicit: Path | None, environ: dict[str, str] | None = None) ->
 def load(path: Path | None) -> Config:
     """Read and check `path` (None: the defaults). Raises ConfigError naming the file and every bad key."""
     if path is None:
-        return Config()
+        return DEFAULTS
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
@@ -314,48 +282,14 @@ def get(config: Config, key: str) -> Any:
     return getattr(getattr(config, section), name)
 
 
-def _check_flags(flags: dict[str, Any]) -> None:
-    """Numeric flags get the same range checks as the file's keys (e.g. --thread-poll 200 is refused)."""
+def check_values(values: dict[str, Any]) -> list[tuple[str, str]]:
+    """("section.key", why) for each value its key's check refuses (values that are set, of the right type)."""
     raw: dict[str, dict[str, Any]] = {}
-    for key, value in flags.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue  # the others are checked by the flag's type or where they are used
-        section, name = key.split(".")
-        raw.setdefault(section, {})[name] = value
-    flag_of = {key: "--" + dest.replace("_", "-") for dest, key in FLAG_KEYS.items()}
-    problems = _value_problems(raw, set())
-    if problems:
-        raise ConfigError(None, [(f"{flag_of.get(key, key)}", why) for key, why in problems])
-
-
-def given_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The config keys set on the command line (argparse defaults are None for every mapped flag)."""
-    given = {key: getattr(args, dest) for dest, key in FLAG_KEYS.items() if getattr(args, dest, None) is not None}
-    if getattr(args, "no_control", False):
-        given["control.enabled"] = False
-    return given
-
-
-def apply(args: argparse.Namespace, config: Config, parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """Fill every flag that was not given from `config`; returns a new namespace (the daemon's settings)."""
-    types = {action.dest: action.type for action in parser._actions}
-    out = argparse.Namespace(**vars(args))
-    # --topology or --model on the command line replaces what to run, not just one key of it
-    source_flag = getattr(args, "topology", None) is not None or getattr(args, "model", None) is not None
-    for dest, key in FLAG_KEYS.items():
-        if not hasattr(args, dest) or getattr(args, dest) is not None:
-            continue
-        if source_flag and key in ("pipeline.topology", "pipeline.model"):
-            continue
-        value = get(config, key)
-        convert = types.get(dest)
-        if isinstance(value, str) and callable(convert) and convert is not str:
-            value = convert(value)  # "HOST:PORT" strings become what the flag's type makes of them
-        setattr(out, dest, value)
-    if getattr(out, "stage", None) is not None:
-        out.stage = str(out.stage)
-    out.no_control = bool(getattr(args, "no_control", False)) or not config.control.enabled
-    return out
+    for key, value in values.items():
+        if value is not None:
+            section, name = key.split(".")
+            raw.setdefault(section, {})[name] = value
+    return _value_problems(raw, set())
 
 
 def changed_keys(old: Config, new: Config) -> list[str]:
@@ -365,52 +299,46 @@ def changed_keys(old: Config, new: Config) -> list[str]:
 
 @attrs.define
 class Settings:
-    """Where the daemon's settings came from: the file read, the flags given, and the result."""
+    """Where the daemon's settings came from: the file read and the keys set on the command line."""
 
     path: Path | None  # the file read (None: built-in defaults)
     file: Config  # what the file says (defaults filled in)
-    flags: dict[str, Any]  # config keys given on the command line
-    args: argparse.Namespace  # effective settings, one attribute per flag
-    parser: argparse.ArgumentParser
+    flags: dict[str, Any] = attrs.field(factory=dict)  # "section.key" values given on the command line
 
     @classmethod
-    def load(cls, args: argparse.Namespace, parser: argparse.ArgumentParser,
+    def read(cls, flags: dict[str, Any], explicit: Path | None = None,
              environ: dict[str, str] | None = None) -> Settings:
-        path = find_config(getattr(args, "config", None), environ)
-        file = load(path)
-        flags = given_flags(args)
-        _check_flags(flags)
-        return cls(path, file, flags, apply(args, file, parser), parser)
+        """The file `explicit` (else the one find_config finds) under `flags`. Raises ConfigError."""
+        path = find_config(explicit, environ)
+        return cls(path, load(path), dict(flags))
+
+    @property
+    def config(self) -> Config:
+        """The settings in force at start: flags over the file over the defaults."""
+        return with_values(self.file, self.flags)
 
     def source(self, key: str) -> str:
         if key in self.flags:
             return "flag"
-        if self.path is not None and get(self.file, key) != get(Config(), key):
+        if self.path is not None and get(self.file, key) != get(DEFAULTS, key):
             return "file"
         return "default"
 
     def effective(self) -> dict[str, Any]:
         """Every "section.key" with the value in force (flags over file over defaults)."""
-        values = dict(self.file.items())
-        values.update(self.flags)
-        return values
+        return dict(self.config.items())
 
     def reload(self) -> Reload:
-        """Re-read the file (SIGHUP). Applies the reloadable keys not pinned by a flag to `args`.
-
-        Raises ConfigError (and changes nothing) if the file is now invalid.
+        """Re-read the file (SIGHUP); sorts what changed into applied (RELOADABLE, not set by a flag), pinned
+        by a flag, and needing a restart. Raises ConfigError (and changes nothing) if the file is now invalid.
         """
         new = load(self.path)
-        changed = changed_keys(self.file, new)
         result = Reload(path=self.path)
-        for key in changed:
-            old_value, new_value = get(self.file, key), get(new, key)
+        for key in changed_keys(self.file, new):
             if key in self.flags:
                 result.pinned.append(key)
             elif key in RELOADABLE:
-                dest = next(d for d, k in FLAG_KEYS.items() if k == key)
-                setattr(self.args, dest, new_value)
-                result.applied[key] = (old_value, new_value)
+                result.applied[key] = (get(self.file, key), get(new, key))
             else:
                 result.restart.append(key)
         self.file = new
@@ -422,7 +350,7 @@ class Reload:
     """What a SIGHUP did."""
 
     path: Path | None
-    applied: dict[str, tuple[Any, Any]] = attrs.field(factory=dict)  # key → (old, new), now in force
+    applied: dict[str, tuple[Any, Any]] = attrs.field(factory=dict)  # key → (old, new), to apply now
     restart: list[str] = attrs.field(factory=list)  # changed, but only a restart applies them
     pinned: list[str] = attrs.field(factory=list)  # changed, but a command-line flag overrides the file
 
@@ -435,9 +363,6 @@ def toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, tuple) and len(value) == 2:  # a parsed HOST:PORT
-        host = f"[{value[0]}]" if ":" in str(value[0]) else value[0]
-        return f'"{host}:{value[1]}"'
     import json
 
     return json.dumps(str(value))

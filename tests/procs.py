@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -94,14 +95,30 @@ def retarget(topology_path: Path, out_dir: Path) -> Path:
     return out
 
 
-class Daemon:
-    """One skippyd process."""
+def write_config(path: Path, values: dict[str, Any]) -> Path:
+    """A skippyd.toml at `path` setting `values` ({"runtime.prefill_chunk": 16, ...}); every other key keeps its
+    default."""
+    from skippyd.config import toml_value
 
-    def __init__(self, args: list[str], workdir: Path, name: str, *, env: dict | None = None):
+    sections: dict[str, list[str]] = {}
+    for key, value in values.items():
+        section, name = key.split(".")
+        sections.setdefault(section, []).append(f"{name} = {toml_value(value)}")
+    path.write_text("".join(f"[{section}]\n" + "\n".join(lines) + "\n" for section, lines in sections.items()))
+    return path
+
+
+class Daemon:
+    """One skippyd process; `config` ({"section.key": value}) is written to a skippyd.toml of its own."""
+
+    def __init__(self, args: list[str], workdir: Path, name: str, *, env: dict | None = None,
+                 config: dict[str, Any] | None = None):
         self.name = name
         self.control_port = free_ports(1)[0]
         self.token_file = workdir / f"{name}.token"
         self.log_path = workdir / f"{name}.log"
+        if config:
+            args = ["--config", str(write_config(workdir / f"{name}.toml", config)), *args]
         self.args = [sys.executable, "-m", "skippyd.daemon", *args, "--control", f"127.0.0.1:{self.control_port}",
                      "--control-token-file", str(self.token_file)]
         self._log = open(self.log_path, "ab")
@@ -163,19 +180,22 @@ class Daemon:
 
 
 class Pipeline:
-    """Every stage of a topology as its own skippyd process (stage 0 is the head)."""
+    """Every stage of a topology as its own skippyd process (stage 0 is the head): `extra` flags and
+    `config` keys ({"runtime.prefill_chunk": 16}) for every daemon."""
 
-    def __init__(self, topology_path: Path, workdir: Path, *, extra: list[str] = (), env: dict | None = None):
+    def __init__(self, topology_path: Path, workdir: Path, *, extra: list[str] = (), env: dict | None = None,
+                 config: dict[str, Any] | None = None):
         self.topology_path = topology_path
         self.topology = Topology.load(topology_path)
         self.workdir = workdir
         self.extra = list(extra)
+        self.config = dict(config or {})
         self.env = env
         self.stages: dict[int, Daemon] = {}
 
     def start_stage(self, k: int, *, wait: bool = True) -> Daemon:
         d = Daemon(["--topology", str(self.topology_path), "--stage", str(k), *self.extra], self.workdir,
-                   f"stage{k}", env=self.env)
+                   f"stage{k}", env=self.env, config=self.config)
         self.stages[k] = d
         if wait:
             d.wait_ready()
@@ -202,7 +222,7 @@ class Pipeline:
     def start_all_in_one(self) -> Pipeline:
         """Every stage in one daemon (`--stage all`); `stages` maps each index to that daemon."""
         d = Daemon(["--topology", str(self.topology_path), "--stage", "all", *self.extra], self.workdir, "all",
-                   env=self.env)
+                   env=self.env, config=self.config)
         self.stages = {k: d for k in range(len(self.topology.stages))}
         try:
             d.wait_ready()
@@ -263,9 +283,9 @@ class Pipeline:
 class SingleStage(Pipeline):
     """`skippyd --model FILE`: the whole model in one stage, driven like a pipeline."""
 
-    def __init__(self, model: Path, workdir: Path, extra: list[str] = ()):
+    def __init__(self, model: Path, workdir: Path, extra: list[str] = (), config: dict[str, Any] | None = None):
         self.workdir = workdir
-        self.stages = {0: Daemon(["--model", str(model), *extra], workdir, "single")}
+        self.stages = {0: Daemon(["--model", str(model), *extra], workdir, "single", config=config)}
         self.stages[0].wait_ready()
 
 

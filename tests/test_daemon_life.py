@@ -23,9 +23,10 @@ from trio_websocket import ConnectionClosed
 
 from skippyctl.client import open_control
 from skippyd import config as cfgmod
-from skippyd.config import Config, ConfigError, Settings, find_config, load
+from skippyd.cli import build_parser, moved_flags, read_settings
+from skippyd.config import Config, ConfigError, Settings, find_config, load, with_values
 from skippyd.control import messages as m
-from skippyd.daemon import _JournalFormatter, _notify, build_parser
+from skippyd.daemon import JournalFormatter, notify
 from skippyd.head.engine import GenerationResult
 from tests.procs import REPO, Daemon, Pipeline, free_ports, split_for_test
 from tests.test_openai import FakeEngine
@@ -42,7 +43,7 @@ def settings(tmp_path: Path, toml: str | None, *flags: str, environ: dict | None
     if toml is not None:
         (tmp_path / "skippyd.toml").write_text(toml)
         flags = ("--config", str(tmp_path / "skippyd.toml"), *flags)
-    return Settings.load(parser.parse_args(list(flags)), parser, environ={} if environ is None else environ)
+    return read_settings(parser.parse_args(list(flags)), environ={} if environ is None else environ)
 
 
 def test_config_file_then_flags(tmp_path):
@@ -61,27 +62,28 @@ keep_warm_ms = 150
 listen = "127.0.0.1:7400"
 token_file = "/run/skippy/token"
 """, "--lanes", "6", "--control", "127.0.0.1:9000")
-    a = s.args
-    assert a.lanes == 6 and a.threads == 3 and a.ctx == 4096  # flag > file > default
-    assert a.keep_warm_ms == 150 and settings(tmp_path, None).args.keep_warm_ms == 0
-    assert a.control == ("127.0.0.1", 9000) and a.control_token_file == Path("/run/skippy/token")
-    assert a.drain_grace == 12.5 and a.log_level == "warning" and a.stage == "1"
-    assert a.topology == tmp_path / "split/topology.toml"  # relative to the file's directory
-    assert not a.no_control
+    c = s.config
+    assert c.runtime.lanes == 6 and c.runtime.threads == 3 and c.runtime.ctx == 4096  # flag > file > default
+    assert c.runtime.keep_warm_ms == 150 and settings(tmp_path, None).config.runtime.keep_warm_ms == 0
+    assert c.control.listen == "127.0.0.1:9000" and c.control.token_file == Path("/run/skippy/token")
+    assert c.daemon.drain_grace == 12.5 and c.daemon.log_level == "warning" and c.pipeline.stage == 1
+    assert c.pipeline.topology == tmp_path / "split/topology.toml"  # relative to the file's directory
+    assert c.control.enabled
     assert s.source("runtime.lanes") == "flag" and s.source("runtime.threads") == "file"
     assert s.source("runtime.ctx") == "default"
 
 
 def test_a_model_flag_replaces_the_files_topology(tmp_path):
     s = settings(tmp_path, '[pipeline]\ntopology = "t.toml"\nstage = 1\n', "--model", "/m.gguf")
-    assert s.args.model == Path("/m.gguf") and s.args.topology is None
+    assert s.config.pipeline.model == Path("/m.gguf") and s.config.pipeline.topology is None
 
 
 def test_defaults_without_a_file(tmp_path, monkeypatch):
     monkeypatch.setattr(cfgmod, "SYSTEM_CONFIG_DIR", tmp_path / "nothing-here")
     s = settings(tmp_path, None)
     assert s.path is None and s.file == Config()
-    assert s.args.control == ("127.0.0.1", 7390) and s.args.drain_grace == 30.0 and s.args.lanes == 4
+    c = s.config
+    assert c.control.listen == "127.0.0.1:7390" and c.daemon.drain_grace == 30.0 and c.runtime.lanes == 4
 
 
 def test_config_search_order(tmp_path, monkeypatch):
@@ -135,8 +137,24 @@ listen = "0.0.0.0:7400"
     assert proc.returncode == 2 and f"{broken}: not valid TOML" in proc.stderr
     proc = run_skippyd("--config", str(tmp_path / "missing.toml"))
     assert proc.returncode == 2 and "missing.toml: no such file" in proc.stderr
-    proc = run_skippyd("--keep-warm-ms", "-5")  # a flag's value: the same check, named by the flag
-    assert proc.returncode == 2 and "--keep-warm-ms: must be a number from 0 to 10000, got -5" in proc.stderr
+    proc = run_skippyd("--lanes", "0")  # a flag's value: the same check, named by the flag
+    assert proc.returncode == 2 and "--lanes: must be at least 1, got 0" in proc.stderr
+
+
+def test_tuning_is_set_in_the_file_and_its_old_flags_name_the_key():
+    parser = build_parser()
+    shown = [a for a in parser._actions if a.help != "==SUPPRESS=="]
+    assert len(shown) <= 20, [a.option_strings for a in shown]
+    for flag, key in moved_flags().items():
+        assert key in dict(cfgmod.DEFAULTS.items()), key
+        assert not any(flag in a.option_strings for a in shown), flag
+    proc = run_skippyd("--keep-warm-ms", "5", "--model", "m.gguf")
+    assert proc.returncode == 2 and "--keep-warm-ms is set in the configuration file only: runtime.keep_warm_ms" \
+        in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    proc = run_skippyd("--no-direct-return")
+    assert proc.returncode == 2 and "runtime.direct_return" in proc.stderr, proc.stderr
+    help_text = run_skippyd("--help").stdout
+    assert "--keep-warm-ms" not in help_text and "--drain-grace" not in help_text and "--lanes" in help_text
 
 
 def test_check_config_prints_the_settings_in_force(tmp_path):
@@ -150,18 +168,18 @@ def test_check_config_prints_the_settings_in_force(tmp_path):
 
 def test_sd_notify_is_a_noop_without_a_socket(monkeypatch, tmp_path):
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    _notify("READY=1")
+    notify("READY=1")
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "nobody-listens"))
-    _notify("READY=1")  # never raises
+    notify("READY=1")  # never raises
 
 
 def test_journald_priority_prefixes(monkeypatch):
     monkeypatch.setenv("JOURNAL_STREAM", "8:1234")
-    fmt = _JournalFormatter()
+    fmt = JournalFormatter()
     record = logging.LogRecord("skippyd", logging.WARNING, __file__, 1, "disk %s", ("full",), None)
     assert fmt.format(record) == "<4>skippyd: disk full"
     monkeypatch.delenv("JOURNAL_STREAM")
-    assert _JournalFormatter().format(record).endswith("warning skippyd: disk full")
+    assert JournalFormatter().format(record).endswith("warning skippyd: disk full")
 
 
 # ---------------------------------------------------------------- drain (in-process, a stand-in engine)
@@ -205,7 +223,7 @@ async def test_a_shutdown_waits_until_every_reply_is_sent_not_until_the_engine_l
     from skippyd.openai.server import OpenAIServer
 
     grace = "5" if ends == "within-grace" else "0.2"
-    daemon = SkippyDaemon(build_parser().parse_args(["--model", "m.gguf", "--drain-grace", grace]))
+    daemon = SkippyDaemon(with_values(Config(), {"pipeline.model": Path("m.gguf"), "daemon.drain_grace": float(grace)}))
     engine = SlowToAnswerEngine(cleanup_s=2 * STOP_TIMEOUT_S - 0.3 if ends.endswith("slow-cleanup") else 0.0)
     daemon.head = SimpleNamespace(engine=engine, pool=None)
     token = tmp_path / "token"
@@ -279,7 +297,7 @@ class NotifySocket:
             self.sock.settimeout(min(left, 0.5))
             try:
                 data = self.sock.recv(4096)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             self.lines += data.decode().splitlines()
         return self.lines
@@ -387,7 +405,7 @@ async def start_generation(head: Daemon, nursery: trio.Nursery, **kw) -> dict:
 
 
 async def test_sigterm_lets_running_generations_finish(split, stage1, tmp_path):
-    head = Daemon(["--topology", str(split), "--stage", "0", "--drain-grace", "30"], tmp_path, "head")
+    head = Daemon(["--topology", str(split), "--stage", "0"], tmp_path, "head", config={"daemon.drain_grace": 30})
     try:
         await trio.to_thread.run_sync(head.wait_ready)
         async with trio.open_nursery() as nursery:
@@ -417,7 +435,7 @@ async def test_sigterm_lets_running_generations_finish(split, stage1, tmp_path):
 
 
 async def test_sigint_past_the_grace_period_cancels_and_exits_0(split, stage1, tmp_path):
-    head = Daemon(["--topology", str(split), "--stage", "0", "--drain-grace", "0.5"], tmp_path, "head")
+    head = Daemon(["--topology", str(split), "--stage", "0"], tmp_path, "head", config={"daemon.drain_grace": 0.5})
     try:
         await trio.to_thread.run_sync(head.wait_ready)
         async with trio.open_nursery() as nursery:
@@ -440,7 +458,7 @@ async def test_sigint_past_the_grace_period_cancels_and_exits_0(split, stage1, t
 async def test_status_probe_reads_a_stages_version_and_sees_a_dead_one(split, stage1):
     import attrs
 
-    from skippyd.daemon import probe_stage
+    from skippyd.status import probe_stage
     from skippyd.topology import Topology
     from skippyd.wire.messages import PROTOCOL_VERSION
 

@@ -225,16 +225,17 @@ def reference(model_path, prompt: str, n: int) -> list[int]:
 
 
 def _start(model_path, work, *, final_extra: tuple[str, ...] = (), n: int = 3,
-           stage_extra: dict[int, tuple[str, ...]] | None = None) -> Pipeline:
+           stage_extra: dict[int, tuple[str, ...]] | None = None, final_config: dict | None = None) -> Pipeline:
     split_for_test(model_path, n, work)
-    pipe = Pipeline(work / "topology.toml", work, extra=["--prefill-chunk", str(CHUNK), "--lanes", "2"])
+    pipe = Pipeline(work / "topology.toml", work, extra=["--lanes", "2"], config={"runtime.prefill_chunk": CHUNK})
     extra = {**(stage_extra or {}), n - 1: final_extra}
     try:
-        base = pipe.extra
+        base, base_config = pipe.extra, pipe.config
         for k in reversed(range(n)):
             pipe.extra = [*base, *extra.get(k, ())]
+            pipe.config = {**base_config, **((final_config or {}) if k == n - 1 else {})}
             pipe.start_stage(k, wait=False)
-        pipe.extra = base
+        pipe.extra, pipe.config = base, base_config
         for k in reversed(range(n)):
             pipe.stages[k].wait_ready()
     except BaseException:
@@ -354,7 +355,7 @@ async def test_default_model_three_stages_direct_return_matches_unsplit(default_
 
 async def test_final_stage_without_direct_return_falls_back_to_relaying(tiny_model_path, tmp_path):
     pipe = await trio.to_thread.run_sync(functools.partial(_start, tiny_model_path, tmp_path,
-                                                           final_extra=("--no-direct-return",)))
+                                                           final_config={"runtime.direct_return": False}))
     try:
         received = await assert_parity(pipe, tiny_model_path, PROMPTS, 16)
         head, final = await token_paths(pipe)

@@ -1,9 +1,9 @@
 """Fault injection against real skippyd processes: how fast a fault is noticed, and what is left afterwards.
 
 Each fault runs on a 2- or 3-stage pipeline of the default model (every
-stage its own process, `--prefill-chunk 32 --reply-timeout 2 --lanes 2
---ctx 256`): SIGKILL of each stage in turn mid-prefill and mid-decode (the
-middle stage of three is the "link closed from the middle"), SIGSTOP of a
+stage its own process, `--lanes 2 --ctx 256`, prefill_chunk 32 and
+reply_timeout 2 in its configuration file): SIGKILL of each stage in turn
+mid-prefill and mid-decode (the middle stage of three is the "link closed from the middle"), SIGSTOP of a
 stage mid-decode then SIGCONT, a stage restarted from another split (the
 handshake must refuse it), every lane busy with more requests waiting (and
 waiting past the queue timeout, `--queue-timeout 2`), a new generation
@@ -48,10 +48,11 @@ CTX = 256
 # mid-decode faults come once the decode steps go without stage 1's acks (DIRECT_RETURN, 3 stages)
 MID_DECODE_PIECES = ACKED_DECODE_STEPS + 3
 LANES = 2
-# --compute-lock off: the host-wide compute lock is shared with every other skippy process of this user (another
+FLAGS = ["--lanes", str(LANES), "--ctx", str(CTX)]
+# compute_lock off: the host-wide compute lock is shared with every other skippy process of this user (another
 # test run, a benchmark): its long computes would stall these stages past the 2 s reply deadline for no fault
-BASE_FLAGS = ["--prefill-chunk", "32", "--lanes", str(LANES), "--ctx", str(CTX), "--compute-lock", "off"]
-FLAGS = [*BASE_FLAGS, "--reply-timeout", f"{REPLY_TIMEOUT_S:g}"]
+BASE_CONFIG = {"runtime.prefill_chunk": 32, "runtime.compute_lock": "off"}
+CONFIG = {**BASE_CONFIG, "runtime.reply_timeout": REPLY_TIMEOUT_S}
 # greedy continues it for hundreds of tokens (no early end of generation)
 COUNT = "Count from 1 to 1000: 1, 2, 3, 4,"
 # ~190 tokens: ~3 s of prefill in 32-token chunks (the head computes each chunk before sending it)
@@ -108,10 +109,10 @@ class Faulty(Pipeline):
     reference: list[int]
 
 
-def _start(topology: Path, tmp_path_factory, name: str, extra: list[str]) -> Faulty:
+def _start(topology: Path, tmp_path_factory, name: str, config: dict) -> Faulty:
     """Start every stage (sync: module fixtures cannot be trio fixtures) and record PROBE's tokens."""
     work = tmp_path_factory.mktemp(name)
-    pipe = Faulty(retarget(topology, work), work, extra=extra)
+    pipe = Faulty(retarget(topology, work), work, extra=FLAGS, config=config)
     try:
         pipe.start()
         pipe.reference = trio.run(functools.partial(pipe.generate, **PROBE))["tokens"]
@@ -133,7 +134,7 @@ class Pipes:
         if n not in self.started:
             # in a worker thread: starting waits synchronously and runs trio itself
             self.started[n] = await trio.to_thread.run_sync(
-                _start, self.splits[n], self.tmp_path_factory, f"pipe{n}", FLAGS)
+                _start, self.splits[n], self.tmp_path_factory, f"pipe{n}", CONFIG)
         pipe = self.started[n]
         for k, d in sorted(pipe.stages.items()):
             if d.proc.poll() is not None:
@@ -376,7 +377,7 @@ async def test_sigstop_head_mid_decode(pipe2):
 @pytest.fixture
 def pipe2_default_timeout(splits, tmp_path_factory):
     """The same 2-stage split with the default reply deadline (30 s)."""
-    pipe = _start(splits[2], tmp_path_factory, "pipe2default", BASE_FLAGS)
+    pipe = _start(splits[2], tmp_path_factory, "pipe2default", BASE_CONFIG)
     yield pipe
     pipe.stop()
 
@@ -430,7 +431,7 @@ async def test_restart_from_another_split_is_refused(request, pipes, splits, tmp
     with trio.fail_after(90):
         await sigkill(pipe.stages[victim])
         wrong = Daemon(["--topology", str(other_topology), "--stage", str(other_stage), "--listen",
-                        f"{spec.host}:{spec.port}", *FLAGS], tmp_path, "wrong")
+                        f"{spec.host}:{spec.port}", *FLAGS], tmp_path, "wrong", config=CONFIG)
         try:
             await trio.to_thread.run_sync(wrong.wait_ready)
             started = time.monotonic()

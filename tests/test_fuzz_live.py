@@ -84,8 +84,8 @@ def live(default_model_path, tmp_path_factory):
     topo = split_for_test(default_model_path, 2, work)
     port = free_ports(1)[0]
     pipe = Pipeline(work / "topology.toml", work,
-                    extra=["--openai", f"127.0.0.1:{port}", "--ctx", str(CTX), "--lanes", "4",
-                           "--prefill-chunk", "64"])
+                    extra=["--openai", f"127.0.0.1:{port}", "--ctx", str(CTX), "--lanes", "4"],
+                    config={"runtime.prefill_chunk": 64})
     try:
         pipe.start()
         reference = trio.run(functools.partial(pipe.generate, **PROBE))["tokens"]

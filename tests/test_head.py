@@ -27,12 +27,13 @@ PROMPTS = [
     "def fibonacci(n):",
     LONG_PROMPT + "Summarise the story in one sentence:",
 ]
-COMMON = ["--prefill-chunk", "64", "--lanes", "8", "--ctx", "1024"]
+COMMON = ["--lanes", "8", "--ctx", "1024"]
+CONFIG = {"runtime.prefill_chunk": 64}
 
 
 @pytest.fixture(scope="module")
 def single(default_model_path, tmp_path_factory):
-    pipe = SingleStage(default_model_path, tmp_path_factory.mktemp("single"), COMMON)
+    pipe = SingleStage(default_model_path, tmp_path_factory.mktemp("single"), COMMON, CONFIG)
     yield pipe
     pipe.stop_cleanly()
 
@@ -41,7 +42,8 @@ def single(default_model_path, tmp_path_factory):
 def two(default_model_path, tmp_path_factory):
     work = tmp_path_factory.mktemp("two")
     split_for_test(default_model_path, 2, work)
-    pipe = Pipeline(work / "topology.toml", work, extra=[*COMMON, "--receipts", str(work / "receipts.jsonl")])
+    pipe = Pipeline(work / "topology.toml", work, extra=COMMON,
+                    config={**CONFIG, "daemon.receipts": str(work / "receipts.jsonl")})
     pipe.start()
     yield pipe
     pipe.stop_cleanly()
@@ -51,7 +53,7 @@ def two(default_model_path, tmp_path_factory):
 def three(default_model_path, tmp_path_factory):
     work = tmp_path_factory.mktemp("three")
     split_for_test(default_model_path, 3, work)
-    pipe = Pipeline(work / "topology.toml", work, extra=COMMON).start()
+    pipe = Pipeline(work / "topology.toml", work, extra=COMMON, config=CONFIG).start()
     yield pipe
     pipe.stop_cleanly()
 
@@ -265,7 +267,8 @@ async def test_decode_groups_keep_sessions_in_groups_one_in_flight_per_stage(def
     session's tokens are still its tokens alone."""
     split_for_test(default_model_path, 2, tmp_path)
     pipe = Pipeline(tmp_path / "topology.toml", tmp_path,
-                    extra=[*COMMON, "--threads", "1", "--compute-lock", "off", "--decode-groups", "2"])
+                    extra=[*COMMON, "--threads", "1"],
+                    config={**CONFIG, "runtime.compute_lock": "off", "runtime.decode_groups": 2})
     await trio.to_thread.run_sync(pipe.start)
     try:
         head = (await pipe.head.astatus())["head"]
@@ -289,7 +292,7 @@ async def test_decode_groups_default_counts_machines_not_names(tiny_model_path, 
     topo = split_for_test(tiny_model_path, 2, tmp_path)
     stages = [topo.stages[0], attrs.evolve(topo.stages[1], host=socket.gethostname())]
     attrs.evolve(topo, stages=stages).dump(tmp_path / "topology.toml")
-    pipe = Pipeline(tmp_path / "topology.toml", tmp_path, extra=COMMON)
+    pipe = Pipeline(tmp_path / "topology.toml", tmp_path, extra=COMMON, config=CONFIG)
     await trio.to_thread.run_sync(pipe.start)
     try:
         assert (await pipe.head.astatus())["head"]["compute"]["decode_groups"] == 1
@@ -332,7 +335,7 @@ async def _kill_mid_decode(two):
 
 async def test_stage_restart_fails_in_flight_then_recovers(default_model_path, tmp_path):
     split_for_test(default_model_path, 2, tmp_path)
-    pipe = Pipeline(tmp_path / "topology.toml", tmp_path, extra=COMMON)
+    pipe = Pipeline(tmp_path / "topology.toml", tmp_path, extra=COMMON, config=CONFIG)
     await trio.to_thread.run_sync(pipe.start)  # start() waits synchronously
     try:
         with trio.fail_after(120):
@@ -463,17 +466,17 @@ async def test_a_stop_that_raises_still_frees_the_session_everywhere(tiny_model_
     """In one process (--stage all): a generation whose Stop down the lane raises something unforeseen (a bug)
     still frees the head's own sequence and closes the lane, so that stage 1 releases its session too;
     before, the head's slot stayed held, and after as many such ends as there are slots nothing could run."""
-    from skippyd.config import Settings
-    from skippyd.daemon import Daemon as SkippyDaemon, build_parser
+    from skippyd.cli import build_parser, read_settings
+    from skippyd.daemon import Daemon as SkippyDaemon
     from skippyd.head import engine as head_engine
 
     split_for_test(tiny_model_path, 2, tmp_path)
     (tmp_path / "skippyd.toml").write_text("")  # the defaults, whatever /etc/skippy holds
     parser = build_parser()
-    settings = Settings.load(parser.parse_args(["--config", str(tmp_path / "skippyd.toml"), "--topology",
+    settings = read_settings(parser.parse_args(["--config", str(tmp_path / "skippyd.toml"), "--topology",
                                                 str(tmp_path / "topology.toml"), "--stage", "all", "--no-control",
-                                                "--lanes", "2", "--ctx", "256"]), parser, environ={})
-    daemon = SkippyDaemon(settings.args, settings=settings)
+                                                "--lanes", "2", "--ctx", "256"]), environ={})
+    daemon = SkippyDaemon(settings.config, settings=settings)
 
     async def bug(self, lane):
         raise RuntimeError("a bug in the stop")

@@ -137,19 +137,19 @@ def _idle_class_threads(pid: int) -> list[int]:
 def two_kept_warm(default_model_path, tmp_path):
     split_for_test(default_model_path, 2, tmp_path)
     pipe = Pipeline(tmp_path / "topology.toml", tmp_path,
-                    extra=["--lanes", "1", "--ctx", "512", "--keep-warm-ms", "30"]).start()
+                    extra=["--lanes", "1", "--ctx", "512"], config={"runtime.keep_warm_ms": 30}).start()
     yield pipe
     pipe.stop_cleanly()
 
 
 async def test_keep_warm_gives_every_stage_one_idle_class_spinner(two_kept_warm, two):
-    """--keep-warm-ms: the head and stage 1 each run one SCHED_IDLE thread, which spins after their computes
+    """runtime.keep_warm_ms: the head and stage 1 each run one SCHED_IDLE thread, which spins after their computes
     (status: compute.keep_warm_spun_s), and the answer is the one without it (the module's pipeline)."""
     pipe = two_kept_warm
     for daemon in pipe.stages.values():
         assert len(_idle_class_threads(daemon.proc.pid)) == 1
         # both on this host: told that their spinners slow each other down (it is for hosts of their own)
-        assert "--keep-warm-ms with 2 stages of the topology on this host" in daemon.log()
+        assert "runtime.keep_warm_ms with 2 stages of the topology on this host" in daemon.log()
     result = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=16)
     for snap in await _snapshots(pipe):
         assert snap["compute"]["keep_warm_ms"] == 30
@@ -308,7 +308,8 @@ async def test_a_delayed_link_makes_the_head_measure_it_and_grow_its_chunk(defau
 
     split_for_test(default_model_path, 2, tmp_path)
     pipe = Pipeline(tmp_path / "topology.toml", tmp_path,
-                    extra=["--lanes", "1", "--ctx", "512", "--prefill-chunk", "1", "--link-delay-ms", "50"])
+                    extra=["--lanes", "1", "--ctx", "512"],
+                    config={"runtime.prefill_chunk": 1, "stage.link_delay_ms": 50})
     await trio.to_thread.run_sync(pipe.start)
     try:
         await pipe.generate(prompt=PROMPT, raw=True, max_tokens=8)

@@ -234,11 +234,11 @@ def test_shape_validation():
 # ---------------------------------------------------------------------------- real processes
 
 
-def _pipeline(topology, work, *extra: str) -> Pipeline:
+def _pipeline(topology, work, config: dict | None = None) -> Pipeline:
     # one thread per stage: these tests time the links; a tiny model gains nothing from more threads, and
     # llama.cpp's spinning workers would make its compute time depend on whatever else the host runs
-    pipe = Pipeline(topology, work, extra=["--prefill-chunk", "16", "--link-delay-ms", str(DELAY_MS), "--threads", "1",
-                                           *extra])
+    pipe = Pipeline(topology, work, extra=["--threads", "1"],
+                    config={"runtime.prefill_chunk": 16, "stage.link_delay_ms": DELAY_MS, **(config or {})})
     return pipe.start()
 
 
@@ -284,7 +284,7 @@ async def test_three_stages_direct_return_saves_one_delay_per_token(tiny_split3,
     direct = await trio.to_thread.run_sync(_pipeline, retarget(tiny_split3, tmp_path / "d"), tmp_path / "d")
     try:
         relayed = await trio.to_thread.run_sync(_pipeline, retarget(tiny_split3, tmp_path / "r"), tmp_path / "r",
-                                                "--no-direct-return")
+                                                {"runtime.direct_return": False})
         try:
             direct_ms, relayed_ms = [], []
             for _ in range(2):  # interleaved: the machine's speed drifts

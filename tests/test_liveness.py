@@ -22,11 +22,10 @@ from tests.test_faults import COUNT, PROBE, start_stream
 
 @pytest.fixture
 async def pipe(splits, tmp_path):
-    # --batch/--prefill-chunk 4096: one prefill chunk of thousands of tokens keeps stage 1 busy for seconds
-    # (--compute-lock off: without holding the host-wide lock other skippy processes here would wait on)
-    pipe = Pipeline(retarget(splits[2], tmp_path), tmp_path,
-                    extra=["--lanes", "2", "--ctx", "4096", "--batch", "4096", "--prefill-chunk", "4096",
-                           "--compute-lock", "off"])
+    # batch/prefill_chunk 4096: one prefill chunk of thousands of tokens keeps stage 1 busy for seconds
+    # (compute_lock off: without holding the host-wide lock other skippy processes here would wait on)
+    pipe = Pipeline(retarget(splits[2], tmp_path), tmp_path, extra=["--lanes", "2", "--ctx", "4096"],
+                    config={"runtime.batch": 4096, "runtime.prefill_chunk": 4096, "runtime.compute_lock": "off"})
     await trio.to_thread.run_sync(pipe.start)
     try:
         yield pipe
@@ -104,8 +103,8 @@ async def test_hung_final_stage_of_three_is_named_within_2s(splits, tmp_path, di
     shorter deadline and names stage 2. With direct return the head waits on the token-return connection,
     which stage 1 never waits on: only the relayed ping can tell."""
     pipe = Pipeline(retarget(splits[3], tmp_path), tmp_path,
-                    extra=["--lanes", "2", "--ctx", "1024", "--compute-lock", "off",
-                           *([] if direct else ["--no-direct-return"])])
+                    extra=["--lanes", "2", "--ctx", "1024"],
+                    config={"runtime.compute_lock": "off", "runtime.direct_return": direct})
     await trio.to_thread.run_sync(pipe.start)
     try:
         reference = (await pipe.generate(**PROBE))["tokens"]

@@ -31,7 +31,7 @@ from skippyd.wire.stream import read_reply
 from tests.procs import Pipeline, Stage0Driver, retarget, split_for_test
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
-# long enough for several prefill chunks (with --prefill-chunk 16): exercises acks deferred on credits
+# long enough for several prefill chunks (with prefill_chunk 16): exercises acks deferred on credits
 LONG_PROMPT = ("In the beginning the universe was created. This has made a lot of people very angry and been "
                "widely regarded as a bad move. Many were increasingly of the opinion that they'd all made a big "
                "mistake in coming down from the trees in the first place. And some said that even the trees "
@@ -40,10 +40,10 @@ CHUNK = 16
 RELEASE_S = 2.0  # the bound: every stage releases within 2 seconds
 
 
-def _start(model_path, n_stages: int, tmp_path_factory, name: str, *, extra: tuple[str, ...] = ()) -> Pipeline:
+def _start(model_path, n_stages: int, tmp_path_factory, name: str, *, config: dict | None = None) -> Pipeline:
     work = tmp_path_factory.mktemp(name)
     split_for_test(model_path, n_stages, work)
-    pipe = Pipeline(work / "topology.toml", work, extra=list(extra))
+    pipe = Pipeline(work / "topology.toml", work, config=config)
     return pipe.start()
 
 
@@ -56,21 +56,21 @@ def smol2(default_model_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smol3(default_model_path, tmp_path_factory):
-    pipe = _start(default_model_path, 3, tmp_path_factory, "smol3", extra=("--prefill-chunk", str(CHUNK)))
+    pipe = _start(default_model_path, 3, tmp_path_factory, "smol3", config={"runtime.prefill_chunk": CHUNK})
     yield pipe
     pipe.stop_cleanly()
 
 
 @pytest.fixture(scope="module")
 def tiny2(tiny_model_path, tmp_path_factory):
-    pipe = _start(tiny_model_path, 2, tmp_path_factory, "tiny2", extra=("--prefill-chunk", str(CHUNK)))
+    pipe = _start(tiny_model_path, 2, tmp_path_factory, "tiny2", config={"runtime.prefill_chunk": CHUNK})
     yield pipe
     pipe.stop_cleanly()
 
 
 @pytest.fixture(scope="module")
 def tiny3(tiny_model_path, tmp_path_factory):
-    pipe = _start(tiny_model_path, 3, tmp_path_factory, "tiny3", extra=("--prefill-chunk", str(CHUNK)))
+    pipe = _start(tiny_model_path, 3, tmp_path_factory, "tiny3", config={"runtime.prefill_chunk": CHUNK})
     yield pipe
     pipe.stop_cleanly()
 
@@ -149,7 +149,7 @@ async def test_tiny_three_process_matches_unsplit(tiny3, tiny_model_path):
 @pytest.fixture
 def tiny3_all_in_one(tiny3, tmp_path_factory):
     work = tmp_path_factory.mktemp("tiny3all")
-    pipe = Pipeline(retarget(tiny3.topology_path, work), work, extra=["--prefill-chunk", str(CHUNK)])
+    pipe = Pipeline(retarget(tiny3.topology_path, work), work, config={"runtime.prefill_chunk": CHUNK})
     pipe.start_all_in_one()
     yield pipe
     pipe.stop_cleanly()

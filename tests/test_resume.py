@@ -22,9 +22,10 @@ from skippyd.control import messages as m
 from tests.procs import Pipeline, retarget
 from tests.test_faults import COUNT, LONG, wait_prefilling
 
-# --compute-lock off: a stage stopped (SIGSTOP) while it holds the host-wide compute lock would make every
+# compute_lock off: a stage stopped (SIGSTOP) while it holds the host-wide compute lock would make every
 # other skippy process of this user on the host (other test runs) compute without the lock for a while
-FLAGS = ["--prefill-chunk", "32", "--lanes", "2", "--ctx", "512", "--compute-lock", "off"]
+FLAGS = ["--lanes", "2", "--ctx", "512"]
+CONFIG = {"runtime.prefill_chunk": 32, "runtime.compute_lock": "off"}
 DECODE = dict(prompt=COUNT, raw=True, max_tokens=96)
 # seeded sampling: the final stage's sampler is new after the replay, and the replayed steps draw from it
 # exactly as the first time (same logits, same seed), so the continuation is the uninterrupted run's too
@@ -32,8 +33,9 @@ SEEDED = dict(DECODE, prompt="Once upon a time", temperature=0.9, top_k=40, top_
 PREFILL = dict(prompt=LONG + COUNT, raw=True, max_tokens=24)  # ~200 prompt tokens: 7 chunks of 32
 
 
-async def start(topology, tmp_path, *flags) -> Pipeline:
-    pipe = Pipeline(retarget(topology, tmp_path), tmp_path, extra=[*FLAGS, *flags])
+async def start(topology, tmp_path, *flags, config: dict | None = None) -> Pipeline:
+    pipe = Pipeline(retarget(topology, tmp_path), tmp_path, extra=[*FLAGS, *flags],
+                    config={**CONFIG, **(config or {})})
     await trio.to_thread.run_sync(pipe.start)
     return pipe
 
@@ -131,7 +133,7 @@ async def check_resumed(pipe: Pipeline, victim: int, kw: dict, *, when: str) -> 
 ], ids=["2stage-kill1-mid-decode", "3stage-kill2-mid-decode", "2stage-kill1-mid-prefill",
         "3stage-kill2-mid-decode-seeded"])
 async def test_killed_stage_restarted_resumes_with_the_same_tokens(splits, tmp_path, n_stages, victim, when, kw):
-    pipe = await start(splits[n_stages], tmp_path, "--resume", "--resume-window", "30")
+    pipe = await start(splits[n_stages], tmp_path, "--resume", config={"runtime.resume_window": 30})
     try:
         await check_resumed(pipe, victim, kw, when=when)
     finally:
@@ -139,7 +141,7 @@ async def test_killed_stage_restarted_resumes_with_the_same_tokens(splits, tmp_p
 
 
 async def test_a_stage_not_back_within_the_window_fails_the_generation(splits, tmp_path):
-    pipe = await start(splits[2], tmp_path, "--resume", "--resume-window", "2")
+    pipe = await start(splits[2], tmp_path, "--resume", config={"runtime.resume_window": 2})
     try:
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
@@ -170,7 +172,7 @@ async def test_a_stage_not_back_within_the_window_fails_the_generation(splits, t
 async def test_hung_stage_resumes_after_sigcont_with_the_same_tokens(splits, tmp_path, n_stages, victim, named):
     """SIGSTOP a stage for 3 s: the liveness ping fails the step (1.5 s), the head waits for the pipeline to
     answer again, replays, and the generation ends as an uninterrupted one would."""
-    pipe = await start(splits[n_stages], tmp_path, "--resume", "--resume-window", "30")
+    pipe = await start(splits[n_stages], tmp_path, "--resume", config={"runtime.resume_window": 30})
     try:
         reference = await pipe.generate(**DECODE)
         d = pipe.stages[victim]

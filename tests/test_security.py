@@ -19,7 +19,7 @@ import trio
 import trio.testing
 
 from skippyd import config as cfgmod
-from skippyd.daemon import build_parser
+from skippyd.cli import build_parser
 from skippyd.sampling import InvalidSampling, SamplingParams
 from skippyd.stage.access import LinkSecretError, UpstreamAllow, link_auth, load_link_secret
 from skippyd.stage.downstream import DownstreamError, DownstreamLink

@@ -27,8 +27,8 @@ CTX, LANES, CONCURRENCY = 128, 4, 6
 
 @pytest.fixture
 def pipe(default_model_path, tmp_path):
-    p = start_pipeline(default_model_path, 2, tmp_path, ["--lanes", str(LANES), "--ctx", str(CTX),
-                                                         "--prefill-chunk", "64"], stage_lanes=LANES + CONCURRENCY,
+    p = start_pipeline(default_model_path, 2, tmp_path, ["--lanes", str(LANES), "--ctx", str(CTX)],
+                       config={"runtime.prefill_chunk": 64}, stage_lanes=LANES + CONCURRENCY,
                        env={"MALLOC_ARENA_MAX": "2"})
     yield p
     p.stop_cleanly()

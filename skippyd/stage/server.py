@@ -22,6 +22,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from skippyd.config import DEFAULTS
 from skippyd.listening import explain_bind_errors
 from skippyd.runtime.llama import Context, ContextParams, Model
 from skippyd.stage.access import UpstreamAllow
@@ -37,43 +38,46 @@ from skippyd.topology import StageSpec, Topology
 from skippyd.wire.errors import HandshakeRefused, PeerClosed, ReadTimeout, WireError
 from skippyd.wire.handshake import handshake_server, refuse_handshake
 from skippyd.wire.messages import Hello
-from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT, DEFAULT_MIN_RATE, ReceiveBuffer, keep_alive
+from skippyd.wire.stream import DEFAULT_MIN_RATE, ReceiveBuffer, keep_alive
 
 log = logging.getLogger("skippyd.stage")
 
 
+_RUNTIME, _STAGE = DEFAULTS.runtime, DEFAULTS.stage  # skippyd.toml's defaults, the one place they are set
+
+
 @attrs.define
 class StageConfig:
-    """How one stage runs. Times are seconds."""
+    """How one stage runs (skippyd.plan makes it from skippyd.toml; its defaults are the file's). Times are
+    seconds."""
 
-    n_ctx_per_seq: int = 4096
-    lanes: int = 4  # sequence slots (n_seq_max): concurrent sessions on this stage
-    n_batch: int = 512
-    n_threads: int = 2
-    credit_limit: int = 2  # outstanding prefill acks towards the next stage
+    n_ctx_per_seq: int = _RUNTIME.ctx
+    lanes: int = _RUNTIME.lanes  # sequence slots (n_seq_max): concurrent sessions on this stage
+    n_batch: int = _RUNTIME.batch
+    n_threads: int = 2  # skippyd.plan resolves runtime.threads (0: automatic) to a count
+    credit_limit: int = _RUNTIME.credit  # outstanding prefill acks towards the next stage
     handshake_timeout_s: float = 5.0
     connect_timeout_s: float = 5.0
     idle_timeout_s: float = 600.0  # an idle lane with no message at all for this long is closed
-    frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT  # a frame, once its first byte is here, must be complete
+    frame_timeout_s: float = _STAGE.frame_timeout  # a frame, once its first byte is here, must be complete
     frame_min_rate: float = DEFAULT_MIN_RATE  # ... within frame_timeout_s + its bytes / this (bytes/s)
     upstream_allow: tuple[str, ...] | None = None  # who may connect (see stage/access.py); None: the topology's
     link_auth: bytes = b""  # the Hello auth of the shared link secret (stage/access.py link_auth); b"": none
     max_handshakes: int = 64  # connections in their handshake at once; more are closed at once
-    reply_timeout_s: float = 30.0  # the next stage must answer within this
+    reply_timeout_s: float = _RUNTIME.reply_timeout  # the next stage must answer within this
     write_timeout_s: float = 10.0
     listen_host: str | None = None  # default: the topology's host for this stage
     listen_port: int | None = None
-    direct_return: bool = True  # 3+ stages: predictions go from the final stage straight to the head
-    link_delay_ms: float = 0.0  # link conditioning (tests, benchmarks): one-way delay on what we send
-    link_mbps: float = 0.0  # ... and a bandwidth cap (0: none)
+    direct_return: bool = _RUNTIME.direct_return  # 3+ stages: predictions go from the final stage to the head
+    link_delay_ms: float = _STAGE.link_delay_ms  # link conditioning (tests, benchmarks): one-way delay
+    link_mbps: float = _STAGE.link_mbps  # ... and a bandwidth cap (0: none)
     # A persistent ggml thread pool whose workers poll this long (0-100) and then sleep between graphs;
-    # None: llama.cpp's default, worker threads created per graph, which spin and starve a stage
-    # sharing the cores (two 2-thread stages on 2 cores: a third of the speed; see BENCHMARKS.md).
-    thread_poll: int | None = 0
+    # None: llama.cpp's worker threads created per graph, which spin and starve a stage sharing the cores.
+    thread_poll: int | None = _RUNTIME.thread_poll
     compute_lock: bool = False  # take turns at the cores with the other stages on this host (HostComputeLock)
-    adapt_threads: bool = True  # fewer threads while that is much faster (skippyd/stage/threads.py)
-    flash_attn: str = "off"  # llama.cpp's flash attention: off | on | auto (see ContextParams)
-    keep_warm_ms: float = 0.0  # idle-class spinning after each compute (ContextParams.keep_warm_ms); 0: off
+    adapt_threads: bool = _RUNTIME.adapt_threads == "on"  # fewer threads while that is much faster
+    flash_attn: str = _RUNTIME.flash_attn  # llama.cpp's flash attention: off | on | auto (see ContextParams)
+    keep_warm_ms: float = _RUNTIME.keep_warm_ms  # idle-class spinning after each compute; 0: off
     # the stages compute at the same time (hosts of their own): keep this many groups of sessions in flight
     # (Scheduler.decode_groups; the daemon resolves 0, auto, from the topology's hosts)
     decode_groups: int = 1
