@@ -95,6 +95,7 @@ class Running:
 
 
 # ---------------------------------------------------------------- status and errors
+@pytest.mark.slow
 def test_status(smol2):
     data = ctl_json(smol2.head, "status")
     assert data["role"] == "head" and data["ready"] and not data["draining"]
@@ -178,6 +179,7 @@ def test_sessions_table_fits_80_columns_without_cutting_a_number():
     assert "tok/s" in text and "2:7" in text
 
 
+@pytest.mark.slow
 def test_status_of_a_stage_daemon(smol2):
     data = ctl_json(smol2.stages[1], "status")
     assert data["role"] == "stage 1" and data["head"] is None
@@ -193,10 +195,12 @@ def test_status_of_a_stage_daemon(smol2):
     assert_clean_error(ctl(smol2.stages[1], "generate", "--prompt", "hi"), "no head", code=2)
 
 
+@pytest.mark.slow
 def test_token_file_is_private(smol2):
     assert stat.S_IMODE(os.stat(smol2.head.token_file).st_mode) == 0o600
 
 
+@pytest.mark.slow
 def test_bad_token_is_refused(smol2, tmp_path):
     wrong = tmp_path / "wrong.token"
     wrong.write_text("not-the-token\n")
@@ -216,6 +220,7 @@ def test_generate_option_out_of_range_is_a_usage_error(tmp_path):
     assert negative.exit_code == 2 and "--temperature" in negative.output, negative.output
 
 
+@pytest.mark.slow
 def test_daemon_not_running(smol2, tmp_path):
     token = tmp_path / "t.token"
     token.write_text("x\n")
@@ -224,11 +229,13 @@ def test_daemon_not_running(smol2, tmp_path):
     assert_clean_error(result, "cannot reach skippyd", "Connection refused")
 
 
+@pytest.mark.slow
 def test_unknown_session(smol2):
     for command in ("show", "kill"):
         assert_clean_error(ctl(smol2.head, "sessions", command, "12345"), "unknown session 12345")
 
 
+@pytest.mark.slow
 async def test_bad_requests_get_error_replies_on_a_usable_connection(smol2):
     async with open_control(smol2.head.url, smol2.head.token_file) as client:
         async def send_raw(text: str) -> m.Reply:
@@ -252,6 +259,7 @@ async def test_bad_requests_get_error_replies_on_a_usable_connection(smol2):
 
 
 # ---------------------------------------------------------------- generate
+@pytest.mark.slow
 def test_generate_json_matches_the_heads_result(smol2):
     out = ctl_json(smol2.head, "generate", *GREEDY, "--max-tokens", "24")
     assert set(out) >= {"text", "tokens", "finish_reason", "usage", "timings"}
@@ -270,6 +278,7 @@ def test_generate_json_matches_the_heads_result(smol2):
     assert f"{len(out['tokens'])} generated tokens" in plain.stderr
 
 
+@pytest.mark.slow
 def test_generate_options(smol2):
     stopped = ctl_json(smol2.head, "generate", *GREEDY, "--max-tokens", "24", "--stop", "zzz", "--stop", ".")
     assert stopped["finish_reason"] == "stop" and stopped["text"] == " Paris"
@@ -283,6 +292,7 @@ def test_generate_options(smol2):
     assert_clean_error(bad, "max_tokens", code=2)
 
 
+@pytest.mark.slow
 async def test_generation_streams_pieces_before_the_result(smol2):
     seen = []
     async with open_control(smol2.head.url, smol2.head.token_file) as client:
@@ -305,6 +315,7 @@ async def test_generation_streams_pieces_before_the_result(smol2):
     assert seen[-1][1] - seen[0][1] > 0  # the first piece came while the generation still ran
 
 
+@pytest.mark.slow
 async def test_two_streams_on_one_connection_stay_whole_and_apart(smol2):
     """Two generations streamed at once over one control connection: every message arrives whole (the
     daemon relies on trio-websocket to keep concurrent messages apart), each stream's pieces are its own
@@ -340,6 +351,7 @@ CTL_MAIN = "from skippyctl.app import main; sys.argv[0] = 'skippyctl'; main()"
 TERMINAL_OVERRIDES = ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")
 
 
+@pytest.mark.slow
 def test_generate_on_a_terminal_shows_what_it_waits_for_until_the_first_token(smol2, monkeypatch):
     """Before the first token (a long prompt's prefill: tens of seconds with a big model) stderr, when it is
     a terminal, shows a spinner saying what it waits for, cleared at the first token; stdout has the text."""
@@ -377,6 +389,7 @@ def test_generate_on_a_terminal_shows_what_it_waits_for_until_the_first_token(sm
     assert "reading the prompt" not in ctl(smol2.head, "generate", *GREEDY, "--max-tokens", "8").stderr
 
 
+@pytest.mark.slow
 async def test_ctrl_c_cancels_the_generation_on_every_stage(smol2):
     # `python -c`, so that SIGINT has its default handler even when the test runner ignores it
     code = f"import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); {CTL_MAIN}"
@@ -402,6 +415,7 @@ async def test_ctrl_c_cancels_the_generation_on_every_stage(smol2):
 
 
 # ---------------------------------------------------------------- sessions and lanes
+@pytest.mark.slow
 async def test_sessions_list_show_kill(smol2):
     gen = Running(smol2.head)
     async with trio.open_nursery() as nursery:
@@ -437,6 +451,7 @@ async def test_sessions_list_show_kill(smol2):
     assert await actl_json(smol2.head, "sessions", "list") == []
 
 
+@pytest.mark.slow
 async def test_lanes_drain_and_undrain(smol2):
     lanes = await actl_json(smol2.head, "lanes", "list")
     s1 = smol2.topology.stage(1)

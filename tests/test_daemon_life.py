@@ -31,6 +31,8 @@ from skippyd.head.engine import GenerationResult
 from tests.procs import REPO, Daemon, Pipeline, free_ports, split_for_test
 from tests.test_openai import FakeEngine
 
+pytestmark = pytest.mark.slow  # real daemons signalled
+
 
 def run_skippyd(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "skippyd.daemon", *args], cwd=REPO, capture_output=True,

@@ -33,6 +33,8 @@ from skippyctl.client import ControlError
 from skippyd.wire.messages import ErrorCode, ErrorReply, Hello, PredictedToken
 from tests.procs import Pipeline, free_ports, split_for_test
 
+pytestmark = pytest.mark.slow  # real daemon processes
+
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
 LONG_PROMPT = ("In the beginning the universe was created. This has made a lot of people very angry and been "
                "widely regarded as a bad move. Many were increasingly of the opinion that they'd all made a big "

@@ -41,6 +41,8 @@ from skippyd.control import messages as m
 from skippyd.head.engine import ACKED_DECODE_STEPS
 from tests.procs import Daemon, Pipeline, retarget, split_for_test
 
+pytestmark = pytest.mark.slow  # real daemon processes killed and stopped
+
 DETECT_S = 2.0  # a fault is detected within 2 s while a generation runs
 RELEASE_S = 2.0  # every surviving stage frees its sessions within 2 s
 REPLY_TIMEOUT_S = 2.0

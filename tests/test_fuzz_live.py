@@ -52,6 +52,8 @@ from skippyd.wire.messages import (
 )
 from tests.procs import Pipeline, free_ports, split_for_test
 
+pytestmark = pytest.mark.slow  # fuzzes a live pipeline of daemon processes
+
 try:  # the HTTP client the installed openai release is built on
     import httpx2
 except ImportError:  # openai 1.x

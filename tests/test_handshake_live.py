@@ -16,6 +16,8 @@ from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.wire.messages import Ack, Hello, Ping
 from tests.procs import Pipeline, split_for_test
 
+pytestmark = pytest.mark.slow  # real daemon processes
+
 
 @pytest.fixture(scope="module")
 def stage1(tiny_model_small_vocab_path, tmp_path_factory):

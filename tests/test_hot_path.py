@@ -21,6 +21,8 @@ from skippyd.stage.host_lock import HostComputeLock
 from skippyd.stage.threads import usable_cores
 from tests.procs import Pipeline, split_for_test
 
+pytestmark = pytest.mark.slow  # real daemon processes
+
 PROMPT = "Write a long story about a dragon who learns to sail."
 CORES = usable_cores()  # what the daemon computes with by default (affinity, cgroup quota)
 

@@ -19,6 +19,8 @@ from skippyctl.client import ControlError
 from tests.procs import Daemon, Pipeline, retarget
 from tests.test_faults import COUNT, PROBE, start_stream
 
+pytestmark = pytest.mark.slow  # real daemon processes stopped
+
 
 @pytest.fixture
 async def pipe(splits, tmp_path):

@@ -30,6 +30,8 @@ from skippyd.wire.messages import Ack, ErrorCode, ErrorReply, PredictedToken, Pr
 from skippyd.wire.stream import read_reply
 from tests.procs import Pipeline, Stage0Driver, retarget, split_for_test
 
+pytestmark = pytest.mark.slow  # real daemon processes
+
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
 # long enough for several prefill chunks (with prefill_chunk 16): exercises acks deferred on credits
 LONG_PROMPT = ("In the beginning the universe was created. This has made a lot of people very angry and been "

@@ -22,6 +22,8 @@ from skippyd.control import messages as m
 from tests.procs import Pipeline, retarget
 from tests.test_faults import COUNT, LONG, wait_prefilling
 
+pytestmark = pytest.mark.slow  # real daemon processes killed and restarted
+
 # compute_lock off: a stage stopped (SIGSTOP) while it holds the host-wide compute lock would make every
 # other skippy process of this user on the host (other test runs) compute without the lock for a while
 FLAGS = ["--lanes", "2", "--ctx", "512"]

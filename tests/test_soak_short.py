@@ -21,6 +21,8 @@ import trio
 
 from bench.soak import soak, start_pipeline
 
+pytestmark = pytest.mark.slow  # a soak of a real pipeline
+
 N = 40
 CTX, LANES, CONCURRENCY = 128, 4, 6
 
