@@ -20,8 +20,6 @@ from skippyd.control import messages as m
 from skippyd.head.stops import StopMatcher
 from tests.procs import Pipeline, SingleStage, split_for_test
 
-pytestmark = pytest.mark.slow  # real daemon processes
-
 LONG_PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying oil for the lamp. "
                "Ships passing the rocky headland depended on the beam to find the channel between the reefs. ") * 8
 PROMPTS = [
@@ -471,6 +469,7 @@ async def test_a_stop_that_raises_still_frees_the_session_everywhere(tiny_model_
     from skippyd.cli import build_parser, read_settings
     from skippyd.daemon import Daemon as SkippyDaemon
     from skippyd.head import engine as head_engine
+    from skippyd.head.lane_client import LaneClient
 
     split_for_test(tiny_model_path, 2, tmp_path)
     (tmp_path / "skippyd.toml").write_text("")  # the defaults, whatever /etc/skippy holds
@@ -480,7 +479,7 @@ async def test_a_stop_that_raises_still_frees_the_session_everywhere(tiny_model_
                                                 "--lanes", "2", "--ctx", "256"]), environ={})
     daemon = SkippyDaemon(settings.config, settings=settings)
 
-    async def bug(self, lane):
+    async def bug(self):
         raise RuntimeError("a bug in the stop")
 
     request = head_engine.GenerationRequest(prompt="hello", raw=True, max_tokens=3)
@@ -491,7 +490,7 @@ async def test_a_stop_that_raises_still_frees_the_session_everywhere(tiny_model_
                 await trio.sleep(0.01)
         engine, stage1 = daemon.head.engine, daemon.stages[0]
         with monkeypatch.context() as patched:
-            patched.setattr(head_engine._Run, "_stop_lane", bug)
+            patched.setattr(LaneClient, "stop", bug)
             for _ in range(3):  # more than the 2 slots
                 with pytest.raises(RuntimeError, match="a bug in the stop"):
                     await engine.generate(request)

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from skippyctl.client import open_control
 from skippyd.control import messages as m
+from skippyd.head.admission import AdmissionGate
 from skippyd.head.engine import GenerationError, GenerationResult
 from skippyd.openai.app import OpenAIApp
 from skippyd.runtime.llama import Model
@@ -107,7 +108,6 @@ async def control(pipe: Pipeline, msg_type, **kw):
 
 # ---------------------------------------------------------------- the real pipeline
 async def test_models(api):
-@pytest.mark.slow
     models = await run(api.client.models.list)
     assert [m_.id for m_ in models.data] == [MODEL_ID]
     assert (await run(api.client.models.retrieve, MODEL_ID)).id == MODEL_ID
@@ -118,7 +118,6 @@ async def test_models(api):
 
 
 async def test_chat_matches_control_channel_and_counts_tokens(api, vocab):
-@pytest.mark.slow
     got = await run(api.client.chat.completions.create, model=MODEL_ID, messages=HELLO, max_tokens=12,
                     temperature=0)
     ref = await api.pipe.generate(messages=HELLO, max_tokens=12)  # skippyctl generate: greedy by default
@@ -134,7 +133,6 @@ async def test_chat_matches_control_channel_and_counts_tokens(api, vocab):
 
 
 async def test_streamed_chat_equals_whole_answer(api):
-@pytest.mark.slow
     whole = await run(api.client.chat.completions.create, model=MODEL_ID, messages=HELLO, max_tokens=10,
                       temperature=0)
 
@@ -156,7 +154,6 @@ async def test_streamed_chat_equals_whole_answer(api):
 
 
 async def test_completion_raw_prompt_and_length(api, vocab):
-@pytest.mark.slow
     got = await run(api.client.completions.create, model=MODEL_ID, prompt="The capital of France is",
                     max_tokens=5, temperature=0)
     ref = await api.pipe.generate(prompt="The capital of France is", raw=True, max_tokens=5)
@@ -176,7 +173,6 @@ async def test_completion_raw_prompt_and_length(api, vocab):
 
 
 async def test_stop_sequences(api):
-@pytest.mark.slow
     base = await run(api.client.completions.create, model=MODEL_ID, prompt=STORY, max_tokens=24, temperature=0)
     text = base.choices[0].text
     words = text.split()
@@ -199,7 +195,6 @@ async def test_stop_sequences(api):
 
 
 async def test_sampling_parameters_are_accepted(api):
-@pytest.mark.slow
     got = await run(api.client.chat.completions.create, model=MODEL_ID, messages=HELLO, max_completion_tokens=4,
                     temperature=0.7, top_p=0.9, seed=42, presence_penalty=0.5, frequency_penalty=0.5,
                     logit_bias={"28": -100}, n=1, user="test", logprobs=False)
@@ -226,7 +221,6 @@ def _assert_error_shape(body: dict) -> dict:
 
 
 async def test_bad_requests_get_openai_errors_and_harm_nothing(api):
-@pytest.mark.slow
     chat = api.client.chat.completions.create
     ok = dict(model=MODEL_ID, messages=HELLO, max_tokens=3, temperature=0)
     cases = [
@@ -279,7 +273,6 @@ async def test_bad_requests_get_openai_errors_and_harm_nothing(api):
 
 
 async def test_bad_requests_during_a_stream_do_not_disturb_it(api):
-@pytest.mark.slow
     kw = dict(model=MODEL_ID, prompt=STORY, max_tokens=12, temperature=0)
     whole = await run(api.client.completions.create, **kw)
 
@@ -298,7 +291,6 @@ async def test_bad_requests_during_a_stream_do_not_disturb_it(api):
 
 
 async def test_closing_a_stream_frees_the_session_everywhere(api):
-@pytest.mark.slow
     before = api.metrics()
 
     def read_a_few_chunks():
@@ -324,7 +316,6 @@ async def test_closing_a_stream_frees_the_session_everywhere(api):
 
 
 async def test_aborting_a_plain_request_frees_the_session(api):
-@pytest.mark.slow
     def abort_after(seconds: float):
         with httpx2.Client(base_url=api.base, timeout=seconds) as h:
             with pytest.raises(httpx2.ReadTimeout):
@@ -338,7 +329,6 @@ async def test_aborting_a_plain_request_frees_the_session(api):
 
 
 async def test_draining_answers_503_and_health_follows(api):
-@pytest.mark.slow
     await control(api.pipe, m.LanesDrain)
     try:
         def during():
@@ -363,7 +353,6 @@ async def test_draining_answers_503_and_health_follows(api):
 
 
 async def test_metrics_parse_and_move_with_traffic(api):
-@pytest.mark.slow
     before = api.metrics()
     await run(api.client.chat.completions.create, model=MODEL_ID, messages=HELLO, max_tokens=4, temperature=0)
     await _error(api.client.chat.completions.create, model="nope", messages=HELLO)
@@ -392,10 +381,11 @@ async def test_metrics_parse_and_move_with_traffic(api):
 class FakeEngine:
     """Enough of HeadEngine for the app: `behave(on_piece)` plays the generation."""
 
-    def __init__(self, behave, *, slots: int = 2):
+    def __init__(self, behave, *, slots: int = 2, queue_timeout: float = 30.0):
         self.model = SimpleNamespace(n_vocab=1000)
         self.context = SimpleNamespace(n_ctx_seq=64)
         self.sessions = SimpleNamespace(n_seq_max=slots)
+        self.gate = AdmissionGate(slots, queue_timeout)  # the engine's own admission
         self.live = {}
         self.behave = behave
         self.cancelled = 0
@@ -406,17 +396,20 @@ class FakeEngine:
 
     async def generate(self, req, on_piece=None):
         self.requests.append(req)
+        await self.gate.enter()
         try:
             text, tokens, finish = await self.behave(on_piece)
         except trio.Cancelled:
             self.cancelled += 1
             raise
+        finally:
+            self.gate.leave()
         return GenerationResult(request_id=1, session_id=2, text=text, tokens=tokens, finish_reason=finish,
                                 prompt_tokens=5, ttft_ms=1.0, decode_tokens_per_s=100.0, elapsed_ms=2.0)
 
 
 def fake_app(behave, **kw) -> tuple[OpenAIApp, FakeEngine]:
-    engine = FakeEngine(behave, slots=kw.pop("slots", 2))
+    engine = FakeEngine(behave, slots=kw.pop("slots", 2), queue_timeout=kw.pop("queue_timeout_s", 30.0))
     head = SimpleNamespace(engine=engine, pool=None, model_name="fake-model")
     daemon = SimpleNamespace(head=head, draining=False, stages=[])
     return OpenAIApp(daemon, **kw), engine

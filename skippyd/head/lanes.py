@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 
 import attrs
@@ -32,7 +33,7 @@ class Draining(Exception):
 
 
 class NoLaneAvailable(Exception):
-    """No lane became free within the queue timeout."""
+    """No lane became free by the checkout's deadline."""
 
 
 @attrs.define(eq=False)
@@ -59,8 +60,8 @@ class LanePool:
     DRAINING = "the head is draining: no new generations"
 
     def __init__(self, host: str, port: int, hello: Hello, *, capacity: int = 4, credit_limit: int = 2,
-                 connect_timeout: float = 5.0, reply_timeout: float = 30.0, queue_timeout: float = 30.0,
-                 shape: LinkShape | None = None, nursery: trio.Nursery | None = None):
+                 connect_timeout: float = 5.0, reply_timeout: float = 30.0, shape: LinkShape | None = None,
+                 nursery: trio.Nursery | None = None):
         self.host, self.port, self.hello = host, port, hello
         self.shape = shape
         self.nursery = nursery  # where conditioned lanes' transmit tasks run
@@ -68,7 +69,6 @@ class LanePool:
         self.credit_limit = credit_limit
         self.connect_timeout = connect_timeout
         self.reply_timeout = reply_timeout
-        self.queue_timeout = queue_timeout
         self.lanes: dict[int, Lane] = {}
         self._ids = itertools.count(1)
         self._idle: list[Lane] = []
@@ -121,13 +121,19 @@ class LanePool:
             self.lanes[lane.lane_id] = lane
             self._idle.append(lane)
 
-    async def checkout(self) -> Lane:
+    async def checkout(self, deadline: float = math.inf) -> Lane:
+        """A lane for one generation, waiting for one to be free until `deadline` (trio time: what is left of
+        the generation's admission, which waited the queue timeout already). Raises Draining, NoLaneAvailable,
+        or DownstreamError when a new lane cannot be opened."""
         if self.draining:
             raise Draining(self.refusal)
-        with trio.move_on_after(self.queue_timeout) as scope:
-            await self._slots.acquire()
-        if scope.cancelled_caught:
-            raise NoLaneAvailable(f"no lane free within {self.queue_timeout:g} s")
+        try:
+            self._slots.acquire_nowait()  # a free lane is taken whatever is left of the deadline
+        except trio.WouldBlock:
+            with trio.move_on_at(deadline) as scope:
+                await self._slots.acquire()
+            if scope.cancelled_caught:
+                raise NoLaneAvailable("no lane became free within the queue timeout") from None
         try:
             if self.draining:
                 raise Draining(self.refusal)

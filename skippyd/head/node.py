@@ -17,8 +17,8 @@ from skippyd.head.engine import HeadEngine
 from skippyd.head.lanes import LanePool
 from skippyd.head.liveness import StageWatch
 from skippyd.head.token_return import TokenReturnHub
-from skippyd.stage.access import UpstreamAllow
 from skippyd.runtime.llama import Context, Model
+from skippyd.stage.access import UpstreamAllow
 from skippyd.stage.server import StageConfig
 from skippyd.topology import Topology
 from skippyd.wire.messages import Hello
@@ -76,7 +76,7 @@ class HeadNode:
                               auth=cfg.link_auth)  # the shared link secret, if any (stage/access.py)
                 self.pool = LanePool(s1.host, s1.port, hello, capacity=cfg.lanes, credit_limit=cfg.credit_limit,
                                      connect_timeout=cfg.connect_timeout_s, reply_timeout=cfg.reply_timeout_s,
-                                     queue_timeout=self.queue_timeout, shape=cfg.link_shape)
+                                     shape=cfg.link_shape)
                 self.watch = StageWatch(s1.host, s1.port, hello)
                 if len(topo.stages) >= 3 and cfg.direct_return:
                     self.hub = TokenReturnHub(hello, handshake_timeout=cfg.handshake_timeout_s,

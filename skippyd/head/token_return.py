@@ -21,8 +21,8 @@ import logging
 import attrs
 import trio
 
-from skippyd.wire.errors import HandshakeRefused, PeerClosed, ProtocolError, ReadTimeout, WireError
 from skippyd.stage.access import UpstreamAllow
+from skippyd.wire.errors import HandshakeRefused, PeerClosed, ProtocolError, ReadTimeout, WireError
 from skippyd.wire.handshake import handshake_server, refuse_handshake
 from skippyd.wire.messages import Ack, ErrorReply, Hello, PredictedToken, PredictedTokens, Reply, Role
 from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT, ReceiveBuffer, WaitWatch, keep_alive, read_reply

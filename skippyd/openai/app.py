@@ -8,8 +8,8 @@
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param",
 "code"}}``: 400 for a bad body or a prompt that does not fit, 404 for an
-unknown model or path, 503 with ``Retry-After`` while draining or when no
-lane is free within the queue timeout.
+unknown model or path, 503 with ``Retry-After`` while draining or when the
+engine found no place for the generation within its queue timeout.
 
 Every generation runs in a nursery beside a task that waits for the client's
 ``http.disconnect``: a client that goes away cancels its generation, and the
@@ -30,7 +30,7 @@ from typing import Any, Awaitable, Callable
 import attrs
 import trio
 
-from skippyd.head.engine import GenerationError, GenerationRequest, GenerationResult
+from skippyd.head.engine import GenerationError, GenerationRequest, GenerationResult, PromptTooLong, QueueTimeout
 from skippyd.head.piece_relay import ClientStalled, PieceRelay
 from skippyd.openai import schemas
 from skippyd.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
@@ -40,7 +40,6 @@ from skippyd.telemetry import span
 log = logging.getLogger("skippyd.openai")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-DEFAULT_QUEUE_TIMEOUT_S = 30.0
 RETRY_AFTER_S = 1
 JSON = b"application/json"
 
@@ -64,6 +63,8 @@ class ApiError(Exception):
 
     @classmethod
     def from_generation(cls, exc: GenerationError) -> ApiError:
+        if isinstance(exc, QueueTimeout):
+            return cls(503, str(exc), code="no_lane", retry_after=RETRY_AFTER_S)
         if exc.status == 400:
             return cls(400, str(exc), code="context_length_exceeded" if "context" in str(exc) else "invalid_value")
         status = exc.status if exc.status >= 500 else 500
@@ -221,14 +222,11 @@ def usage(result: GenerationResult) -> dict:
 class OpenAIApp:
     """ASGI 3 application over a daemon's head (``daemon.head.engine``, ``daemon.draining``)."""
 
-    def __init__(self, daemon: Any, *, model_id: str | None = None, metrics: Metrics | None = None,
-                 queue_timeout_s: float | None = None):
+    def __init__(self, daemon: Any, *, model_id: str | None = None, metrics: Metrics | None = None):
         self.daemon = daemon
         self._model_id = model_id
         self.metrics = metrics if metrics is not None else Metrics(daemon)
-        self.queue_timeout_s = queue_timeout_s
         self.created = int(time.time())
-        self._slots: trio.Semaphore | None = None
         self.answering = 0  # generation requests whose response has not ended yet (a drain waits for them)
         self.routes: dict[tuple[str, str], Callable[[Exchange], Awaitable[None]]] = {
             ("GET", "/v1/models"): self.list_models,
@@ -374,19 +372,18 @@ class OpenAIApp:
             await ex.json(200, shape.whole(result))
 
     def _tokenized(self, engine, greq: GenerationRequest) -> GenerationRequest:
-        """Tokenize here so that a prompt that cannot fit is a 400 before anything is sent."""
+        """Tokenize (and check) the prompt here so that one that cannot fit is a 400 naming its field, before
+        anything is sent."""
+        param = "prompt" if greq.raw else "messages"
         try:
             tokens = engine.prompt_tokens(greq)
         except LlamaError as exc:  # e.g. a model without a chat template
             raise ApiError(400, str(exc), code="invalid_value") from exc
-        n_ctx = engine.context.n_ctx_seq
-        if len(tokens) == 0:
-            raise ApiError(400, "the prompt is empty", param="prompt" if greq.raw else "messages",
-                           code="invalid_value")
-        if len(tokens) >= n_ctx:
-            raise ApiError(400, f"This model's context holds {n_ctx} tokens per request; the prompt has "
-                           f"{len(tokens)}", param="messages" if not greq.raw else "prompt",
-                           code="context_length_exceeded")
+        except PromptTooLong as exc:
+            raise ApiError(400, f"This model's context holds {exc.n_ctx} tokens per request; the prompt has "
+                           f"{exc.tokens}", param=param, code="context_length_exceeded") from exc
+        except GenerationError as exc:
+            raise ApiError(400, str(exc), param=param, code="invalid_value") from exc
         return attrs.evolve(greq, prompt_tokens=tuple(int(t) for t in tokens))
 
     async def _generate(self, ex: Exchange, engine, greq: GenerationRequest,
@@ -414,7 +411,7 @@ class OpenAIApp:
                     nursery.start_soon(relay_pieces)
                 try:
                     try:
-                        result = await self._admitted(engine, greq, relay)
+                        result = await self._run(engine, greq, relay)
                     except Exception as exc:  # raised outside the nursery, so not wrapped in a group
                         failure = exc
                     if relay is not None:
@@ -437,38 +434,12 @@ class OpenAIApp:
                            f"the generation ended early ({result.finish_reason}): {why}", code=result.finish_reason)
         return result
 
-    async def _admitted(self, engine, greq: GenerationRequest, on_piece) -> GenerationResult:
-        """Wait (up to the queue timeout) for one of the head's slots, then generate."""
-        slots = self._slot_semaphore(engine)
-        timeout = self._queue_timeout()
-        self.metrics.http_waiting += 1
+    async def _run(self, engine, greq: GenerationRequest, on_piece) -> GenerationResult:
+        """Generate; the engine admits it (its one queue, with its queue timeout: a 503 ``no_lane`` after)."""
         try:
-            with trio.move_on_after(timeout) as scope:
-                await slots.acquire()
-        finally:
-            self.metrics.http_waiting -= 1
-        if scope.cancelled_caught:
-            raise ApiError(503, f"no lane free within {timeout:g} s", code="no_lane", retry_after=RETRY_AFTER_S)
-        try:
-            if self._draining():
-                raise ApiError(503, "the server is draining: no new generations", code="draining",
-                               retry_after=RETRY_AFTER_S)
             return await engine.generate(greq, on_piece)
         except GenerationError as exc:
             raise ApiError.from_generation(exc) from exc
-        finally:
-            slots.release()
-
-    def _slot_semaphore(self, engine) -> trio.Semaphore:
-        if self._slots is None:
-            self._slots = trio.Semaphore(engine.sessions.n_seq_max)
-        return self._slots
-
-    def _queue_timeout(self) -> float:
-        if self.queue_timeout_s is not None:
-            return self.queue_timeout_s
-        pool = getattr(self.daemon.head, "pool", None)
-        return pool.queue_timeout if pool is not None else DEFAULT_QUEUE_TIMEOUT_S
 
     async def _stream(self, ex: Exchange, engine, greq: GenerationRequest, shape: _Chat, *,
                       include_usage: bool) -> None:

@@ -30,7 +30,7 @@ class OpenAIServer:
     """
 
     def __init__(self, daemon: Any, host: str, port: int, *, model_id: str | None = None,
-                 queue_timeout_s: float | None = None, graceful_timeout_s: float = 5.0):
+                 graceful_timeout_s: float = 5.0):
         self.daemon = daemon
         self.host, self.port = host, port
         metrics = getattr(daemon, "metrics", None)
@@ -41,7 +41,7 @@ class OpenAIServer:
             except AttributeError:
                 pass
         self.metrics = metrics
-        self.app = OpenAIApp(daemon, model_id=model_id, metrics=metrics, queue_timeout_s=queue_timeout_s)
+        self.app = OpenAIApp(daemon, model_id=model_id, metrics=metrics)
         self.graceful_timeout_s = graceful_timeout_s
         self._shutdown = trio.Event()
 

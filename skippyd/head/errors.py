@@ -1,0 +1,50 @@
+"""How a generation fails, as its callers (the control plane, the OpenAI app) see it."""
+
+from __future__ import annotations
+
+from skippyd.wire.messages import ErrorCode, ErrorReply
+
+
+class GenerationError(Exception):
+    """A generation failed; `retryable` says whether trying again later may work."""
+
+    def __init__(self, message: str, *, retryable: bool = False, status: int = 500, stage_failure: bool = False):
+        super().__init__(message)
+        self.retryable = retryable
+        self.status = status
+        self.stage_failure = stage_failure  # a stage died, hung or was cut off (not the request's fault)
+
+
+class PromptTooLong(GenerationError):
+    """The prompt leaves no room in a session's context (`tokens` against `n_ctx`)."""
+
+    def __init__(self, message: str, *, tokens: int = 0, n_ctx: int = 0):
+        super().__init__(message, status=400)
+        self.tokens = tokens
+        self.n_ctx = n_ctx
+
+
+class QueueTimeout(GenerationError):
+    """No place for the generation (a head slot, then a lane) within the queue timeout."""
+
+    def __init__(self, message: str):
+        super().__init__(message, retryable=True, status=503)
+
+
+# stage errors worth retrying shortly: a full or draining stage, or one further down that died or hung
+_RETRYABLE = (ErrorCode.NO_CAPACITY, ErrorCode.SHUTTING_DOWN, ErrorCode.DOWNSTREAM_FAILED)
+# ... of which a stage further down failed (died, hung, cut off)
+_STAGE_FAILED = (ErrorCode.DOWNSTREAM_FAILED,)
+
+
+def stage_error(reply: ErrorReply) -> GenerationError:
+    """A stage's Error reply as the generation's failure."""
+    return GenerationError(f"stage error ({reply.code.name.lower()}): {reply.message}",
+                           retryable=reply.code in _RETRYABLE,
+                           status=400 if reply.code == ErrorCode.CONTEXT_FULL else 502,
+                           stage_failure=reply.code in _STAGE_FAILED)
+
+
+def pipeline_failed(why: object) -> GenerationError:
+    """A stage died, hung or was cut off while the generation depended on it: worth a retry (or a replay)."""
+    return GenerationError(f"pipeline failed: {why}", retryable=True, status=502, stage_failure=True)

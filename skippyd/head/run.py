@@ -1,0 +1,329 @@
+"""One generation on the head while it runs: configure → prefill → decode → cleanup.
+
+The head runs the first slice itself (through its own scheduler, so that
+concurrent generations batch their decode steps), sends hidden states down a
+lane (:mod:`skippyd.head.lane_client`), and gets the predicted token back.
+With no downstream (single-stage mode) it samples locally with the same code
+path.
+
+In a pipeline, each decode step goes down the lane before the previous
+token is detokenized and streamed, so that work overlaps the other stages'
+compute instead of adding to every token's time.
+
+Whatever ends a generation (finish, stop string, cancellation, an error)
+:meth:`GenerationRun._cleanup` stops the session down the lane (shielded,
+time-bounded) and releases the head's own KV sequence. A generation
+cancelled mid-request first finishes that request (reads the reply or acks
+stage 1 still owes), then sends Stop and waits for its ack, so every stage
+has freed the session's slot before the head frees its own; only a lane that
+cannot be finished in time (a half-written frame, a silent stage) is closed
+instead, which makes stage 1 release the session when it notices.
+
+A stage failure with ``--resume`` replays the generation on a new lane
+(:mod:`skippyd.head.resume`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import trio
+
+from skippyd.head.errors import GenerationError, QueueTimeout
+from skippyd.head.lane_client import InFlight, LaneClient, RelayedLane
+from skippyd.head.lanes import Draining, Lane, NoLaneAvailable
+from skippyd.head.resume import ResumePolicy
+from skippyd.head.step_clock import StepClock
+from skippyd.head.text_output import PieceCallback, TextOutput
+from skippyd.runtime import llama
+from skippyd.stage.downstream import DownstreamError
+from skippyd.stage.scheduler import Job
+from skippyd.telemetry import span
+from skippyd.wire.messages import PrefillChunk, StageStats, StatsTotal
+from skippyd.wire.messages import SamplingParams as WireSampling
+from skippyd.wire.stream import PreparedFrame
+
+if TYPE_CHECKING:
+    from skippyd.head.engine import GenerationRequest, HeadEngine, LiveGeneration
+
+log = logging.getLogger("skippyd.head")
+
+STOP_TIMEOUT_S = 2.0  # the cleanup's Stop down the lane, and the release of the head's sequence, each
+
+
+class GenerationRun:
+    """The state of one generation while it runs (admitted: it holds one of the engine's places)."""
+
+    def __init__(self, engine: HeadEngine, req: GenerationRequest, live: LiveGeneration, prompt: np.ndarray,
+                 max_tokens: int, sampling: llama.SamplingParams, wire_sampling: WireSampling | None,
+                 on_piece: PieceCallback | None, started: float):
+        self.engine, self.req, self.live = engine, req, live
+        self.scheduler = engine.scheduler
+        # the request id on the wire: a new one for each replay, so that a reply owed to an attempt given up
+        # (a stopped final stage sends it once it runs again, on the token-return connection, which outlives
+        # lanes) is told apart from the replay's own replies, which carry the same session id
+        self.wire_request_id = live.request_id
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.wire_sampling = wire_sampling  # what ConfigureGeneration carries (None: single stage)
+        self.started = started
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.position = 0
+        self.ttft_ms = 0.0
+        self.text = TextOutput(engine.model.token_piece, req.stop, on_piece)
+        self.clock = StepClock(engine.scheduler.hot_path)
+        self.resume = ResumePolicy(engine.resume_window, engine.watch)
+        self._stats = StatsTotal()  # every stage's reports for this generation, merged as they come
+        self.lane: LaneClient | None = None
+        self.session = None
+        self.sampler: llama.Sampler | None = None
+        self.batched = False  # the last compute was one llama_decode with other sessions' steps
+        # this generation's prefill chunk, chosen once: a replay (resume) must chunk the prompt the same way,
+        # or its logits (and so a greedy replay's tokens) could differ from the first time
+        self.chunk: int | None = None
+
+    @property
+    def stats(self) -> StageStats:
+        """Every stage's reports for this generation, merged."""
+        return self._stats.total()
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.started) * 1e3
+
+    # ------------------------------------------------------------------ the run
+    async def execute(self, deadline: float) -> None:
+        """Run to the end; `deadline` (trio time): the admission's, which the wait for a lane shares."""
+        engine = self.engine
+        self.session = engine.sessions.open(0, self.live.session_id, self.live.request_id)
+        self.live.seq = self.session.seq
+        try:
+            if engine.pool is None:
+                if not self.sampling.is_plain_greedy:
+                    self.sampler = llama.Sampler(engine.model, self.sampling)
+                self.live.state = "prefill"
+                token = await self._prefill()
+                self.live.state = "decode"
+                await self._decode(token)
+                return
+            while True:
+                try:
+                    token = await self._catch_up(deadline)
+                    self.resume.recovered()  # the pipeline is whole again
+                    self.live.state = "decode"
+                    await self._decode(token)
+                    return
+                except GenerationError as exc:
+                    if not self.resume.may_resume(exc, self.live):
+                        raise
+                    self.resume.interrupted(exc, self.live)
+                    await self._leave_lane()
+                    await self.resume.wait(exc, self.live)
+                    deadline = self.resume.deadline
+        finally:
+            # shielded: a kill must not cut the cleanup short; each step that waits has its own bound
+            with trio.CancelScope(shield=True):
+                await self._cleanup()
+
+    async def _catch_up(self, deadline: float) -> int:
+        """Configure the session down a new lane and bring every stage to where the generation is: the
+        prompt, then (a replay) each token generated so far, in the same chunks and steps as the first time.
+        Returns the next new token."""
+        engine = self.engine
+        if self.live.resumes:
+            self.wire_request_id = engine.new_request_id()
+        lane = await self._checkout(deadline)
+        lane.session_id = self.live.session_id
+        self.live.lane_id = lane.lane_id
+        self.lane = RelayedLane(lane, engine.lane_services, session_id=self.live.session_id,
+                                request_id=self.live.request_id, wire_request_id=self.wire_request_id,
+                                stats=self._stats, clock=self.clock)
+        self.lane = await self.lane.configure(self.wire_sampling)
+        if self.position:  # a replay: recompute the head's hidden states from position 0, as the first time
+            seq = self.session.seq
+            await engine.scheduler.run_kv(lambda: engine.context.kv_clear_seq(seq))
+            self.position = 0
+        self.live.state = "prefill"
+        token = await self._prefill()
+        for replayed in list(self.tokens):  # already emitted: their predictions are not emitted again
+            token = await self._step(replayed)
+        return token
+
+    async def _checkout(self, deadline: float) -> Lane:
+        engine = self.engine
+        try:
+            with span("head.lane_wait", request=self.live.request_id, session=self.live.session_id):
+                return await engine.pool.checkout(deadline)
+        except Draining as exc:
+            raise GenerationError(str(exc), retryable=True, status=503) from exc
+        except NoLaneAvailable as exc:
+            raise QueueTimeout(str(exc)) from exc
+        except DownstreamError as exc:
+            if engine.watch is not None:
+                engine.watch.suspect()
+            raise GenerationError(f"stage 1 is unreachable: {exc}", retryable=True, status=503,
+                                  stage_failure=True) from exc
+
+    # ------------------------------------------------------------------ prefill
+    async def _prefill(self) -> int:
+        """The prompt, in chunks; returns the first generated token."""
+        chunker = self.engine.chunker
+        if self.chunk is None:  # single-stage: never measured, so the configured chunk
+            self.chunk = chunker.size
+        chunk, prompt, lane = self.chunk, self.prompt, self.lane
+        n = len(prompt)
+        compute_us = 0  # the head's compute for this prompt
+        for lo in range(0, n, chunk):
+            part = prompt[lo:lo + chunk]
+            final = lo + chunk >= n
+            if lane is None:
+                token = await self._compute(part, lo, want_token=final)
+                if final:
+                    return int(token)
+                continue
+            native_before = self.clock.native_us
+            hidden = await self._compute(part, lo, want_token=False)
+            compute_us += self.clock.native_us - native_before
+            msg = PrefillChunk(self.wire_request_id, self.live.session_id, lo, part, hidden, final=final)
+            if not final:
+                await lane.send_chunk(msg)
+            else:
+                chunker.observe_prefill(n, compute_us)
+                return await self._predict_finish(await lane.send(msg))
+        raise AssertionError("unreachable: the prompt is not empty")
+
+    # ------------------------------------------------------------------ decode
+    async def _decode(self, token: int) -> None:
+        """Token by token until end-of-generation, a stop string or max_tokens (sets finish_reason)."""
+        live, tokens, text, clock, lane = self.live, self.tokens, self.text, self.clock, self.lane
+        is_eog = self.engine.model.is_eog
+        clock.restart()
+        while True:
+            now = clock.tick()
+            if live.first_token_at is None:  # (with last_token_at, the decode rate: see LiveGeneration)
+                live.first_token_at = now
+                self.ttft_ms = (now - self.started) * 1e3
+            tokens.append(token)
+            live.generated = len(tokens)
+            if not self.req.ignore_eos and is_eog(token):
+                tokens.pop()  # end-of-generation is not part of the answer
+                live.generated -= 1  # (nor of the rate so far, while the session is released)
+                text.finish()
+                self.finish_reason = "stop"
+                return
+            live.last_token_at = now
+            in_flight = None
+            if lane is not None and len(tokens) < self.max_tokens:
+                # the next step goes down the pipeline first (it is the critical path); this token's text is
+                # made and streamed while the other stages compute. A stop string found below leaves that
+                # step in flight: the cleanup collects its reply before it stops the session.
+                in_flight = await self._step_begin(token)
+            if text.push(token):
+                self.finish_reason = "stop"
+                return
+            if len(tokens) >= self.max_tokens:
+                text.finish()
+                self.finish_reason = "length"
+                return
+            token = await (self._predict_finish(in_flight) if in_flight is not None else self._step(token))
+
+    async def _step(self, token: int) -> int:
+        """One decode step, whole: its token's prediction."""
+        if self.lane is None:
+            let_out = self.text.let_out
+            if let_out is not None:
+                await let_out()  # the text so far goes out before the compute may block the loop
+            token = int(await self._compute(np.array([token], dtype=np.int32), self.position, want_token=True))
+            if let_out is None:
+                await trio.lowlevel.checkpoint()  # the compute may not have been one (Scheduler.submit)
+            return token
+        return await self._predict_finish(await self._step_begin(token))
+
+    async def _step_begin(self, token: int) -> InFlight:
+        """Compute the head's slice for `token` and send the decode step on (its prediction owed)."""
+        tokens = np.array([token], dtype=np.int32)
+        pos, lane = self.position, self.lane
+        prepared = lane.prepare_step(pos, token)  # the step's frame goes as the compute ends (see Job.out)
+        hidden = await self._compute(tokens, pos, want_token=False, out=prepared)
+        sent = await lane.send_step(pos, tokens, hidden, prepared)
+        if self.batched:
+            # the other sessions of this batch send their steps before any of them goes on (streams its
+            # text): back to back, they reach the next stage within its gather window and are decoded there
+            # as one batch too. One by one, with each one's text in between, they could take longer, and a
+            # group split on stage 1 comes back to the head split too.
+            await trio.lowlevel.checkpoint()
+        return sent
+
+    async def _predict_finish(self, sent: InFlight) -> int:
+        token = await self.lane.prediction(sent)
+        self.scheduler.back(self.session.seq)  # its next step follows (decode groups: see Scheduler)
+        return token
+
+    async def _compute(self, tokens: np.ndarray, pos: int, *, want_token: bool, out: PreparedFrame | None = None):
+        job = Job(self.session.seq, pos, tokens=tokens, embd=None, sampler=self.sampler, want_token=want_token,
+                  out=out)
+        try:
+            with span("head.compute", request=self.live.request_id, session=self.live.session_id, pos=pos,
+                      tokens=len(tokens)):
+                result = await self.scheduler.submit(job)
+        except llama.LlamaError as exc:
+            raise GenerationError(f"head compute failed: {exc}") from exc
+        clock = self.clock
+        clock.native_us += job.native_us
+        clock.loop_native_cpu_us += job.loop_native_cpu_us
+        clock.waited_us += job.lock_wait_us
+        self.batched = job.batch_jobs > 1
+        self.position = pos + len(tokens)
+        self.live.position = self.position
+        self._stats.add_compute(0, job.compute_us, job.queue_us)
+        return result
+
+    # ------------------------------------------------------------------ cleanup
+    async def _leave_lane(self) -> None:
+        """Resume: drop the lane that carried the failed pipeline (closing it releases whatever is left
+        downstream)."""
+        client, self.lane = self.lane, None
+        if client is not None:
+            client.close()
+            client.lane.dirty = True
+            with trio.CancelScope(shield=True):
+                await self.engine.pool.checkin(client.lane)
+
+    async def _cleanup(self) -> None:
+        """Runs shielded. Stop the session down the lane (bounded), then free the head's own sequence (whatever
+        the stop raised: a bug there must not leak a session slot)."""
+        engine = self.engine
+        client, self.lane = self.lane, None
+        if client is not None:
+            client.close()
+        if self.session is not None:
+            engine.scheduler.forget(self.session.seq)  # now: the other sessions' batches wait for it no more
+        try:
+            if client is not None:
+                stopped = False
+                try:
+                    with trio.move_on_after(STOP_TIMEOUT_S) as bounded:
+                        stopped = await client.stop()
+                    if bounded.cancelled_caught:
+                        log.warning("head: stop for session %d not acknowledged within %g s: closing lane %d",
+                                    self.live.session_id, STOP_TIMEOUT_S, client.lane.lane_id)
+                finally:
+                    if not stopped:
+                        # closing the lane makes stage 1 (and every stage after it) release the session
+                        client.lane.dirty = True
+                    await engine.pool.checkin(client.lane)
+        finally:
+            if self.sampler is not None:
+                self.sampler.close()
+            if self.session is not None:
+                seq = self.session.seq
+                try:
+                    with trio.move_on_after(STOP_TIMEOUT_S):
+                        await engine.scheduler.run_kv(lambda: engine.context.kv_clear_seq(seq))
+                finally:
+                    engine.sessions.forget(self.session)
