@@ -20,6 +20,8 @@ from skippyd.control import messages as m
 from skippyd.head.stops import StopMatcher
 from tests.procs import Pipeline, SingleStage, split_for_test
 
+pytestmark = pytest.mark.slow  # real daemon processes
+
 LONG_PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying oil for the lamp. "
                "Ships passing the rocky headland depended on the beam to find the channel between the reefs. ") * 8
 PROMPTS = [

@@ -108,6 +108,7 @@ async def control(pipe: Pipeline, msg_type, **kw):
 
 # ---------------------------------------------------------------- the real pipeline
 async def test_models(api):
+@pytest.mark.slow
     models = await run(api.client.models.list)
     assert [m_.id for m_ in models.data] == [MODEL_ID]
     assert (await run(api.client.models.retrieve, MODEL_ID)).id == MODEL_ID
@@ -118,6 +119,7 @@ async def test_models(api):
 
 
 async def test_chat_matches_control_channel_and_counts_tokens(api, vocab):
+@pytest.mark.slow
     got = await run(api.client.chat.completions.create, model=MODEL_ID, messages=HELLO, max_tokens=12,
                     temperature=0)
     ref = await api.pipe.generate(messages=HELLO, max_tokens=12)  # skippyctl generate: greedy by default
@@ -133,6 +135,7 @@ async def test_chat_matches_control_channel_and_counts_tokens(api, vocab):
 
 
 async def test_streamed_chat_equals_whole_answer(api):
+@pytest.mark.slow
     whole = await run(api.client.chat.completions.create, model=MODEL_ID, messages=HELLO, max_tokens=10,
                       temperature=0)
 
@@ -154,6 +157,7 @@ async def test_streamed_chat_equals_whole_answer(api):
 
 
 async def test_completion_raw_prompt_and_length(api, vocab):
+@pytest.mark.slow
     got = await run(api.client.completions.create, model=MODEL_ID, prompt="The capital of France is",
                     max_tokens=5, temperature=0)
     ref = await api.pipe.generate(prompt="The capital of France is", raw=True, max_tokens=5)
@@ -173,6 +177,7 @@ async def test_completion_raw_prompt_and_length(api, vocab):
 
 
 async def test_stop_sequences(api):
+@pytest.mark.slow
     base = await run(api.client.completions.create, model=MODEL_ID, prompt=STORY, max_tokens=24, temperature=0)
     text = base.choices[0].text
     words = text.split()
@@ -195,6 +200,7 @@ async def test_stop_sequences(api):
 
 
 async def test_sampling_parameters_are_accepted(api):
+@pytest.mark.slow
     got = await run(api.client.chat.completions.create, model=MODEL_ID, messages=HELLO, max_completion_tokens=4,
                     temperature=0.7, top_p=0.9, seed=42, presence_penalty=0.5, frequency_penalty=0.5,
                     logit_bias={"28": -100}, n=1, user="test", logprobs=False)
@@ -221,6 +227,7 @@ def _assert_error_shape(body: dict) -> dict:
 
 
 async def test_bad_requests_get_openai_errors_and_harm_nothing(api):
+@pytest.mark.slow
     chat = api.client.chat.completions.create
     ok = dict(model=MODEL_ID, messages=HELLO, max_tokens=3, temperature=0)
     cases = [
@@ -273,6 +280,7 @@ async def test_bad_requests_get_openai_errors_and_harm_nothing(api):
 
 
 async def test_bad_requests_during_a_stream_do_not_disturb_it(api):
+@pytest.mark.slow
     kw = dict(model=MODEL_ID, prompt=STORY, max_tokens=12, temperature=0)
     whole = await run(api.client.completions.create, **kw)
 
@@ -291,6 +299,7 @@ async def test_bad_requests_during_a_stream_do_not_disturb_it(api):
 
 
 async def test_closing_a_stream_frees_the_session_everywhere(api):
+@pytest.mark.slow
     before = api.metrics()
 
     def read_a_few_chunks():
@@ -316,6 +325,7 @@ async def test_closing_a_stream_frees_the_session_everywhere(api):
 
 
 async def test_aborting_a_plain_request_frees_the_session(api):
+@pytest.mark.slow
     def abort_after(seconds: float):
         with httpx2.Client(base_url=api.base, timeout=seconds) as h:
             with pytest.raises(httpx2.ReadTimeout):
@@ -329,6 +339,7 @@ async def test_aborting_a_plain_request_frees_the_session(api):
 
 
 async def test_draining_answers_503_and_health_follows(api):
+@pytest.mark.slow
     await control(api.pipe, m.LanesDrain)
     try:
         def during():
@@ -353,6 +364,7 @@ async def test_draining_answers_503_and_health_follows(api):
 
 
 async def test_metrics_parse_and_move_with_traffic(api):
+@pytest.mark.slow
     before = api.metrics()
     await run(api.client.chat.completions.create, model=MODEL_ID, messages=HELLO, max_tokens=4, temperature=0)
     await _error(api.client.chat.completions.create, model="nope", messages=HELLO)
