@@ -203,22 +203,9 @@ def _scheduler_without_a_model():
     from skippyd.runtime.llama import ContextParams
     from skippyd.stage.scheduler import Scheduler
 
-    ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=1, n_threads_batch=1), set_threads=None)
+    ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=1, n_threads_batch=1), set_threads=None,
+                          token_input=True)
     return Scheduler(ctx, adapt_threads=False)
-
-
-def test_the_heads_wait_for_a_group_on_another_stage_grows_with_its_compute():
-    """The head waits for the group on the other stage as long as a few of its own decode computes, at least
-    GATHER_MAX_LOCKED_S: a fixed 20 ms kept 8 sessions in two groups for good once two busy programs slowed
-    every step past it (test_concurrent_generations_batch_and_match_alone read 3.6 steps per batch)."""
-    from skippyd.stage.scheduler import GATHER_LOCKED_COMPUTES, GATHER_MAX_LOCKED_S
-
-    scheduler = _scheduler_without_a_model()
-    assert scheduler._locked_window() == GATHER_MAX_LOCKED_S  # nothing decoded yet
-    scheduler._decode_native_us = 2_000  # a small model: the floor
-    assert scheduler._locked_window() == GATHER_MAX_LOCKED_S
-    scheduler._decode_native_us = 60_000  # a big model, or a busy host
-    assert scheduler._locked_window() == pytest.approx(GATHER_LOCKED_COMPUTES * 0.06)
 
 
 def test_decode_steps_of_a_bigger_model_compute_inline_and_slower_ones_in_a_worker_thread():
@@ -228,39 +215,16 @@ def test_decode_steps_of_a_bigger_model_compute_inline_and_slower_ones_in_a_work
     from types import SimpleNamespace
 
     from skippyd.head.liveness import PING_TIMEOUT_S
-    from skippyd.stage.scheduler import INLINE_MAX_US
+    from skippyd.stage.execution import INLINE_MAX_US
 
-    scheduler = _scheduler_without_a_model()
+    execution = _scheduler_without_a_model().execution
     step, chunk = [SimpleNamespace(n=1)], [SimpleNamespace(n=32)]
-    assert not scheduler._inline(step)  # nothing decoded yet
-    scheduler._decode_native_us = 40_000
-    assert scheduler._inline(step) and not scheduler._inline(chunk)
-    scheduler._decode_native_us = INLINE_MAX_US
-    assert not scheduler._inline(step)
+    assert not execution.inline_turn(step)  # nothing decoded yet
+    execution.decode_native_us = 40_000
+    assert execution.inline_turn(step) and not execution.inline_turn(chunk)
+    execution.decode_native_us = INLINE_MAX_US
+    assert not execution.inline_turn(step)
     assert INLINE_MAX_US / 1e6 <= PING_TIMEOUT_S / 5  # a ping waits at most that long for an inline compute
-
-
-async def test_a_decode_step_computes_in_a_worker_thread_when_a_conditioned_chunk_falls_due_during_it(autojump_clock):
-    """Link conditioning hands chunks to the socket from the event loop: a step computed inline would hold
-    back one falling due meanwhile (a real link delivers it)."""
-    from types import SimpleNamespace
-
-    import trio.testing
-
-    from skippyd.stage.conditioning import LinkShape, ShapedSendStream
-
-    scheduler = _scheduler_without_a_model()
-    scheduler._decode_native_us = 40_000
-    step = [SimpleNamespace(n=1)]
-    assert scheduler._inline(step)
-    link = ShapedSendStream(trio.testing.memory_stream_pair()[0], LinkShape(delay_ms=10))
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(link.run)
-        await link.send_all(b"frame")  # due in 10 ms: during a 40 ms step, not during a 5 ms one
-        assert not scheduler._inline(step)
-        scheduler._decode_native_us = 5_000
-        assert scheduler._inline(step)
-        link.close()
 
 
 async def test_decode_groups_keep_sessions_in_groups_one_in_flight_per_stage(default_model_path, tmp_path):

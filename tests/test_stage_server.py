@@ -323,7 +323,7 @@ async def test_shutdown_in_the_middle_of_a_compute(split3):
     cleared = []
     async with trio.open_nursery() as nursery:
         await nursery.start(server.run)
-        compute, clear = server.scheduler._compute_sync, server.context.kv_clear_seq
+        compute, clear = server.scheduler.execution.compute_sync, server.context.kv_clear_seq
 
         def slow_compute(batch):
             trio.from_thread.run_sync(computing.set)
@@ -334,7 +334,7 @@ async def test_shutdown_in_the_middle_of_a_compute(split3):
             cleared.append((seq, computing.is_set()))
             clear(seq)
 
-        server.scheduler._compute_sync = slow_compute
+        server.scheduler.execution.compute_sync = slow_compute
         server.context.kv_clear_seq = spy_clear
         link = await connect(server)
         reply, *_ = await link.request(ConfigureGeneration(1, 1, SamplingParams.greedy()))

@@ -4,17 +4,12 @@ stage under load)."""
 
 from __future__ import annotations
 
-import math
-
 from skippyd.stage.threads import (
     ALARM_STEPS,
-    BUSY_LOOKS,
     FEWER_RECHECK_S,
     JUDGE_EVERY,
-    POSTPONE_TICKS,
     RECHECK_MIN_S,
     RECHECK_S,
-    TICK_S,
     WINDOW,
     ThreadChooser,
 )
@@ -51,41 +46,10 @@ def run_timed(chooser: ThreadChooser, clock: Clock, seconds: float, ms: dict[int
     return picked
 
 
-class HostCpu:
-    """/proc/stat's (idle, all) core time of a host of `cores` cores on `clock`, `busy` cores in use."""
-
-    def __init__(self, clock: Clock, cores: int = 2) -> None:
-        self.clock, self.cores, self.busy = clock, cores, 0.0
-        self.idle_ticks = self.all_ticks = 0.0
-        self.at = clock.now
-
-    def __call__(self) -> tuple[float, float]:
-        elapsed, self.at = self.clock.now - self.at, self.clock.now
-        self.idle_ticks += (self.cores - self.busy) * elapsed
-        self.all_ticks += self.cores * elapsed
-        return self.idle_ticks, self.all_ticks
-
-    def runnable(self) -> int:
-        """/proc/loadavg's threads runnable now: the caller and one per busy core."""
-        return 1 + math.ceil(self.busy)
-
-    def idle(self, chooser: ThreadChooser, seconds: float, busy: float) -> None:
-        """`seconds` of the scheduler waiting for work (a tick every tick_s), `busy` cores taken meanwhile."""
-        self()
-        self.busy = busy
-        end = self.clock.now + seconds
-        while self.clock.now + chooser.tick_s() <= end:
-            self.clock.now += chooser.tick_s()
-            chooser.tick()
-        self.clock.now = end
-        self()
-        self.busy = 0.0
-
-
-def halved_by_a_load(loaded: dict[int, float], cpu: HostCpu | None = None, **kw) -> tuple[ThreadChooser, Clock]:
+def halved_by_a_load(loaded: dict[int, float]) -> tuple[ThreadChooser, Clock]:
     """A stage of two threads, idle for a second, then under `loaded` step times until it moved to one."""
-    clock = cpu.clock if cpu is not None else Clock()
-    chooser = ThreadChooser(2, clock=clock, cpu_times=cpu, cores=2, **kw)
+    clock = Clock()
+    chooser = ThreadChooser(2, clock=clock, cores=2)
     run_timed(chooser, clock, 1.0, {2: 13.0, 1: 22.0})
     while chooser.current == 2:
         run_timed(chooser, clock, loaded[chooser.pick()] / 1e3, loaded)  # one step
@@ -94,7 +58,7 @@ def halved_by_a_load(loaded: dict[int, float], cpu: HostCpu | None = None, **kw)
 
 def test_a_steady_stage_keeps_its_threads_and_tries_one_only_once_per_fewer_recheck_s():
     clock = Clock()
-    chooser = ThreadChooser(2, clock=clock, cpu_times=None)
+    chooser = ThreadChooser(2, clock=clock)
     picked = [n for _, n in run_timed(chooser, clock, 2.5 * FEWER_RECHECK_S, {2: 13.0, 1: 22.0})]
     assert picked[WINDOW] == 1  # once it has a baseline; the trial's step is slower than two threads': lost
     # then once per FEWER_RECHECK_S, each lost at its first step
@@ -109,7 +73,7 @@ def test_a_stage_started_on_a_busy_host_moves_to_one_thread_at_once():
 
 def test_under_load_it_moves_to_one_thread_and_back_when_the_load_goes():
     clock = Clock()
-    chooser = ThreadChooser(2, clock=clock, cpu_times=None)
+    chooser = ThreadChooser(2, clock=clock)
     run(chooser, 20, {2: 13.0, 1: 22.0})
     picked = run(chooser, 40, {2: 120.0, 1: 30.0})  # two busy programs on the cores
     assert picked[-1] == 1 and chooser.current == 1 and chooser.switches == 1
@@ -124,7 +88,7 @@ def test_under_load_it_moves_to_one_thread_and_back_when_the_load_goes():
 
 def test_while_the_load_stays_it_stays_on_one_thread_and_rechecks_rarely():
     clock = Clock()
-    chooser = ThreadChooser(2, clock=clock, cpu_times=None)
+    chooser = ThreadChooser(2, clock=clock)
     run(chooser, 20, {2: 13.0, 1: 22.0})
     run(chooser, 40, {2: 120.0, 1: 30.0})
     for _ in range(5):
@@ -156,266 +120,29 @@ def test_while_a_load_stays_the_tries_of_more_threads_thin_out_to_one_per_rechec
     assert chooser.current == 1
 
 
-def test_while_a_load_stays_on_a_host_it_can_look_at_it_tries_more_threads_only_once_the_cores_are_free():
-    """Decoding on one thread while two busy programs hold the cores: the looks at the host's cores call off
-    every try of two threads (each would cost a step ~4x as slow); once the load goes, the next look lets the
-    try happen and it wins."""
-    cpu = HostCpu(Clock())
-    loaded = {2: 120.0, 1: 30.0}
-    chooser, clock = halved_by_a_load(loaded, cpu)
-    cpu.busy = 2.0  # the load and this stage's own thread: no core idle
-    picked = [threads for _, threads in run_timed(chooser, clock, 5 * RECHECK_S, loaded)]
-    assert set(picked) == {1} and chooser.current == 1
-    # a look every RECHECK_MIN_S, at the next look at the median (every JUDGE_EVERY steps)
-    assert chooser.describe()["skipped_tries"] >= 5 * RECHECK_S / (RECHECK_MIN_S + JUDGE_EVERY * loaded[1] / 1e3) - 2
-    cpu.busy = 1.0  # the load went: this stage's thread only
-    switched = clock.now
-    picked = run_timed(chooser, clock, RECHECK_S, {2: 13.0, 1: 22.0})
-    back = next(t for t, threads in picked if threads == 2)
-    assert back - switched < RECHECK_MIN_S + (WINDOW + JUDGE_EVERY) * 22.0 / 1e3
-    assert chooser.current == 2 and chooser.switches == 2
-
-
-def test_after_a_pause_with_the_cores_free_the_next_compute_is_on_all_threads():
+def test_after_a_pause_the_next_compute_is_on_all_threads():
     """The load went while no session decoded: the next prompt's prefill is computed with two threads, and
     the decode steps after it keep them."""
-    cpu = HostCpu(Clock())
-    chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0}, cpu)
-    assert chooser.tick_s() == TICK_S
-    cpu.idle(chooser, RECHECK_S - TICK_S / 2, busy=0.0)
+    chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0})
+    clock.now += RECHECK_S / 2
     assert chooser.pick() == 1  # a short pause: decode steps decide, as before
     run_timed(chooser, clock, 0.1, {2: 120.0, 1: 30.0})
-    cpu.idle(chooser, RECHECK_S + 2 * TICK_S, busy=0.1)
+    clock.now += RECHECK_S
     assert chooser.pick() == 2 and chooser.pick() == 2  # the prefill's chunks
     run_timed(chooser, clock, 0.5, {2: 13.0, 1: 22.0})
     assert chooser.current == 2 and chooser.switches == 2
-    assert chooser.tick_s() == TICK_S  # on all its threads: it looks for a load beginning while idle
 
 
-def test_after_a_pause_with_the_cores_busy_it_stays_on_fewer_threads():
-    cpu = HostCpu(Clock())
+def test_after_a_pause_under_a_load_that_stays_the_try_of_all_threads_costs_one_step():
     loaded = {2: 120.0, 1: 30.0}
-    chooser, clock = halved_by_a_load(loaded, cpu)
-    trials = chooser.trials
-    cpu.idle(chooser, 3 * RECHECK_S, busy=1.8)
-    assert chooser.pick() == 1 and chooser.trials == trials
-    # free for a while, then busy again before the prompt: called off
-    run_timed(chooser, clock, 0.1, loaded)
-    cpu.idle(chooser, RECHECK_S + 2 * TICK_S, busy=0.0)
-    cpu.idle(chooser, 2 * TICK_S, busy=1.8)
-    assert chooser.pick() == 1 and chooser.trials == trials
-    # the cores were free, but the load is back with the prompt: the trial is lost at its first decode step
-    cpu.idle(chooser, 2 * TICK_S, busy=0.0)
-    assert chooser.pick() == 2
-    picked = [threads for _, threads in run_timed(chooser, clock, 0.3, loaded)]
-    assert picked[0] == 2 and set(picked[1:]) == {1} and chooser.current == 1
-    # no /proc/stat (not Linux): no looks at the cores
     chooser, clock = halved_by_a_load(loaded)
-    assert chooser.tick_s() == math.inf
-
-
-def steady(cpu: HostCpu, **kw) -> ThreadChooser:
-    """A stage of two threads on an unloaded host of two cores, after a few seconds of decoding."""
-    kw.setdefault("runnable", cpu.runnable)
-    chooser = ThreadChooser(2, clock=cpu.clock, cpu_times=cpu, cores=2, **kw)
-    run_timed(chooser, cpu.clock, 3.0, {2: 13.0, 1: 22.0})
-    assert chooser.current == 2
-    return chooser
-
-
-def test_a_load_that_begins_while_idle_halves_the_count_before_the_next_prompt():
-    """Two busy programs start while no session decodes: after BUSY_LOOKS looks at the cores that find them
-    busy, the stage is on one thread, so the next prompt and its first decode steps do not meet the load on
-    two (each step ~20 times as slow); the decode steps after it keep one thread while the load stays."""
-    cpu = HostCpu(Clock())
-    chooser = steady(cpu)
-    cpu.idle(chooser, TICK_S * 1.5, busy=0.0)  # the first look after decoding: its window held computes
-    cpu.idle(chooser, TICK_S * (BUSY_LOOKS + 0.5), busy=1.9)
-    assert chooser.current == 1 and chooser.switches == 1 and chooser.trials == 1  # (the steady stage's one)
-    cpu()
-    cpu.busy = 1.9  # the load stays
-    assert chooser.pick() == 1 and chooser.pick() == 1  # the prompt's chunks
-    cpu.busy = 2.0  # the load and this stage's thread
-    picked = [n for _, n in run_timed(chooser, cpu.clock, 1.0, {2: 120.0, 1: 30.0})]
-    assert set(picked) == {1} and chooser.current == 1  # no try of two: the cores are busy (a look says)
-
-
-def test_a_load_that_ends_as_the_work_comes_gives_the_count_back_at_its_first_compute():
-    """The cores were busy while the stage idled (a benchmark's reference, a build), and the load ends just as a
-    prompt arrives: the looks' windows still hold it, but nothing else runs on the host now, so the prompt is
-    computed on the count from before the looks, not on the lowered one for a window of decode steps."""
-    cpu = HostCpu(Clock())
-    chooser = steady(cpu)
-    cpu.idle(chooser, TICK_S * (BUSY_LOOKS + 1.5), busy=1.9)
-    assert chooser.current == 1
-    assert chooser.pick() == 2 and chooser.current == 2 and chooser.switches == 2  # (cpu.busy: 0 after idle)
-    picked = [n for _, n in run_timed(chooser, cpu.clock, 0.5, {2: 13.0, 1: 22.0})]
-    assert set(picked) == {2}
-    # besides this thread, the one that sent the work (a client, the stage before) may still run; not a third
-    for running, back in ((2, 2), (3, 1)):
-        chooser = steady(cpu, runnable=lambda: running)  # (called within this iteration only)
-        cpu.idle(chooser, TICK_S * (BUSY_LOOKS + 1.5), busy=1.9)
-        assert chooser.pick() == back
-    # without /proc/loadavg: the decode steps judge, and a try of two counts the cores from the first compute
-    chooser = steady(cpu, runnable=None)
-    cpu.idle(chooser, TICK_S * (BUSY_LOOKS + 10), busy=1.9)  # (a look over this would find the cores busy)
-    assert chooser.pick() == 1
-    cpu.clock.now += RECHECK_MIN_S
-    picked = [n for _, n in run_timed(chooser, cpu.clock, 0.5, {2: 13.0, 1: 22.0})]
-    first = picked.index(2)  # after a window of steps on one thread, at the next look at their median
-    assert WINDOW <= first <= WINDOW + JUDGE_EVERY and set(picked[first:]) == {2} and chooser.current == 2
-
-
-def test_a_short_busy_spell_while_idle_changes_nothing():
-    """A skippyctl starting, a page loading: the cores busy for less than BUSY_LOOKS looks in a row."""
-    cpu = HostCpu(Clock())
-    chooser = steady(cpu)
-    cpu.idle(chooser, TICK_S * 1.5, busy=0.0)
-    for _ in range(5):
-        cpu.idle(chooser, TICK_S * (BUSY_LOOKS - 1), busy=1.9)
-        cpu.idle(chooser, TICK_S, busy=0.0)
-    assert chooser.current == 2 and chooser.switches == 0
-    # a look whose window held a compute of this stage's is no look at a load: its own threads were busy
-    for _ in range(2 * BUSY_LOOKS):
-        cpu.idle(chooser, TICK_S, busy=1.9)
-        chooser.pick()  # a compute in every window
-    assert chooser.current == 2 and chooser.switches == 0
-
-
-def test_after_an_idle_halving_the_load_going_while_idle_restores_the_count_at_once():
-    """No decode step measured the count the looks set: a look that finds the cores free again undoes it, no
-    trial needed; back on two threads, a load meeting the decode steps is met as before (the unloaded
-    baseline stayed)."""
-    cpu = HostCpu(Clock())
-    chooser = steady(cpu)
-    cpu.idle(chooser, TICK_S * (BUSY_LOOKS + 1.5), busy=1.9)
-    assert chooser.current == 1
-    cpu.idle(chooser, TICK_S * 2.5, busy=0.0)
-    assert chooser.current == 2 and chooser.pick() == 2 and chooser.switches == 2
-    picked = [n for _, n in run_timed(chooser, cpu.clock, 0.6, {2: 120.0, 1: 30.0})]
-    assert picked[:ALARM_STEPS + 1] == [2] * ALARM_STEPS + [1] and chooser.current == 1
-
-
-def test_no_idle_halving_where_the_host_is_not_all_its_own_or_its_neighbours_compute():
-    """Under a CPU quota or a narrower affinity, /proc/stat's host is not this stage's cores: no idle looks on
-    the configured count. A stage of the same host computing under the host lock (the pipeline's other
-    stage, prefilling) is no load: it takes turns with this one."""
-    cpu = HostCpu(Clock())
-    chooser = steady(cpu, whole_host=False)
-    assert chooser.tick_s() == math.inf
-    cpu.idle(chooser, TICK_S * 5, busy=1.9)
-    assert chooser.current == 2
-    tally = [0.0]
-    chooser = steady(cpu, shared_cpu=lambda: tally[0])
-    for _ in range(2 * BUSY_LOOKS + 2):
-        tally[0] += 1.9 * TICK_S
-        cpu.idle(chooser, TICK_S, busy=1.9)
-    assert chooser.current == 2 and chooser.switches == 0
-
-
-def test_a_load_that_ends_just_before_a_prompt_is_tried_on_all_threads_at_its_first_compute():
-    """On one thread after a load, which ends half a second before the next prompt (no look yet: those wait for
-    RECHECK_S of idle time): nothing else runs on the host as the prompt comes (/proc/loadavg), so its first
-    compute is a trial of two threads, kept by the decode steps after it. Were the load still there, it would
-    stay on one; a decode step that follows the one before it does not ask."""
-    cpu = HostCpu(Clock())
-    asked = []
-
-    def runnable() -> int:
-        asked.append(cpu.clock.now)
-        return cpu.runnable()
-
-    chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0}, cpu, runnable=runnable)
-    asked.clear()
-    run_timed(chooser, clock, 0.5, {2: 120.0, 1: 30.0})
-    assert asked == [] and chooser.current == 1  # steps back to back
-    clock.now += 0.5
-    cpu.busy = 1.9  # the load is still there
-    assert chooser.pick() == 1 and len(asked) == 1
-    chooser.observe(1, 1, 0.03)
-    clock.now += 0.5
-    cpu.busy = 0.0  # gone
-    assert chooser.pick() == 2
-    picked = [n for _, n in run_timed(chooser, clock, 0.2, {2: 13.0, 1: 22.0})]
-    assert set(picked) == {2} and chooser.current == 2
-
-
-def test_a_pause_with_the_cores_free_does_not_lure_the_steps_after_it_into_a_try_under_a_load():
-    """On one thread under a load; it goes for a while (a one-token answer's prompt on two threads, no decode
-    step), comes back, and a generation decodes under it: the look before a try of two threads counts the
-    cores from that generation's first compute, not from the switch (a window that held the free spell)."""
-    cpu = HostCpu(Clock())
-    chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0}, cpu, runnable=cpu.runnable)
-    cpu.idle(chooser, RECHECK_S + 2 * TICK_S, busy=0.0)
-    assert chooser.pick() == 2  # the prompt, no decode step
-    cpu.idle(chooser, 3 * TICK_S, busy=1.9)  # the load is back: the unjudged trial is called off
-    cpu.busy = 2.0
-    picked = [n for _, n in run_timed(chooser, clock, 1.0, {2: 120.0, 1: 30.0})]
-    assert set(picked) == {1} and chooser.skipped_tries >= 1
-
-
-def test_a_trial_that_no_decode_step_judged_is_called_off_by_a_load_that_begins_while_idle():
-    """After a load, the cores free while idle: a one-token answer's prompt is computed on two threads (the armed
-    trial), and no decode step judges them. Looks at the cores while idle then keep that trial for the next
-    compute while the cores stay free, and call it off once a load begins."""
-    cpu = HostCpu(Clock())
-    chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0}, cpu)
-    cpu.idle(chooser, RECHECK_S + 2 * TICK_S, busy=0.0)
-    assert chooser.pick() == 2  # the prompt (its chunks); no decode step
-    trials = chooser.trials
-    cpu.idle(chooser, 3 * TICK_S, busy=0.0)
-    assert chooser.pick() == 2 and chooser.trials == trials  # kept: the same trial, not another one
-    cpu.idle(chooser, 3 * TICK_S, busy=1.9)
-    assert chooser.pick() == 1 and chooser.current == 1
-    assert chooser.trials == trials - 1  # called off before any step judged it: no trial
-
-
-def test_the_turns_of_stages_sharing_the_host_lock_count_as_free_cores():
-    """Idle on one thread after a load, while the stage before it computes the next prompt's chunks under the
-    host lock: the cores are busy, but with stages that take turns with this one, so the prompt's share here
-    is computed on both threads. A load that is not theirs still keeps it on one."""
-    cpu = HostCpu(Clock())
-    tally = [0.0]  # the host lock's: CPU seconds computed under it
-    chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0}, cpu, shared_cpu=lambda: tally[0])
-
-    def neighbour_computes(seconds: float, cores: float, load: float = 0.0) -> None:
-        end = clock.now + seconds
-        while clock.now < end:  # a tick's worth at a time: the tally grows as the neighbour computes
-            step = min(chooser.tick_s(), end - clock.now)
-            tally[0] += cores * step
-            cpu.idle(chooser, step, busy=cores + load)
-
-    neighbour_computes(RECHECK_S + 2 * TICK_S, cores=1.9)
-    assert chooser.pick() == 2
-    run_timed(chooser, clock, 0.5, {2: 13.0, 1: 22.0})
-    assert chooser.current == 2
-    # a load beside the neighbour: not enough free
-    chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0}, cpu, shared_cpu=lambda: tally[0])
-    neighbour_computes(RECHECK_S + 2 * TICK_S, cores=0.9, load=0.9)
-    assert chooser.pick() == 1
-
-
-def test_a_look_waits_while_a_stage_sharing_the_host_computes_a_chunk_not_yet_tallied():
-    """Idle on one thread, the cores free for a while, then the stage before it starts the prompt's first
-    chunk (its CPU time reaches the tally only when it ends) and a tick falls in the middle of it: the look
-    waits for the chunk's end instead of calling off the trial the prompt will start; at most
-    POSTPONE_TICKS ticks, then it looks anyway."""
-    for postponing in (True, False):
-        cpu = HostCpu(Clock())
-        tally, holding = [0.0], [False]
-        chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0}, cpu, shared_cpu=lambda: tally[0],
-                                          shared_busy=(lambda: holding[0]) if postponing else None)
-        cpu.idle(chooser, RECHECK_S + 2 * TICK_S, busy=0.0)  # a look at its end: the cores were free
-        cpu.idle(chooser, 0.3 * TICK_S, busy=0.0)
-        holding[0] = True  # the chunk, on both cores, with the next look in its middle
-        cpu.idle(chooser, TICK_S, busy=2.0)
-        tally[0] += 2.0 * TICK_S  # it ends and is tallied; its frame reaches this stage
-        holding[0] = False
-        assert chooser.pick() == (2 if postponing else 1)
-    # a lock held for long (a neighbour decoding without end): looks are put off POSTPONE_TICKS times only
-    cpu = HostCpu(Clock())
-    chooser, clock = halved_by_a_load({2: 120.0, 1: 30.0}, cpu, shared_cpu=lambda: 0.0, shared_busy=lambda: True)
-    cpu.idle(chooser, RECHECK_S + (POSTPONE_TICKS + 2) * TICK_S, busy=0.0)
+    run_timed(chooser, clock, 0.1, loaded)
+    clock.now += RECHECK_S
+    picked = [n for _, n in run_timed(chooser, clock, 0.5, loaded)]
+    assert picked[0] == 2 and set(picked[1:]) == {1} and chooser.current == 1
+    # more threads than the cores: not tried after a pause, only by the decode steps now and then
+    chooser = ThreadChooser(8, cores=2, clock=clock)
+    clock.now += 2 * RECHECK_S
     assert chooser.pick() == 2
 
 
@@ -494,7 +221,7 @@ def test_a_stage_that_started_under_load_judges_a_later_load_from_its_idle_speed
 
 def test_idle_time_does_not_count_towards_the_next_trial_of_fewer_threads():
     clock = Clock()
-    chooser = ThreadChooser(2, clock=clock, cpu_times=None)
+    chooser = ThreadChooser(2, clock=clock)
     run_timed(chooser, clock, FEWER_RECHECK_S / 2, {2: 13.0, 1: 22.0})
     clock.now += 10 * FEWER_RECHECK_S  # no decode steps meanwhile
     run_timed(chooser, clock, FEWER_RECHECK_S / 3, {2: 13.0, 1: 22.0})
@@ -508,7 +235,7 @@ def test_a_stage_whose_first_trial_was_lost_under_a_load_from_its_start_halves_w
     baseline, and as long as the load lasts they are never SLOWER times it; the next trial of one thread comes
     FEWER_RECHECK_S later, and wins once one thread is faster."""
     clock = Clock()
-    chooser = ThreadChooser(2, clock=clock, cpu_times=None)
+    chooser = ThreadChooser(2, clock=clock)
     run_timed(chooser, clock, 1.0, {2: 60.0, 1: 55.0})
     assert chooser.current == 2 and chooser.trials == 1
     picked = run_timed(chooser, clock, FEWER_RECHECK_S + 1.0, {2: 60.0, 1: 30.0})
@@ -534,7 +261,7 @@ def test_one_configured_thread_or_adapt_off_never_changes():
 
 def test_with_eight_threads_it_steps_down_to_the_fastest_count_and_back_up():
     clock = Clock()
-    chooser = ThreadChooser(8, clock=clock, cpu_times=None)
+    chooser = ThreadChooser(8, clock=clock)
     idle = {8: 10.0, 4: 14.0, 2: 22.0, 1: 40.0}
     run(chooser, 40, idle)
     assert chooser.current == 8
@@ -549,7 +276,7 @@ def test_with_eight_threads_it_steps_down_to_the_fastest_count_and_back_up():
 
 def test_more_threads_than_cores_start_on_the_cores_and_try_the_configured_count_now_and_then():
     clock = Clock()
-    chooser = ThreadChooser(8, cores=2, clock=clock, cpu_times=None)
+    chooser = ThreadChooser(8, cores=2, clock=clock)
     assert chooser.pick() == 2 and chooser.describe()["now"] == 2 and chooser.describe()["configured"] == 8
     over = {8: 36.0, 4: 31.0, 2: 15.0, 1: 25.0}  # 8 threads on 2 cores: each barrier waits for a core
     assert set(run(chooser, 100, over)) <= {2, 4}  # 4 is tried once (lost at once: ABORT), 8 never yet
@@ -578,71 +305,15 @@ def test_the_scheduler_sets_prefill_threads_with_decode_ones(monkeypatch):
     from skippyd.stage.scheduler import Scheduler
 
     calls = []
-    ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=4, n_threads_batch=6),
+    ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=4, n_threads_batch=6), token_input=True,
                           set_threads=lambda n, nb: calls.append((n, nb)))
     monkeypatch.setattr(scheduler_module, "usable_cores", lambda: 8)  # 4 threads fit: the scheduler starts on them
     scheduler = Scheduler(ctx)
     scheduler.threads._trial = 2  # a trial of half as many (the chooser's decisions are tested above)
-    assert scheduler._use_threads() == 2
+    assert scheduler.execution.use_threads() == 2
     scheduler.threads._trial = None
-    assert scheduler._use_threads() == 4
+    assert scheduler.execution.use_threads() == 4
     assert calls == [(2, 2), (4, 6)]
-
-
-async def test_the_scheduler_looks_at_the_cores_while_it_waits_for_work(autojump_clock):
-    """Below its count, the scheduler's idle wait ticks the chooser, so a free pause arms the next compute;
-    on its configured count it waits without ticking where its cores are not the whole host's (a quota), and
-    ticks where they are: a load beginning while it waits halves the count, its end restores it."""
-    from types import SimpleNamespace
-
-    import trio
-
-    from skippyd.runtime.llama import ContextParams
-    from skippyd.stage.scheduler import Scheduler
-
-    class TrioClock:  # the fake /proc/stat on trio's clock, so that a tick's window is never empty
-        now = property(lambda self: trio.current_time())
-
-    ctx = SimpleNamespace(n_batch=512, params=ContextParams(n_threads=2), set_threads=lambda n, nb: None)
-    scheduler = Scheduler(ctx)
-    cpu = HostCpu(TrioClock())
-    chooser = scheduler.threads = ThreadChooser(2, cores=2, clock=trio.current_time, cpu_times=cpu,
-                                                whole_host=False)
-    ticks = 0
-    tick = chooser.tick
-
-    def counted() -> None:
-        nonlocal ticks
-        ticks += 1
-        tick()
-
-    chooser.tick = counted
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(scheduler.serve)
-        await trio.sleep(10 * TICK_S)
-        assert ticks == 0  # on all its threads: nothing to look for
-        chooser.current = 1  # as after a switch under load
-        scheduler._wakeup.set()  # (the wait restarts with the new tick_s)
-        await trio.sleep(RECHECK_S + 2 * TICK_S)
-        assert ticks >= RECHECK_S / TICK_S and chooser.pick() == 2
-        nursery.cancel_scope.cancel()
-    cpu = HostCpu(TrioClock())
-    chooser = scheduler.threads = ThreadChooser(2, cores=2, clock=trio.current_time, cpu_times=cpu,
-                                                runnable=cpu.runnable)
-    scheduler._closed = False
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(scheduler.serve)
-        await trio.sleep(10 * TICK_S)
-        assert chooser.current == 2  # the cores free
-        cpu()  # (the time so far, without it)
-        cpu.busy = 1.5  # a load begins
-        await trio.sleep((BUSY_LOOKS + 0.5) * TICK_S)
-        assert chooser.current == 1 and chooser.pick() == 1
-        cpu()
-        cpu.busy = 0.0  # and goes
-        await trio.sleep(2.5 * TICK_S)  # (a look whose window holds no part of the load)
-        assert chooser.current == 2 and chooser.pick() == 2
-        nursery.cancel_scope.cancel()
 
 
 def test_usable_cores_follow_the_cgroup_cpu_quota(tmp_path):

@@ -1,12 +1,10 @@
-"""The host compute lock: stages that share a host take turns at its cores (see scheduler.py's docstring)."""
+"""The host compute lock: stages that share a host take turns at its cores (see execution.py's docstring)."""
 
 from __future__ import annotations
 
 import fcntl
 import logging
-import math
 import os
-import struct
 import tempfile
 import time
 
@@ -34,11 +32,6 @@ class HostComputeLock:
     model). Only after ``running_max_s`` is it taken to be wedged; a holder
     that cannot be looked at (no /proc, another pid namespace), after
     ``max_wait_s``.
-
-    The lock file also keeps the host's tally of CPU time computed under the
-    lock (``add_compute_cpu``, ``compute_cpu_s``): a stage on fewer threads
-    that looks at the host's cores while idle counts its neighbours' turns as
-    free, since it would take turns with them too.
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, max_wait_s: float = LOCK_MAX_WAIT_S,
@@ -91,35 +84,9 @@ class HostComputeLock:
 
     @property
     def fd(self) -> int:
-        """The locked file's descriptor: native code that computes under the lock releases it itself, the
-        moment the compute ends (Context.decode_row_send)."""
+        """The locked file's descriptor, for native code that is handed the lock and releases it as its compute
+        ends (Context.decode_row_send)."""
         return self._fd
-
-    def add_compute_cpu(self, seconds: float) -> None:
-        """Add `seconds` of CPU time computed holding the lock to the host's tally (call it holding the lock:
-        only a holder writes the tally, so no addition is lost)."""
-        try:
-            total = self.compute_cpu_s() or 0.0
-            os.pwrite(self._fd, _TALLY.pack(total + max(0.0, seconds)), 0)
-        except OSError:
-            pass  # the tally is a hint for the thread chooser, never a reason to fail a compute
-
-    def compute_cpu_s(self) -> float | None:
-        """The host's tally: CPU seconds the stages of this host computed holding the lock, all told; None if
-        it cannot be read."""
-        try:
-            raw = os.pread(self._fd, _TALLY.size, 0)
-        except OSError:
-            return None
-        if len(raw) < _TALLY.size:
-            return 0.0  # a new lock file: nothing computed under it yet
-        total = _TALLY.unpack(raw)[0]
-        return total if math.isfinite(total) and total >= 0 else 0.0
-
-    def held(self) -> bool:
-        """Whether a process holds the lock now (a stage of this host computes), from /proc/locks, without
-        touching the lock; False where that cannot be told."""
-        return self._fd >= 0 and bool(lock_holder(self._fd))
 
     def try_acquire(self) -> bool:
         try:
@@ -132,9 +99,6 @@ class HostComputeLock:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-
-_TALLY = struct.Struct("<d")  # the lock file's first bytes
 
 
 def default_lock_path() -> str:
