@@ -790,9 +790,6 @@ class Context(_NativeObject):
     def kv_clear_seq(self, seq: int) -> None:
         self.kv_trim(seq, 0)
 
-    def kv_clear(self) -> None:
-        lib.llama_memory_clear(self._mem_live("clear KV"), True)
-
     def kv_copy(self, src: int, dst: int, n_keep: int | None = None) -> None:
         """Make `dst` a copy of `src` (optionally only its first n_keep positions).
 
