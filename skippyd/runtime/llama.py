@@ -403,13 +403,11 @@ class ContextParams:
     # After each compute, a thread at the lowest scheduling class spins this long (0: none) on otherwise idle
     # cores, so that the next step does not start on cores gone cold (native/llama_helpers.c, keep warm).
     keep_warm_ms: float = 0.0
-    # ... and this many such threads. One: three stages on a 2-core VM with 10 ms links computed a token in
-    # 43 ms with one each, against 49 with none and 46-49 with two each (a SCHED_IDLE thread still takes a
-    # busy core for a moment now and then, and a compute thread held up so holds up its peers at a barrier).
+    # ... and this many such threads: one, as a SCHED_IDLE thread still takes a busy core for a moment now and
+    # then, and a compute thread held up so holds up its peers at a barrier.
     keep_warm_threads: int = 1
     # llama.cpp's flash attention: "off", "on" or "auto" (llama.cpp decides; on for this CPU build). Off by
-    # default: on this CPU build it halves decode speed once the context holds a few hundred tokens
-    # (SmolLM2-135M, 2 threads: 44 vs 74 tok/s at 500 tokens, 38 vs 65 at 1000; BENCHMARKS.md).
+    # default: on a CPU build it makes decode much slower once the context holds a few hundred tokens.
     flash_attn: str = "off"
 
 
