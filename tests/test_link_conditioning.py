@@ -185,6 +185,21 @@ async def test_aclose_lets_queued_bytes_arrive(autojump_clock):
         await link.send_all(b"x")
 
 
+async def test_the_wrapper_closes_as_its_stream_does(autojump_clock, nursery):
+    """What is put around a stream where it is made is closed by its owner as the stream itself: ``aclose``
+    lets the queued bytes arrive, then closes the stream; closed forcefully, it drops them (and their time)."""
+    sender, receiver = trio.testing.memory_stream_pair()
+    assert LinkShape().wrap(sender, None) is sender  # no conditioning: the stream itself
+    link = LinkShape(delay_ms=50).wrap(sender, nursery)
+    await link.send_all(b"lost")
+    assert next_release() == trio.current_time() + 0.050
+    await trio.aclose_forcefully(link)
+    assert next_release() == math.inf
+    assert await receiver.receive_some() == b""  # the stream is closed, and nothing came before the close
+    with pytest.raises(trio.ClosedResourceError):
+        await link.send_all(b"x")
+
+
 async def test_real_clock_chunks_never_arrive_early_and_keep_their_order():
     # the real clock: the transmit task waits on a timerfd (Linux) and then yields until the chunk is due
     sender, receiver = trio.testing.memory_stream_pair()
