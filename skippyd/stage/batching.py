@@ -56,16 +56,13 @@ class BatchPolicy:
         self.decode_groups = max(1, decode_groups)
         self.head = head
         self.takes_turns = takes_turns
+        self._forms_groups = self.decode_groups > 1 and head  # (read for every decode step)
         self._expected: set[int] = set()  # the sequences of the last two decode batches
         self._previous: set[int] = set()  # ... of the last one
         self._decoding: set[int] = set()  # the head with groups: sequences decoding, not ended (forget)
         self._away: set[int] = set()  # ... those whose step is down the pipeline (see back)
         self._batch_no: dict[int, int] = {}  # ... each one's last decode batch (its group), numbered
         self._batches_done = 0
-
-    @property
-    def _forms_groups(self) -> bool:
-        return self.decode_groups > 1 and self.head
 
     # ---------------------------------------------------------------- what happened
     def decoded(self, seqs: set[int]) -> None:
