@@ -8,7 +8,7 @@ read the control URL and token from there; `model` works on local files.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import attrs
 import typer
@@ -41,7 +41,7 @@ def _globals(
         str, typer.Option("--url", envvar="SKIPPY_URL", help="Control websocket of the daemon.")
     ] = DEFAULT_URL,
     token_file: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option("--token-file", envvar="SKIPPY_TOKEN_FILE", help="File holding the control token."),
     ] = None,
 ) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import collections
 import itertools
 import urllib.parse
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator
 
 import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError, open_websocket_url

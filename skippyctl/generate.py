@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import trio
 import typer
@@ -17,14 +17,14 @@ from skippyd.control import messages as m
 def generate(
     ctx: typer.Context,
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="The prompt (the user message unless --raw).")],
-    system: Annotated[Optional[str], typer.Option("--system", help="A system message.")] = None,
+    system: Annotated[str | None, typer.Option("--system", help="A system message.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")] = 256,
     temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option("--top-k", help="0 = off.")] = 0,
     top_p: Annotated[float, typer.Option("--top-p", help="1 = off.")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (reproducible runs).")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed (reproducible runs).")] = None,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")] = None,
     json_mode: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
 ) -> None:
     """Generate a reply; text streams to the terminal. Ctrl-C cancels it on the daemon."""
@@ -65,7 +65,7 @@ def generate(
             sys.stdout.write("\n")
             sys.stdout.flush()
         sys.stderr.write("cancelled\n")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     if json_mode:
         keep = ("text", "tokens", "finish_reason", "usage", "timings", "session_id", "request_id")
         sys.stdout.write(json.dumps({k: result[k] for k in keep}) + "\n")

@@ -5,10 +5,9 @@ These commands work on local files only; they do not talk to a daemon.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated, Any, Optional
-
 import enum
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -36,7 +35,7 @@ def split(
     model: Annotated[Path, typer.Argument(metavar="MODEL.gguf", help="The GGUF model to split.", show_default=False)],
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the stage files and topology.toml.")],
     stages: Annotated[
-        Optional[int], typer.Option("--stages", "-n", help="Split into N stages (see --balance).")
+        int | None, typer.Option("--stages", "-n", help="Split into N stages (see --balance).")
     ] = None,
     balance: Annotated[
         Balance,
@@ -45,10 +44,10 @@ def split(
                      "layers; the table's 'compute' column shows each stage's share)."),
     ] = Balance.layers,
     ranges: Annotated[
-        Optional[str], typer.Option("--ranges", help="Explicit layer ranges, e.g. 0:10,10:20,20:30.")
+        str | None, typer.Option("--ranges", help="Explicit layer ranges, e.g. 0:10,10:20,20:30.")
     ] = None,
     hosts: Annotated[
-        Optional[str],
+        str | None,
         typer.Option("--hosts", help="HOST:PORT of each stage, comma-separated (default 127.0.0.1:7400+K)."),
     ] = None,
     json_mode: JsonOption = False,

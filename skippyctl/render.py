@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult

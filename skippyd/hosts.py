@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["THIS_MACHINE", "Machines", "is_local_address"]
 

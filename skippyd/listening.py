@@ -8,8 +8,8 @@ host with the same defaults (two stages started with the default control port).
 from __future__ import annotations
 
 import errno
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 __all__ = ["ListenError", "explain_bind_errors"]
 

@@ -34,8 +34,9 @@ import os
 import re
 import tempfile
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, NoReturn, Sequence
+from typing import Any, Literal, NoReturn
 
 import attrs
 

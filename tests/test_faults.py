@@ -531,7 +531,7 @@ async def test_slot_freed_by_a_kill_is_usable_at_once(pipe2):
     (Up to 20 tries: the race is lost about every other time.)"""
     outcomes = []
     with trio.fail_after(120):
-        for attempt in range(20):
+        for _attempt in range(20):
             async with trio.open_nursery() as nursery:
                 running = [await start_stream(pipe2, nursery, prompt=COUNT, raw=True, max_tokens=CTX)
                            for _ in range(LANES)]

@@ -32,12 +32,20 @@ import attrs
 import numpy as np
 import pytest
 import trio
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from skippyctl.client import ControlError, open_control
 from skippyd.control import messages as m
-from skippyd.wire.codec import MESSAGE_KINDS, PREFIX_SIZE, REPLY_KINDS, decode_body, decode_frame, frame_bytes, \
-    parse_prefix
+from skippyd.wire.codec import (
+    MESSAGE_KINDS,
+    PREFIX_SIZE,
+    REPLY_KINDS,
+    decode_body,
+    decode_frame,
+    frame_bytes,
+    parse_prefix,
+)
 from skippyd.wire.messages import (
     DEFAULT_LIMITS,
     ConfigureGeneration,
@@ -631,7 +639,7 @@ def test_http_odd_bodies(live, canary, http):
         "NaN": (json.dumps({"model": MODEL_ID, "prompt": "hi", "temperature": float("nan")}).encode(), 400),
     }
     got = {}
-    for name, (body, want) in cases.items():  # on one keep-alive client: "5 MiB" must not break the next one
+    for name, (body, _want) in cases.items():  # on one keep-alive client: "5 MiB" must not break the next one
         TALLY["http cases"] += 1
         r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
         got[name] = (r.status_code, r.json()["error"]["message"][:80], r.headers.get("connection"))

@@ -112,7 +112,7 @@ def test_truncated_file(tiny_model_small_vocab_path, tmp_path, keep):
     [
         (b"", "empty"),
         (b"PK\x03\x04 this is a zip, not a model", "not a GGUF file"),
-        ("hello, this is not a model".encode() * 10, "not a GGUF file"),
+        (b"hello, this is not a model" * 10, "not a GGUF file"),
     ],
 )
 def test_not_a_gguf(tmp_path, content, message):

@@ -24,10 +24,11 @@ import trio
 from skippyctl.client import ControlError, open_control
 from skippyd.control import messages as m
 from skippyd.runtime.llama import ContextParams
-from tests.local_pipeline import LocalPipeline
 from skippyd.wire.codec import frame_bytes
+from skippyd.wire.errors import WireError
 from skippyd.wire.messages import Ack, ErrorCode, ErrorReply, PredictedToken, PrefillChunk
 from skippyd.wire.stream import read_reply
+from tests.local_pipeline import LocalPipeline
 from tests.procs import Pipeline, Stage0Driver, retarget, split_for_test
 
 pytestmark = pytest.mark.slow  # real daemon processes
@@ -84,7 +85,7 @@ def driver(tiny3):
     d.close()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(model_path, prompt: str, n: int, chunk: int = 512) -> list[int]:
     """Greedy tokens of the unsplit model in-process, without a final end-of-generation token."""
     with LocalPipeline([model_path], ContextParams(n_ctx_per_seq=1024, n_seq_max=1, n_threads=1)) as ref:
@@ -279,7 +280,7 @@ async def test_malformed_frame_closes_only_that_connection(tiny3, driver, tiny_m
         err = await read_reply(bad._receive, timeout=5)
         assert isinstance(err, ErrorReply) and err.code == ErrorCode.LENGTH_MISMATCH, err
         assert err.code.closes_connection and err.request_id == 99
-        with pytest.raises(Exception):  # then the stage closes the connection
+        with pytest.raises(WireError):  # then the stage closes the connection
             await read_reply(bad._receive, timeout=5)
 
         # the other session did not notice

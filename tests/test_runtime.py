@@ -27,10 +27,10 @@ from skippyd.runtime.llama import (
     Sampler,
     SamplingParams,
 )
-from tests.local_pipeline import LocalPipeline
 from skippyd.runtime.slicing import split_model
 from skippyd.runtime.text import Detokenizer
 from skippyd.sampling import InvalidSampling
+from tests.local_pipeline import LocalPipeline
 
 PARAMS = ContextParams(n_ctx_per_seq=1024, n_seq_max=4, n_batch=512, n_ubatch=512, n_threads=2)
 POEM = "Write a short poem about the sea, then explain what a lighthouse does."

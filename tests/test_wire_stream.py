@@ -10,8 +10,8 @@ import struct
 import subprocess
 import sys
 import time
-from pathlib import Path
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest

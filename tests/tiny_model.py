@@ -13,8 +13,9 @@ Shapes follow the gguf package's convention: arrays are given in numpy
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import attrs
 import gguf

@@ -11,7 +11,7 @@ import json
 import math
 import re
 import struct
-from typing import Any, Optional, Union
+from typing import Any
 
 import attrs
 import cattrs
@@ -50,7 +50,7 @@ def _int32(_inst, attribute, value: int) -> None:
 class Generate:
     id: str
     prompt: str = ""
-    system: Optional[str] = None
+    system: str | None = None
     messages: list[dict[str, str]] = attrs.field(factory=list)
     raw: bool = False
     max_tokens: int = 256
@@ -61,7 +61,7 @@ class Generate:
     repeat_penalty: float = attrs.field(default=1.0, validator=_positive_float32)
     presence_penalty: float = attrs.field(default=0.0, validator=_float32)
     frequency_penalty: float = attrs.field(default=0.0, validator=_float32)
-    seed: Optional[int] = None
+    seed: int | None = None
     stop: list[str] = attrs.field(factory=list)
     stream: bool = True
 
@@ -110,8 +110,8 @@ class Receipts:
     limit: int = 20
 
 
-Request = Union[Generate, SessionsList, SessionShow, SessionKill, LanesList, LanesDrain, LanesUndrain, Status,
-                Receipts]
+Request = (Generate | SessionsList | SessionShow | SessionKill | LanesList | LanesDrain | LanesUndrain | Status
+           | Receipts)
 
 
 # ---------------------------------------------------------------- replies
@@ -144,7 +144,7 @@ class Error:
     retryable: bool = False
 
 
-Reply = Union[Piece, Result, Data, Error]
+Reply = Piece | Result | Data | Error
 
 class Invalid(ValueError):
     """A value cattrs cannot take; the message is for people. `field` names the attribute when an attrs

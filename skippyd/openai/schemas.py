@@ -21,7 +21,7 @@ import json
 import math
 import secrets
 import struct
-from typing import Any, Optional
+from typing import Any
 
 import attrs
 import cattrs
@@ -50,8 +50,8 @@ class _Invalid(ValueError):
 # ---------------------------------------------------------------- bodies
 @attrs.frozen
 class StreamOptions:
-    include_usage: Optional[bool] = None
-    include_obfuscation: Optional[bool] = None  # OpenAI's; nothing to obfuscate here
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # OpenAI's; nothing to obfuscate here
 
 
 @attrs.frozen
@@ -63,7 +63,7 @@ class ResponseFormat:
 class ChatMessage:
     role: str
     content: Any = None  # a string, or a list of {"type": "text", "text": ...} parts
-    name: Optional[str] = None
+    name: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -71,22 +71,22 @@ class _Sampling:
     """Parameters shared by both endpoints."""
 
     model: str
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    seed: Optional[int] = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
     stop: Any = None  # a string or a list of strings
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
-    stream: Optional[bool] = None
-    stream_options: Optional[StreamOptions] = None
-    n: Optional[int] = None
-    user: Optional[str] = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    user: str | None = None
     # llama.cpp server's extensions
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repeat_penalty: Optional[float] = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
 
     @property
     def streaming(self) -> bool:
@@ -138,14 +138,14 @@ class _Sampling:
 @attrs.frozen(kw_only=True)
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
-    max_completion_tokens: Optional[int] = None
-    logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
-    response_format: Optional[ResponseFormat] = None
-    store: Optional[bool] = None
-    metadata: Optional[dict[str, str]] = None
-    service_tier: Optional[str] = None
-    parallel_tool_calls: Optional[bool] = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
 
     def _max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
@@ -179,10 +179,10 @@ class ChatCompletionRequest(_Sampling):
 @attrs.frozen(kw_only=True)
 class CompletionRequest(_Sampling):
     prompt: Any  # a string, a list of token ids, or a one-element list of either
-    echo: Optional[bool] = None
-    best_of: Optional[int] = None
-    logprobs: Optional[int] = None
-    suffix: Optional[str] = None
+    echo: bool | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
 
     def to_generation(self, n_vocab: int, n_ctx: int) -> GenerationRequest:
         if self.echo:

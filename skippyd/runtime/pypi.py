@@ -16,8 +16,8 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 

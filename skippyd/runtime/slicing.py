@@ -23,8 +23,9 @@ import hashlib
 import os
 import re
 import shutil
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import gguf

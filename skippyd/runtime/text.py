@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import codecs
-from typing import Callable
+from collections.abc import Callable
 
 
 class Detokenizer:

@@ -65,6 +65,7 @@ from skippyd.wire.messages import (
     MAX_POSITION,
     MAX_REASON_BYTES,
     PROTOCOL_VERSION,
+    TRUSTED,
     Ack,
     ConfigureGeneration,
     DecodeStep,
@@ -90,7 +91,6 @@ from skippyd.wire.messages import (
     Stop,
     TrimSession,
     VerifyWindow,
-    TRUSTED,
     trusted,
 )
 

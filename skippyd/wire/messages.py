@@ -19,7 +19,8 @@ message that exists can be encoded.
 from __future__ import annotations
 
 import enum
-from typing import Callable, ClassVar, TypeAlias, TypeVar
+from collections.abc import Callable
+from typing import ClassVar, TypeAlias, TypeVar
 
 import attrs
 import numpy as np
