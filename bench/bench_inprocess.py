@@ -21,10 +21,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from skippyd.runtime.llama import ContextParams  # noqa: E402
-from skippyd.runtime.models import fetch_default_model  # noqa: E402
-from skippyd.runtime.slicing import split_model  # noqa: E402
-from tests.local_pipeline import LocalPipeline  # noqa: E402
+from skippyd.runtime.llama import ContextParams
+from skippyd.runtime.models import fetch_default_model
+from skippyd.runtime.slicing import split_model
+from tests.local_pipeline import LocalPipeline
 
 LONG_TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of oil and a "

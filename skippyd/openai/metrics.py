@@ -121,7 +121,7 @@ class _DaemonCollector(Collector):
     def collect(self) -> Iterable:
         try:
             yield from self._collect()
-        except Exception:  # noqa: BLE001 - a scrape reports what it can
+        except Exception:  # a scrape reports what it can
             log.debug("metrics: collecting daemon state failed", exc_info=True)
 
     def _collect(self) -> Iterable:

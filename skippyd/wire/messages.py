@@ -640,7 +640,7 @@ def _trusted_builder(cls: type[T]) -> Callable[..., T]:
     lines += [f"    set_field(inst, {name!r}, v{i})" for i, name in enumerate(names)]
     lines.append("    return inst")
     namespace = {"new": object.__new__, "set_field": object.__setattr__, "cls": cls}
-    exec("\n".join(lines), namespace)  # noqa: S102 - the source is made above from the class's field names
+    exec("\n".join(lines), namespace)  # the source is made above from the class's field names
     return namespace[f"trusted_{cls.__name__}"]
 
 
