@@ -361,6 +361,54 @@ def test_stop_matcher_holds_back_partial_stops():
     assert sm.flush() == ""
 
 
+async def test_one_queue_timeout_covers_the_place_and_the_lane(autojump_clock):
+    """A generation waits for a place at most the queue timeout, and for a lane after it only what is left of
+    the same deadline: the waits never add up to two timeouts."""
+    from skippyd.head.admission import AdmissionGate
+    from skippyd.head.errors import QueueTimeout
+    from skippyd.head.lanes import LanePool, NoLaneAvailable
+
+    gate = AdmissionGate(1, timeout=3.0)
+    started = trio.current_time()
+    deadline = await gate.enter()
+    assert deadline == started + 3.0 and trio.current_time() == started  # a free place: no wait
+    with pytest.raises(QueueTimeout, match=r"no free session slot within 3 s \(all 1 busy\)"):
+        await gate.enter()
+    assert trio.current_time() == started + 3.0
+    gate.leave()
+    await trio.sleep(1.0)
+    deadline = await gate.enter()
+
+    class Link:
+        def looks_alive(self) -> bool:
+            return True
+
+    async def open_link() -> Link:
+        return Link()
+
+    pool = LanePool("127.0.0.1", 9, hello=None, capacity=1)
+    pool._open = open_link
+    await pool.checkout(deadline)  # a free lane is taken whatever is left
+    await trio.sleep(2.0)  # the other lane's holder keeps it; 1 s of the admission's deadline is left
+    with pytest.raises(NoLaneAvailable):
+        await pool.checkout(deadline)
+    assert trio.current_time() == deadline
+
+
+def test_text_output_emits_up_to_a_stop_string_spanning_tokens():
+    from skippyd.head.text_output import TextOutput
+
+    pieces = {1: b"Hello", 2: b" wor", 3: b"ld", 4: b" E", 5: b"ND", 6: b" more"}
+    got: list[str] = []
+    out = TextOutput(pieces.__getitem__, ("END",), got.append)
+    assert [out.push(t) for t in (1, 2, 3, 4, 5)] == [False, False, False, False, True]
+    assert out.text == "".join(got) == "Hello world "
+    out = TextOutput(pieces.__getitem__, ("END",), None)
+    assert not any(out.push(t) for t in (1, 4))
+    out.finish()  # the held back " E" is no stop string: it goes out at the end
+    assert out.text == "Hello E"
+
+
 async def test_dead_lanes_are_pruned_while_a_generation_checks_one_out(autojump_clock):
     """The head's background task closes idle lanes whose stage went away while a generation takes a lane:
     either may close a lane the other had seen in the idle list (in CI the head died of it: 'list.remove(x):

@@ -121,7 +121,7 @@ class LaneClient:
     """A lane carrying one generation (one attempt of it: a replay gets a new client)."""
 
     def __init__(self, lane: Lane, services: LaneServices, *, session_id: int, request_id: int,
-                 wire_request_id: int, stats: StatsTotal, clock: StepClock):
+                 wire_request_id: int, stats: StatsTotal, clock: StepClock, acked_steps: int = 0):
         self.lane = lane
         self.link = lane.link
         self.services = services
@@ -133,6 +133,8 @@ class LaneClient:
         self.wire_request_id = wire_request_id  # this attempt's, on the wire
         self.stats = stats  # every stage's reports for the generation, merged as they come
         self.clock = clock
+        # direct return: the generation's decode steps so far that stage 1 acknowledged (see DirectLane)
+        self.acked_steps = acked_steps
         self.frame_bytes = services.n_embd * 4  # a decode step's activation
         self.closed = False  # the generation left the lane
         self._sending = _PipelineFailures(self, None)
@@ -291,12 +293,11 @@ class DirectLane(LaneClient):
     def __init__(self, configured: LaneClient, hub: TokenReturnHub, returns: trio.MemoryReceiveChannel):
         super().__init__(configured.lane, configured.services, session_id=configured.session_id,
                          request_id=configured.request_id, wire_request_id=configured.wire_request_id,
-                         stats=configured.stats, clock=configured.clock)
+                         stats=configured.stats, clock=configured.clock, acked_steps=configured.acked_steps)
         self.hub = hub
         self.returns = returns  # this session's predictions
         self._returns_watched: _PipelineFailures | None = None
         self._silent = False  # the lane is watched for anything stage 1 says (see _unacked_step)
-        self._acked_steps = 0
         self._unacked = False  # the step prepare_step framed owes no ack
 
     async def send(self, msg) -> InFlight:
@@ -332,8 +333,8 @@ class DirectLane(LaneClient):
         link = self.link
         if self._silent and link.watching_silence:
             return True
-        if self._acked_steps < ACKED_DECODE_STEPS or not link.settled:
-            self._acked_steps += 1
+        if self.acked_steps < ACKED_DECODE_STEPS or not link.settled:
+            self.acked_steps += 1
             return False
         hub, session_id, lane_id = self.hub, self.session_id, self.lane.lane_id
 

@@ -133,7 +133,7 @@ class HeadNode:
             try:
                 await pool.prune()
                 await pool.warm()
-            except Exception as exc:  # noqa: BLE001 - best effort: a bug here must not take the head down
+            except Exception as exc:  # best effort: a bug here must not take the head down
                 log.exception("head: keeping the lanes warm failed; trying again")
                 self.lanes_task_failures += 1
                 self.lanes_task_error = f"{type(exc).__name__}: {exc}"

@@ -83,6 +83,7 @@ class GenerationRun:
         self.lane: LaneClient | None = None
         self.session = None
         self.sampler: llama.Sampler | None = None
+        self.acked_steps = 0  # direct return: a generation's first decode steps are acknowledged (DirectLane)
         self.batched = False  # the last compute was one llama_decode with other sessions' steps
         # this generation's prefill chunk, chosen once: a replay (resume) must chunk the prompt the same way,
         # or its logits (and so a greedy replay's tokens) could differ from the first time
@@ -142,7 +143,7 @@ class GenerationRun:
         self.live.lane_id = lane.lane_id
         self.lane = RelayedLane(lane, engine.lane_services, session_id=self.live.session_id,
                                 request_id=self.live.request_id, wire_request_id=self.wire_request_id,
-                                stats=self._stats, clock=self.clock)
+                                stats=self._stats, clock=self.clock, acked_steps=self.acked_steps)
         self.lane = await self.lane.configure(self.wire_sampling)
         if self.position:  # a replay: recompute the head's hidden states from position 0, as the first time
             seq = self.session.seq
@@ -289,6 +290,7 @@ class GenerationRun:
         downstream)."""
         client, self.lane = self.lane, None
         if client is not None:
+            self.acked_steps = client.acked_steps  # counted over the generation, not the lane
             client.close()
             client.lane.dirty = True
             with trio.CancelScope(shield=True):
