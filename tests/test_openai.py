@@ -106,8 +106,8 @@ async def control(pipe: Pipeline, msg_type, **kw):
 
 
 # ---------------------------------------------------------------- the real pipeline
-async def test_models(api):
 @pytest.mark.slow
+async def test_models(api):
     models = await run(api.client.models.list)
     assert [m_.id for m_ in models.data] == [MODEL_ID]
     assert (await run(api.client.models.retrieve, MODEL_ID)).id == MODEL_ID
@@ -117,8 +117,8 @@ async def test_models(api):
     assert f"OpenAI API on {api.base}/v1" in log and "CTRL + C" not in log, log
 
 
-async def test_chat_matches_control_channel_and_counts_tokens(api, vocab):
 @pytest.mark.slow
+async def test_chat_matches_control_channel_and_counts_tokens(api, vocab):
     got = await run(api.client.chat.completions.create, model=MODEL_ID, messages=HELLO, max_tokens=12,
                     temperature=0)
     ref = await api.pipe.generate(messages=HELLO, max_tokens=12)  # skippyctl generate: greedy by default
@@ -133,8 +133,8 @@ async def test_chat_matches_control_channel_and_counts_tokens(api, vocab):
     assert got.model == MODEL_ID and got.object == "chat.completion" and got.id.startswith("chatcmpl-")
 
 
-async def test_streamed_chat_equals_whole_answer(api):
 @pytest.mark.slow
+async def test_streamed_chat_equals_whole_answer(api):
     whole = await run(api.client.chat.completions.create, model=MODEL_ID, messages=HELLO, max_tokens=10,
                       temperature=0)
 
@@ -155,8 +155,8 @@ async def test_streamed_chat_equals_whole_answer(api):
     assert len({c.id for c in chunks}) == 1
 
 
-async def test_completion_raw_prompt_and_length(api, vocab):
 @pytest.mark.slow
+async def test_completion_raw_prompt_and_length(api, vocab):
     got = await run(api.client.completions.create, model=MODEL_ID, prompt="The capital of France is",
                     max_tokens=5, temperature=0)
     ref = await api.pipe.generate(prompt="The capital of France is", raw=True, max_tokens=5)
@@ -175,8 +175,8 @@ async def test_completion_raw_prompt_and_length(api, vocab):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-async def test_stop_sequences(api):
 @pytest.mark.slow
+async def test_stop_sequences(api):
     base = await run(api.client.completions.create, model=MODEL_ID, prompt=STORY, max_tokens=24, temperature=0)
     text = base.choices[0].text
     words = text.split()
@@ -198,8 +198,8 @@ async def test_stop_sequences(api):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-async def test_sampling_parameters_are_accepted(api):
 @pytest.mark.slow
+async def test_sampling_parameters_are_accepted(api):
     got = await run(api.client.chat.completions.create, model=MODEL_ID, messages=HELLO, max_completion_tokens=4,
                     temperature=0.7, top_p=0.9, seed=42, presence_penalty=0.5, frequency_penalty=0.5,
                     logit_bias={"28": -100}, n=1, user="test", logprobs=False)
@@ -225,8 +225,8 @@ def _assert_error_shape(body: dict) -> dict:
     return body["error"]
 
 
-async def test_bad_requests_get_openai_errors_and_harm_nothing(api):
 @pytest.mark.slow
+async def test_bad_requests_get_openai_errors_and_harm_nothing(api):
     chat = api.client.chat.completions.create
     ok = dict(model=MODEL_ID, messages=HELLO, max_tokens=3, temperature=0)
     cases = [
@@ -278,8 +278,8 @@ async def test_bad_requests_get_openai_errors_and_harm_nothing(api):
     assert good.choices[0].finish_reason in ("stop", "length")
 
 
-async def test_bad_requests_during_a_stream_do_not_disturb_it(api):
 @pytest.mark.slow
+async def test_bad_requests_during_a_stream_do_not_disturb_it(api):
     kw = dict(model=MODEL_ID, prompt=STORY, max_tokens=12, temperature=0)
     whole = await run(api.client.completions.create, **kw)
 
@@ -297,8 +297,8 @@ async def test_bad_requests_during_a_stream_do_not_disturb_it(api):
     assert await run(stream_with_noise) == whole.choices[0].text
 
 
-async def test_closing_a_stream_frees_the_session_everywhere(api):
 @pytest.mark.slow
+async def test_closing_a_stream_frees_the_session_everywhere(api):
     before = api.metrics()
 
     def read_a_few_chunks():
@@ -323,8 +323,8 @@ async def test_closing_a_stream_frees_the_session_everywhere(api):
     assert after.get(key, 0) == before.get(key, 0) + 1
 
 
-async def test_aborting_a_plain_request_frees_the_session(api):
 @pytest.mark.slow
+async def test_aborting_a_plain_request_frees_the_session(api):
     def abort_after(seconds: float):
         with httpx2.Client(base_url=api.base, timeout=seconds) as h:
             with pytest.raises(httpx2.ReadTimeout):
@@ -337,8 +337,8 @@ async def test_aborting_a_plain_request_frees_the_session(api):
     assert receipts[-1]["termination"] == "cancelled"
 
 
-async def test_draining_answers_503_and_health_follows(api):
 @pytest.mark.slow
+async def test_draining_answers_503_and_health_follows(api):
     await control(api.pipe, m.LanesDrain)
     try:
         def during():
@@ -362,8 +362,8 @@ async def test_draining_answers_503_and_health_follows(api):
     assert got.usage.completion_tokens <= 2
 
 
-async def test_metrics_parse_and_move_with_traffic(api):
 @pytest.mark.slow
+async def test_metrics_parse_and_move_with_traffic(api):
     before = api.metrics()
     await run(api.client.chat.completions.create, model=MODEL_ID, messages=HELLO, max_tokens=4, temperature=0)
     await _error(api.client.chat.completions.create, model="nope", messages=HELLO)
