@@ -160,8 +160,8 @@ int32_t skippy_decode_row_sample_send(struct llama_context * ctx, struct llama_b
 
 /* The first index of the largest value (NaN never wins): the largest value first, kept in SKIPPY_LANES
  * independent maxima (no chain from one element to the next; the compiler makes them one vector), then its
- * first index. A one-pass loop that compared with logits[best] took ~150 us for a 49152-token vocabulary (a
- * load and a compare chained through `best` per element), 1% of a decode step. */
+ * first index. A one-pass loop that compares with logits[best] chains a load and a compare through `best`
+ * per element, several times slower over a large vocabulary. */
 #define SKIPPY_LANES 16
 static int32_t skippy_argmax(const float * logits, int32_t n) {
     float top = logits[0];
@@ -214,12 +214,11 @@ void skippy_threadpool_free(struct ggml_threadpool * threadpool) {
 /* Keep warm: threads that spin, at the lowest scheduling class (SCHED_IDLE: they run on cores that nothing
  * else wants, and any other thread that wakes takes the core at once), for a while after each compute. A
  * stage waiting for its next step would otherwise leave its cores idle, and a core that went idle for
- * milliseconds (a halted vCPU, a deep C-state, a lowered clock) computes the next step up to twice as slowly
- * (SmolLM2-135M, 3 stages on one 2-core VM, 10 ms links: 5.4 ms a stage against 2.7; BENCHMARKS.md). This is
- * what llama.cpp's own --poll does for its workers, without taking cores from other threads. */
+ * milliseconds (a halted vCPU, a deep C-state, a lowered clock) computes the next step up to twice as slowly.
+ * This is what llama.cpp's own --poll does for its workers, without taking cores from other threads. */
 struct skippy_warm {
     /* start-up only. touch() and hold() take no lock: a SCHED_IDLE thread preempted while it held one would
-     * hold up the compute thread that wants it for milliseconds (a first version's tails) */
+     * hold up the compute thread that wants it for milliseconds */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     _Atomic int64_t until_ns;  /* CLOCK_MONOTONIC: spin until then */
