@@ -15,8 +15,8 @@ import fcntl
 import os
 import threading
 import weakref
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 import attrs
 import numpy as np
