@@ -33,8 +33,9 @@ from skippyd.head.chunking import PrefillChunker
 from skippyd.head.errors import GenerationError, PromptTooLong, QueueTimeout
 from skippyd.head.lane_client import ACKED_DECODE_STEPS, LaneServices, TokenPaths
 from skippyd.head.lanes import LanePool
+from skippyd.head.live import LiveGeneration
 from skippyd.head.liveness import StageWatch
-from skippyd.head.run import STOP_TIMEOUT_S, GenerationRun
+from skippyd.head.run import STOP_TIMEOUT_S, GenerationRun, HeadParts
 from skippyd.head.text_output import PieceCallback
 from skippyd.head.token_return import TokenReturnHub
 from skippyd.runtime import llama
@@ -126,41 +127,6 @@ class Receipt:
     finished_at: float
 
 
-@attrs.define(eq=False)
-class LiveGeneration:
-    """What the control plane sees of a running generation (and how it kills one)."""
-
-    request_id: int
-    session_id: int
-    prompt_tokens: int
-    started: float
-    cancel_scope: trio.CancelScope
-    seq: int = -1
-    lane_id: int | None = None
-    generated: int = 0
-    position: int = 0
-    state: str = "queued"
-    killed: str | None = None  # why it was killed (see HeadEngine.kill)
-    resumes: int = 0  # replays after a stage failure
-    first_token_at: float | None = None  # perf_counter: the first token in hand ...
-    last_token_at: float | None = None  # ... and the latest (the decode rate so far)
-
-    def describe(self) -> dict:
-        return {"session_id": self.session_id, "request_id": self.request_id, "state": self.state,
-                "prompt_tokens": self.prompt_tokens, "generated": self.generated, "position": self.position,
-                "age_s": round(time.monotonic() - self.started, 3), "lane": self.lane_id, "resumes": self.resumes,
-                "decode_tokens_per_s": None if (rate := self.decode_rate()) is None else round(rate, 2),
-                "stages": {"0": {"seq": self.seq}}}
-
-    def decode_rate(self) -> float | None:
-        """Tokens after the first over the time from the first to the latest (to the last, once it ended:
-        not to now, as the session's Stop, a round trip through every stage, is no token's time); None before
-        the second token."""
-        if self.first_token_at is None or self.last_token_at is None or self.last_token_at <= self.first_token_at:
-            return None
-        return (self.generated - 1) / (self.last_token_at - self.first_token_at)
-
-
 class HeadEngine:
     def __init__(self, model: llama.Model, context: llama.Context, scheduler: Scheduler,
                  pool: LanePool | None, *, prefill_chunk: int = 256, receipts_file: Path | None = None,
@@ -190,6 +156,8 @@ class HeadEngine:
         # where the predictions of pipeline generations came from, and configures that fell back
         self.token_paths = TokenPaths()
         self.lane_services = LaneServices(watch, hub, self.chunker, self.token_paths, context.n_embd)
+        self.parts = HeadParts(model, context, scheduler, self.sessions, pool, self.chunker, self.lane_services,
+                               resume_window, self.new_request_id)
 
     def describe_token_return(self) -> dict | None:
         if self.pool is None:
@@ -242,12 +210,13 @@ class HeadEngine:
             raise GenerationError("max_tokens must be >= 1", status=400)
         prompt = self.prompt_tokens(req)
         max_tokens = min(req.max_tokens, self.context.n_ctx_seq - len(prompt))
+        wire_sampling = _wire_sampling(sampling) if self.pool is not None else None
         request_id = self.new_request_id()
         session_id = secrets.randbits(63)
         live = LiveGeneration(request_id, session_id, len(prompt), time.monotonic(), trio.CancelScope())
         self.live[session_id] = live
-        wire_sampling = _wire_sampling(sampling) if self.pool is not None else None
-        run = GenerationRun(self, req, live, prompt, max_tokens, sampling, wire_sampling, on_piece, started)
+        run = GenerationRun(self.parts, live, prompt, max_tokens, sampling, wire_sampling, req.stop, req.ignore_eos,
+                            on_piece, started)
         try:
             with live.cancel_scope, span("head.generation", request=request_id, session=session_id) as sp:
                 deadline = await self._admit()

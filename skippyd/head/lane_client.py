@@ -142,8 +142,9 @@ class LaneClient:
 
     # ------------------------------------------------------------ configure
     async def configure(self, sampling: WireSampling) -> LaneClient:
-        """Open the session down the lane, with direct token return if the pipeline offers it; the client
-        for the rest of the generation (this one, or a DirectLane)."""
+        """Open the session down the lane, with direct token return if the pipeline offers it. Called on the
+        RelayedLane made for a lane just checked out; returns the client for the rest of the attempt: this
+        one, or a DirectLane."""
         msg = ConfigureGeneration(self.wire_request_id, self.session_id, sampling)
         hub = self.services.hub
         if self.services.wants_direct_return:

@@ -15,15 +15,12 @@ lane) must end before it does.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import trio
 
 from skippyd.head.errors import GenerationError
+from skippyd.head.live import LiveGeneration
 from skippyd.head.liveness import StageWatch
-
-if TYPE_CHECKING:
-    from skippyd.head.engine import LiveGeneration
 
 log = logging.getLogger("skippyd.head")
 

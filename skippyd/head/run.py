@@ -27,47 +27,65 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
+import attrs
 import numpy as np
 import trio
 
+from skippyd.head.chunking import PrefillChunker
 from skippyd.head.errors import GenerationError, QueueTimeout
-from skippyd.head.lane_client import InFlight, LaneClient, RelayedLane
-from skippyd.head.lanes import Draining, Lane, NoLaneAvailable
+from skippyd.head.lane_client import InFlight, LaneClient, LaneServices, RelayedLane
+from skippyd.head.lanes import Draining, Lane, LanePool, NoLaneAvailable
+from skippyd.head.live import LiveGeneration
 from skippyd.head.resume import ResumePolicy
 from skippyd.head.step_clock import StepClock
 from skippyd.head.text_output import PieceCallback, TextOutput
 from skippyd.runtime import llama
 from skippyd.stage.downstream import DownstreamError
-from skippyd.stage.scheduler import Job
+from skippyd.stage.scheduler import Job, Scheduler
+from skippyd.stage.sessions import SessionTable
 from skippyd.telemetry import span
 from skippyd.wire.messages import PrefillChunk, StageStats, StatsTotal
 from skippyd.wire.messages import SamplingParams as WireSampling
 from skippyd.wire.stream import PreparedFrame
-
-if TYPE_CHECKING:
-    from skippyd.head.engine import GenerationRequest, HeadEngine, LiveGeneration
 
 log = logging.getLogger("skippyd.head")
 
 STOP_TIMEOUT_S = 2.0  # the cleanup's Stop down the lane, and the release of the head's sequence, each
 
 
+@attrs.frozen
+class HeadParts:
+    """What a generation uses of the head: its model, context, scheduler and sequence table, the lanes (None:
+    single stage) and what their clients share, and the resume window (None: no replay)."""
+
+    model: llama.Model
+    context: llama.Context
+    scheduler: Scheduler
+    sessions: SessionTable
+    pool: LanePool | None
+    chunker: PrefillChunker
+    lane_services: LaneServices
+    resume_window: float | None
+    new_request_id: Callable[[], int]
+
+
 class GenerationRun:
     """The state of one generation while it runs (admitted: it holds one of the engine's places)."""
 
-    def __init__(self, engine: HeadEngine, req: GenerationRequest, live: LiveGeneration, prompt: np.ndarray,
-                 max_tokens: int, sampling: llama.SamplingParams, wire_sampling: WireSampling | None,
-                 on_piece: PieceCallback | None, started: float):
-        self.engine, self.req, self.live = engine, req, live
-        self.scheduler = engine.scheduler
+    def __init__(self, head: HeadParts, live: LiveGeneration, prompt: np.ndarray, max_tokens: int,
+                 sampling: llama.SamplingParams, wire_sampling: WireSampling | None, stops: tuple[str, ...],
+                 ignore_eos: bool, on_piece: PieceCallback | None, started: float):
+        self.head, self.live = head, live
+        self.scheduler = head.scheduler
         # the request id on the wire: a new one for each replay, so that a reply owed to an attempt given up
         # (a stopped final stage sends it once it runs again, on the token-return connection, which outlives
         # lanes) is told apart from the replay's own replies, which carry the same session id
         self.wire_request_id = live.request_id
         self.prompt = prompt
         self.max_tokens = max_tokens
+        self.ignore_eos = ignore_eos  # end-of-generation tokens are generated like any other
         self.sampling = sampling
         self.wire_sampling = wire_sampling  # what ConfigureGeneration carries (None: single stage)
         self.started = started
@@ -76,9 +94,9 @@ class GenerationRun:
         self.error: str | None = None
         self.position = 0
         self.ttft_ms = 0.0
-        self.text = TextOutput(engine.model.token_piece, req.stop, on_piece)
-        self.clock = StepClock(engine.scheduler.hot_path)
-        self.resume = ResumePolicy(engine.resume_window, engine.watch)
+        self.text = TextOutput(head.model.token_piece, stops, on_piece)
+        self.clock = StepClock(head.scheduler.hot_path)
+        self.resume = ResumePolicy(head.resume_window, head.lane_services.watch)
         self._stats = StatsTotal()  # every stage's reports for this generation, merged as they come
         self.lane: LaneClient | None = None
         self.session = None
@@ -100,13 +118,13 @@ class GenerationRun:
     # ------------------------------------------------------------------ the run
     async def execute(self, deadline: float) -> None:
         """Run to the end; `deadline` (trio time): the admission's, which the wait for a lane shares."""
-        engine = self.engine
-        self.session = engine.sessions.open(0, self.live.session_id, self.live.request_id)
+        head = self.head
+        self.session = head.sessions.open(0, self.live.session_id, self.live.request_id)
         self.live.seq = self.session.seq
         try:
-            if engine.pool is None:
+            if head.pool is None:
                 if not self.sampling.is_plain_greedy:
-                    self.sampler = llama.Sampler(engine.model, self.sampling)
+                    self.sampler = llama.Sampler(head.model, self.sampling)
                 self.live.state = "prefill"
                 token = await self._prefill()
                 self.live.state = "decode"
@@ -135,19 +153,19 @@ class GenerationRun:
         """Configure the session down a new lane and bring every stage to where the generation is: the
         prompt, then (a replay) each token generated so far, in the same chunks and steps as the first time.
         Returns the next new token."""
-        engine = self.engine
+        head = self.head
         if self.live.resumes:
-            self.wire_request_id = engine.new_request_id()
+            self.wire_request_id = head.new_request_id()
         lane = await self._checkout(deadline)
         lane.session_id = self.live.session_id
         self.live.lane_id = lane.lane_id
-        self.lane = RelayedLane(lane, engine.lane_services, session_id=self.live.session_id,
+        self.lane = RelayedLane(lane, head.lane_services, session_id=self.live.session_id,
                                 request_id=self.live.request_id, wire_request_id=self.wire_request_id,
                                 stats=self._stats, clock=self.clock, acked_steps=self.acked_steps)
         self.lane = await self.lane.configure(self.wire_sampling)
         if self.position:  # a replay: recompute the head's hidden states from position 0, as the first time
             seq = self.session.seq
-            await engine.scheduler.run_kv(lambda: engine.context.kv_clear_seq(seq))
+            await head.scheduler.run_kv(lambda: head.context.kv_clear_seq(seq))
             self.position = 0
         self.live.state = "prefill"
         token = await self._prefill()
@@ -156,24 +174,25 @@ class GenerationRun:
         return token
 
     async def _checkout(self, deadline: float) -> Lane:
-        engine = self.engine
+        head = self.head
         try:
             with span("head.lane_wait", request=self.live.request_id, session=self.live.session_id):
-                return await engine.pool.checkout(deadline)
+                return await head.pool.checkout(deadline)
         except Draining as exc:
             raise GenerationError(str(exc), retryable=True, status=503) from exc
         except NoLaneAvailable as exc:
             raise QueueTimeout(str(exc)) from exc
         except DownstreamError as exc:
-            if engine.watch is not None:
-                engine.watch.suspect()
+            watch = head.lane_services.watch
+            if watch is not None:
+                watch.suspect()
             raise GenerationError(f"stage 1 is unreachable: {exc}", retryable=True, status=503,
                                   stage_failure=True) from exc
 
     # ------------------------------------------------------------------ prefill
     async def _prefill(self) -> int:
         """The prompt, in chunks; returns the first generated token."""
-        chunker = self.engine.chunker
+        chunker = self.head.chunker
         if self.chunk is None:  # single-stage: never measured, so the configured chunk
             self.chunk = chunker.size
         chunk, prompt, lane = self.chunk, self.prompt, self.lane
@@ -202,7 +221,7 @@ class GenerationRun:
     async def _decode(self, token: int) -> None:
         """Token by token until end-of-generation, a stop string or max_tokens (sets finish_reason)."""
         live, tokens, text, clock, lane = self.live, self.tokens, self.text, self.clock, self.lane
-        is_eog = self.engine.model.is_eog
+        is_eog = self.head.model.is_eog
         clock.restart()
         while True:
             now = clock.tick()
@@ -211,7 +230,7 @@ class GenerationRun:
                 self.ttft_ms = (now - self.started) * 1e3
             tokens.append(token)
             live.generated = len(tokens)
-            if not self.req.ignore_eos and is_eog(token):
+            if not self.ignore_eos and is_eog(token):
                 tokens.pop()  # end-of-generation is not part of the answer
                 live.generated -= 1  # (nor of the rate so far, while the session is released)
                 text.finish()
@@ -294,17 +313,17 @@ class GenerationRun:
             client.close()
             client.lane.dirty = True
             with trio.CancelScope(shield=True):
-                await self.engine.pool.checkin(client.lane)
+                await self.head.pool.checkin(client.lane)
 
     async def _cleanup(self) -> None:
         """Runs shielded. Stop the session down the lane (bounded), then free the head's own sequence (whatever
         the stop raised: a bug there must not leak a session slot)."""
-        engine = self.engine
+        head = self.head
         client, self.lane = self.lane, None
         if client is not None:
             client.close()
         if self.session is not None:
-            engine.scheduler.forget(self.session.seq)  # now: the other sessions' batches wait for it no more
+            head.scheduler.forget(self.session.seq)  # now: the other sessions' batches wait for it no more
         try:
             if client is not None:
                 stopped = False
@@ -318,7 +337,7 @@ class GenerationRun:
                     if not stopped:
                         # closing the lane makes stage 1 (and every stage after it) release the session
                         client.lane.dirty = True
-                    await engine.pool.checkin(client.lane)
+                    await head.pool.checkin(client.lane)
         finally:
             if self.sampler is not None:
                 self.sampler.close()
@@ -326,6 +345,6 @@ class GenerationRun:
                 seq = self.session.seq
                 try:
                     with trio.move_on_after(STOP_TIMEOUT_S):
-                        await engine.scheduler.run_kv(lambda: engine.context.kv_clear_seq(seq))
+                        await head.scheduler.run_kv(lambda: head.context.kv_clear_seq(seq))
                 finally:
-                    engine.sessions.forget(self.session)
+                    head.sessions.forget(self.session)
