@@ -33,7 +33,7 @@ from pathlib import Path
 
 import trio
 
-from skippyd.topology import TopologyError, Topology, parse_allow_entry
+from skippyd.topology import Topology, TopologyError, parse_allow_entry
 
 log = logging.getLogger("skippyd.stage")
 

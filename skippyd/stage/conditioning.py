@@ -263,7 +263,7 @@ class _TimerFd:
             raise OSError(ctypes.get_errno(), "timerfd_create failed")
 
     @classmethod
-    def open(cls) -> "_TimerFd | None":
+    def open(cls) -> _TimerFd | None:
         """A timer, or None where there is no timerfd (not Linux, or a libc without it)."""
         if not sys.platform.startswith("linux"):
             return None

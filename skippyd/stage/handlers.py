@@ -57,7 +57,6 @@ from skippyd.wire.messages import (
     PredictedToken,
     PrefillChunk,
     Reply,
-    SamplingParams as WireSampling,
     StageStats,
     Stop,
     TrimSession,
@@ -65,6 +64,7 @@ from skippyd.wire.messages import (
     merge,
     with_stats,
 )
+from skippyd.wire.messages import SamplingParams as WireSampling
 from skippyd.wire.stream import PreparedFrame, write_frame
 
 log = logging.getLogger("skippyd.stage")

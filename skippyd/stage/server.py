@@ -108,8 +108,9 @@ class StageServer:
     set of connections; each connection gets the stage's core (:class:`~skippyd.stage.core.StageCore`),
     its stream and its peer."""
 
-    def __init__(self, topology: Topology, index: int, config: StageConfig = StageConfig(), *,
+    def __init__(self, topology: Topology, index: int, config: StageConfig | None = None, *,
                  model_path: Path | None = None):
+        config = config if config is not None else StageConfig()
         self.topology = topology
         self.index = index
         self.spec: StageSpec = topology.stage(index)
