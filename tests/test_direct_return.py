@@ -217,7 +217,7 @@ async def test_unreachable_head_falls_back_quickly(nursery):
 # ---------------------------------------------------------------------------- real processes
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(model_path, prompt: str, n: int) -> list[int]:
     with LocalPipeline([model_path], ContextParams(n_ctx_per_seq=1024, n_seq_max=1, n_threads=1)) as ref:
         out = ref.generate(ref.head.tokenize(prompt, parse_special=False), n, chunk=CHUNK)
