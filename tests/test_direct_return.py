@@ -23,14 +23,14 @@ import socket
 import pytest
 import trio
 
+from skippyctl.client import ControlError
 from skippyd.head.engine import ACKED_DECODE_STEPS
 from skippyd.head.token_return import ReturnLost, TokenReturnHub
 from skippyd.runtime.llama import ContextParams
-from tests.local_pipeline import LocalPipeline
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.stage.token_return import TokenReturnLink, TokenReturnLost
-from skippyctl.client import ControlError
 from skippyd.wire.messages import ErrorCode, ErrorReply, Hello, PredictedToken
+from tests.local_pipeline import LocalPipeline
 from tests.procs import Pipeline, free_ports, split_for_test
 
 pytestmark = pytest.mark.slow  # real daemon processes
