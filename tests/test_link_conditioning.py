@@ -14,7 +14,6 @@ measurably faster. Bounds are loose: the machine is shared and noisy.
 
 from __future__ import annotations
 
-import math
 import statistics
 import sys
 import time
@@ -23,7 +22,7 @@ import pytest
 import trio
 import trio.testing
 
-from skippyd.stage.conditioning import LinkShape, ShapedSendStream, _TimerFd, next_release
+from skippyd.stage.conditioning import LinkShape, ShapedSendStream, _TimerFd
 from tests.procs import Pipeline, retarget, split_for_test
 
 DELAY_MS = 20.0
@@ -60,29 +59,6 @@ async def test_delay_applied_in_order_without_blocking_the_sender(autojump_clock
     assert b"".join(data for _, data in arrivals) == b"abcdef"
     assert times[0] == DELAY_MS
     assert times[-1] == DELAY_MS + 5
-
-
-async def test_the_next_release_is_that_of_the_earliest_chunk_travelling_on_any_link(autojump_clock):
-    slow, fast = (ShapedSendStream(trio.testing.memory_stream_pair()[0], LinkShape(delay_ms=ms)) for ms in (20, 5))
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(slow.run)
-        nursery.start_soon(fast.run)
-        assert next_release() == math.inf
-        t0 = trio.current_time()
-        await slow.send_all(b"ab")
-        await slow.send_all(b"cd")
-        assert next_release() == t0 + 0.020
-        await fast.send_all(b"ef")
-        assert next_release() == t0 + 0.005
-        await trio.sleep(0.010)  # the fast link's chunk has left
-        assert next_release() == t0 + 0.020
-        await trio.sleep(0.015)
-        assert next_release() == math.inf
-        await slow.send_all(b"gh")  # a link closed with chunks on it: they are dropped, and so is its time
-        assert next_release() == trio.current_time() + 0.020
-        slow.close()
-        assert next_release() == math.inf
-        fast.close()
 
 
 async def test_bandwidth_cap_serializes_chunks(autojump_clock):
@@ -187,14 +163,12 @@ async def test_aclose_lets_queued_bytes_arrive(autojump_clock):
 
 async def test_the_wrapper_closes_as_its_stream_does(autojump_clock, nursery):
     """What is put around a stream where it is made is closed by its owner as the stream itself: ``aclose``
-    lets the queued bytes arrive, then closes the stream; closed forcefully, it drops them (and their time)."""
+    lets the queued bytes arrive, then closes the stream; closed forcefully, it drops them."""
     sender, receiver = trio.testing.memory_stream_pair()
     assert LinkShape().wrap(sender, None) is sender  # no conditioning: the stream itself
     link = LinkShape(delay_ms=50).wrap(sender, nursery)
     await link.send_all(b"lost")
-    assert next_release() == trio.current_time() + 0.050
     await trio.aclose_forcefully(link)
-    assert next_release() == math.inf
     assert await receiver.receive_some() == b""  # the stream is closed, and nothing came before the close
     with pytest.raises(trio.ClosedResourceError):
         await link.send_all(b"x")

@@ -7,8 +7,9 @@ the generation's cleanup could not finish) or marked ``dirty`` is closed on
 return: its stream may hold half a frame. ``drain`` stops checkouts (running
 generations finish, idle lanes close); ``undrain`` restores service.
 
-With link conditioning (``shape``), each lane's transmit task runs in the
-pool's ``nursery`` (the head node's).
+``wrap(stream, nursery)`` (link conditioning, for tests and benchmarks) is
+put around each lane's stream as it is made; its tasks run in the pool's
+``nursery`` (the head node's).
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import attrs
 import trio
 
-from skippyd.stage.conditioning import LinkShape
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.wire.messages import Hello
 
@@ -60,11 +61,12 @@ class LanePool:
     DRAINING = "the head is draining: no new generations"
 
     def __init__(self, host: str, port: int, hello: Hello, *, capacity: int = 4, credit_limit: int = 2,
-                 connect_timeout: float = 5.0, reply_timeout: float = 30.0, shape: LinkShape | None = None,
+                 connect_timeout: float = 5.0, reply_timeout: float = 30.0,
+                 wrap: Callable[[trio.SocketStream, trio.Nursery | None], trio.abc.SendStream] | None = None,
                  nursery: trio.Nursery | None = None):
         self.host, self.port, self.hello = host, port, hello
-        self.shape = shape
-        self.nursery = nursery  # where conditioned lanes' transmit tasks run
+        self.wrap = wrap
+        self.nursery = nursery  # where the wrappers' tasks run
         self.capacity = capacity
         self.credit_limit = credit_limit
         self.connect_timeout = connect_timeout
@@ -88,7 +90,7 @@ class LanePool:
             link = await DownstreamLink.connect(self.host, self.port, self.hello,
                                                 connect_timeout=self.connect_timeout,
                                                 credit_limit=self.credit_limit, reply_timeout=self.reply_timeout,
-                                                shape=self.shape, nursery=self.nursery)
+                                                wrap=self.wrap, nursery=self.nursery)
         except DownstreamError as exc:
             self.last_error = str(exc)
             if self.last_error != previous:

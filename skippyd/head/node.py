@@ -76,7 +76,7 @@ class HeadNode:
                               auth=cfg.link_auth)  # the shared link secret, if any (stage/access.py)
                 self.pool = LanePool(s1.host, s1.port, hello, capacity=cfg.lanes, credit_limit=cfg.credit_limit,
                                      connect_timeout=cfg.connect_timeout_s, reply_timeout=cfg.reply_timeout_s,
-                                     shape=cfg.link_shape)
+                                     wrap=cfg.link_shape.wrap)
                 self.watch = StageWatch(s1.host, s1.port, hello)
                 if len(topo.stages) >= 3 and cfg.direct_return:
                     self.hub = TokenReturnHub(hello, handshake_timeout=cfg.handshake_timeout_s,

@@ -19,6 +19,10 @@ between two conditioned daemons is delayed in both directions.
 The wrapper is put around a connection where it is made (:meth:`LinkShape.wrap`,
 given as ``wrap`` to whatever dials or accepts); the code that then sends and
 closes through it treats it as the stream itself.
+
+The transmit task runs on the event loop: a chunk that falls due while the
+loop computes a decode step inline leaves when that compute ends, at most one
+compute late (a few milliseconds on small models).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import trio
 from skippyd.wire.errors import PeerClosed
 from skippyd.wire.stream import send_buffer
 
-__all__ = ["LinkShape", "ShapedSendStream", "next_release", "shaped"]
+__all__ = ["LinkShape", "ShapedSendStream"]
 
 LINGER_S = 1.0  # closing a link lets what it queued arrive for this long (plus the delay), then drops it
 
@@ -136,8 +140,6 @@ class ShapedSendStream(trio.abc.SendStream):
         chunk = bytes(data)
         release_at = self._release_time(len(chunk), sent_at)
         self._send.send_nowait((release_at, chunk))
-        if not self._releases:
-            _travelling().add(self)
         self._releases.append(release_at)
         self._empty = trio.Event() if self._empty.is_set() else self._empty
         # no schedule point after queueing (as write_frame's direct send): every sender's loop waits on the
@@ -179,9 +181,7 @@ class ShapedSendStream(trio.abc.SendStream):
             await trio.aclose_forcefully(self.stream)
 
     def _forget_releases(self) -> None:
-        if self._releases:
-            self._releases.clear()
-            _travelling().discard(self)
+        self._releases.clear()
 
     # ---------------------------------------------------------------- the transmit task
     async def run(self) -> None:
@@ -202,7 +202,6 @@ class ShapedSendStream(trio.abc.SendStream):
                         if self._releases:  # (close() drops them: it can come between the last wait and the write)
                             self._releases.popleft()
                         if not self._releases:
-                            _travelling().discard(self)
                             self._empty.set()
         finally:
             if timer is not None:
@@ -210,29 +209,6 @@ class ShapedSendStream(trio.abc.SendStream):
             self._forget_releases()
             self._done.set()
             self._empty.set()
-
-
-# the conditioned links of a trio run with chunks still travelling (trio's clock differs between runs)
-_TRAVELLING: trio.lowlevel.RunVar = trio.lowlevel.RunVar("skippy_conditioned_links_travelling")
-
-
-def _travelling() -> set[ShapedSendStream]:
-    links = _TRAVELLING.get(None)
-    if links is None:
-        links = set()
-        _TRAVELLING.set(links)
-    return links
-
-
-def next_release() -> float:
-    """trio's time at which the next chunk travelling on any conditioned link of this run is to be handed to
-    its socket; inf if none is. Its transmit task runs on the event loop, so whatever blocks the loop then
-    (a decode batch computed inline) would delay the chunk where a real link would have delivered it."""
-    try:
-        links = _TRAVELLING.get(None)
-    except RuntimeError:  # not in a trio run: nothing travels
-        return math.inf
-    return min(link._releases[0] for link in links) if links else math.inf
 
 
 # trio's timers are as coarse as epoll's timeout, whole milliseconds rounded up: a sleep ends up to 1 ms
@@ -314,9 +290,3 @@ def _precise_timer() -> _TimerFd | None:
     if testing is not None and isinstance(trio.lowlevel.current_clock(), testing.MockClock):
         return None
     return _TimerFd.open()
-
-
-def shaped(stream: trio.abc.SendStream, shape: LinkShape | None,
-           nursery: trio.Nursery | None) -> trio.abc.SendStream:
-    """``stream`` itself, or a ShapedSendStream over it whose transmit task runs in ``nursery``."""
-    return stream if shape is None else shape.wrap(stream, nursery)

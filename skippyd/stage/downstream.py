@@ -25,7 +25,6 @@ from __future__ import annotations
 import select
 import time
 from collections.abc import Callable
-from typing import Any
 
 import trio
 
@@ -85,12 +84,10 @@ class DownstreamLink:
     async def connect(cls, host: str, port: int, hello: Hello, *, connect_timeout: float = 5.0,
                       credit_limit: int = 2, reply_timeout: float = 30.0, write_timeout: float = 10.0,
                       wrap: Callable[[trio.SocketStream, trio.Nursery | None], trio.abc.SendStream] | None = None,
-                      nursery: trio.Nursery | None = None, shape: Any = None) -> DownstreamLink:
+                      nursery: trio.Nursery | None = None) -> DownstreamLink:
         """Dial and handshake. ``wrap(stream, nursery)``: what frames after the handshake are sent through
         (default: the stream). With a ``nursery``, the reply deadline is kept by a task there (see
-        WaitWatch), not by a cancel scope per read. ``shape``: a LinkShape, as ``wrap=shape.wrap``."""
-        if wrap is None and shape is not None:
-            wrap = shape.wrap
+        WaitWatch), not by a cancel scope per read."""
         address = f"{host}:{port}"
         try:
             with trio.fail_after(connect_timeout):
