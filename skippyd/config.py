@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from skippyd.control.messages import Invalid, converter, structure_errors
+from skippyd.convert import Invalid, converter, structure_errors
 from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT
 
 CONFIG_NAME = "skippyd.toml"

@@ -14,9 +14,13 @@ import struct
 from typing import Any
 
 import attrs
-import cattrs
-from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 from cattrs.strategies import configure_tagged_union
+
+from skippyd.convert import Invalid, converter, structure_errors
+from skippyd.convert import show as _show
+from skippyd.sampling import SamplingParams
+
+_SAMPLING = SamplingParams()  # the defaults a request leaves out
 
 
 def _snake(cls: type) -> str:
@@ -54,16 +58,22 @@ class Generate:
     messages: list[dict[str, str]] = attrs.field(factory=list)
     raw: bool = False
     max_tokens: int = 256
-    temperature: float = attrs.field(default=0.0, validator=_float32)
-    top_k: int = attrs.field(default=0, validator=_int32)
-    top_p: float = attrs.field(default=1.0, validator=_float32)
-    min_p: float = attrs.field(default=0.0, validator=_float32)
-    repeat_penalty: float = attrs.field(default=1.0, validator=_positive_float32)
-    presence_penalty: float = attrs.field(default=0.0, validator=_float32)
-    frequency_penalty: float = attrs.field(default=0.0, validator=_float32)
-    seed: int | None = None
+    temperature: float = attrs.field(default=_SAMPLING.temperature, validator=_float32)
+    top_k: int = attrs.field(default=_SAMPLING.top_k, validator=_int32)
+    top_p: float = attrs.field(default=_SAMPLING.top_p, validator=_float32)
+    min_p: float = attrs.field(default=_SAMPLING.min_p, validator=_float32)
+    repeat_penalty: float = attrs.field(default=_SAMPLING.repeat_penalty, validator=_positive_float32)
+    presence_penalty: float = attrs.field(default=_SAMPLING.presence_penalty, validator=_float32)
+    frequency_penalty: float = attrs.field(default=_SAMPLING.frequency_penalty, validator=_float32)
+    seed: int | None = _SAMPLING.seed
     stop: list[str] = attrs.field(factory=list)
     stream: bool = True
+
+    def sampling(self) -> SamplingParams:
+        """Raises InvalidSampling (what the checks above cannot see: a seed beyond 32 bits, say)."""
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                              repeat_penalty=self.repeat_penalty, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, seed=self.seed)
 
 
 @attrs.frozen
@@ -146,51 +156,6 @@ class Error:
 
 Reply = Piece | Result | Data | Error
 
-class Invalid(ValueError):
-    """A value cattrs cannot take; the message is for people. `field` names the attribute when an attrs
-    validator raised it (cattrs reports those against the class, not the attribute)."""
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
-
-
-def _strict_int(value: Any, _type: type) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise Invalid(f"expected an integer, got {_show(value)}")
-    return value
-
-
-def _strict_float(value: Any, _type: type) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise Invalid(f"expected a number, got {_show(value)}")
-    return float(value)
-
-
-def _strict_str(value: Any, _type: type) -> str:
-    if not isinstance(value, str):
-        raise Invalid(f"expected a string, got {_show(value)}")
-    return value
-
-
-def _strict_bool(value: Any, _type: type) -> bool:
-    if not isinstance(value, bool):
-        raise Invalid(f"expected true or false, got {_show(value)}")
-    return value
-
-
-def _show(value: Any) -> str:
-    text = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-# The one converter of the project (control messages and the daemon's config).
-# Scalars are strict: "4" is not an integer, 1 is not a string, 0 is not false.
-converter = cattrs.Converter(forbid_extra_keys=True)
-converter.register_structure_hook(int, _strict_int)
-converter.register_structure_hook(float, _strict_float)
-converter.register_structure_hook(str, _strict_str)
-converter.register_structure_hook(bool, _strict_bool)
 configure_tagged_union(Request, converter, tag_generator=_snake, tag_name="type")
 configure_tagged_union(Reply, converter, tag_generator=_snake, tag_name="type")
 
@@ -220,29 +185,6 @@ def parse_request(text: str) -> Request:
     except Exception as exc:  # cattrs reports every bad field with its path
         detail = "; ".join(f"{path}: {why}" for path, why in structure_errors(exc, "$"))
         raise BadRequest(f"invalid {raw['type']} request: {detail}", request_id) from exc
-
-
-def structure_errors(exc: BaseException, path: str) -> list[tuple[str, str]]:
-    """Every problem cattrs found, as (path of the bad field, what is wrong with it)."""
-    if isinstance(exc, ClassValidationError):
-        with_notes, without = exc.group_exceptions()
-        out = [e for sub, note in with_notes for e in structure_errors(sub, f"{path}.{note.name}")]
-        return out + [e for sub in without for e in structure_errors(sub, path)]
-    if isinstance(exc, IterableValidationError):
-        with_notes, without = exc.group_exceptions()
-        out = [e for sub, note in with_notes for e in structure_errors(sub, f"{path}[{note.index}]")]
-        return out + [e for sub in without for e in structure_errors(sub, path)]
-    if isinstance(exc, ForbiddenExtraKeysError):
-        return [(f"{path}.{key}", "unknown key") for key in sorted(exc.extra_fields)]
-    if isinstance(exc, KeyError):
-        return [(path, "required field missing")]
-    if isinstance(exc, Invalid):
-        return [(f"{path}.{exc.field}" if exc.field else path, str(exc))]
-    if isinstance(exc, (TypeError, AttributeError)) and "items" in str(exc):
-        return [(path, "expected a mapping (object or table)")]
-    if isinstance(exc, TypeError) and "not iterable" in str(exc):
-        return [(path, "expected a list")]
-    return [(path, str(exc) or type(exc).__name__)]
 
 
 def dump(msg: Request | Reply) -> str:
