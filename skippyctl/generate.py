@@ -12,6 +12,9 @@ import typer
 from skippyctl.client import ControlError, open_control
 from skippyctl.render import EXIT_USAGE, fail, waiting_line
 from skippyd.control import messages as m
+from skippyd.sampling import SamplingParams
+
+_SAMPLING = SamplingParams()  # the defaults of every surface
 
 
 def generate(
@@ -20,10 +23,10 @@ def generate(
     system: Annotated[str | None, typer.Option("--system", help="A system message.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")] = 256,
-    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="0 = off.")] = 0,
-    top_p: Annotated[float, typer.Option("--top-p", help="1 = off.")] = 1.0,
-    seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed (reproducible runs).")] = None,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = _SAMPLING.temperature,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 = off.")] = _SAMPLING.top_k,
+    top_p: Annotated[float, typer.Option("--top-p", help="1 = off.")] = _SAMPLING.top_p,
+    seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed (reproducible runs).")] = _SAMPLING.seed,
     stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")] = None,
     json_mode: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
 ) -> None:

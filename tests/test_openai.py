@@ -554,7 +554,7 @@ async def test_fake_defaults_follow_openai():
     comp = Asgi(app, "POST", "/v1/completions/", {"model": "fake-model", "prompt": "x"})
     await comp.run()
     chat_req, comp_req = engine.requests
-    assert chat_req.max_tokens == 64 and chat_req.temperature == 1.0 and chat_req.seed is not None
+    assert chat_req.max_tokens == 64 and chat_req.sampling.temperature == 1.0 and chat_req.sampling.seed is not None
     assert comp_req.max_tokens == 16 and comp_req.raw
     assert chat_req.prompt_tokens == (1, 2, 3, 4, 5)  # tokenized once, by the app
     assert json.loads(chat.data)["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}

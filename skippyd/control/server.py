@@ -27,6 +27,7 @@ from skippyd.control.token import default_token_file, load_or_create_token
 from skippyd.head.engine import GenerationError, GenerationRequest
 from skippyd.head.piece_relay import ClientStalled, PieceRelay
 from skippyd.listening import explain_bind_errors
+from skippyd.sampling import InvalidSampling
 
 log = logging.getLogger("skippyd.control")
 
@@ -140,11 +141,13 @@ class ControlServer:
         if self.daemon.draining:
             raise GenerationError("the daemon is draining (shutting down): no new generations", retryable=True,
                                   status=503)
+        try:
+            sampling = req.sampling()
+        except InvalidSampling as exc:
+            raise GenerationError(f"sampling parameters: {exc}", status=400) from exc
         greq = GenerationRequest(
             prompt=req.prompt, system=req.system, messages=tuple(req.messages), raw=req.raw,
-            max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-            min_p=req.min_p, repeat_penalty=req.repeat_penalty, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, seed=req.seed, stop=tuple(req.stop))
+            max_tokens=req.max_tokens, sampling=sampling, stop=tuple(req.stop))
 
         if req.stream:
             result = await self._generate_streamed(greq, req.id, send)

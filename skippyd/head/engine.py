@@ -39,16 +39,11 @@ from skippyd.head.run import STOP_TIMEOUT_S, GenerationRun, HeadParts
 from skippyd.head.text_output import PieceCallback
 from skippyd.head.token_return import TokenReturnHub
 from skippyd.runtime import llama
+from skippyd.sampling import InvalidSampling, SamplingParams
 from skippyd.stage.scheduler import Scheduler
 from skippyd.stage.sessions import SessionTable
 from skippyd.telemetry import span
-from skippyd.wire.messages import (
-    DEFAULT_SEED,
-    StageStats,
-)
-from skippyd.wire.messages import (
-    SamplingParams as WireSampling,
-)
+from skippyd.wire.messages import StageStats
 
 __all__ = ["ACKED_DECODE_STEPS", "STOP_TIMEOUT_S", "GenerationError", "GenerationRequest", "GenerationResult",
            "HeadEngine", "LiveGeneration", "PieceCallback", "PromptTooLong", "QueueTimeout", "Receipt"]
@@ -64,23 +59,9 @@ class GenerationRequest:
     raw: bool = False
     prompt_tokens: tuple[int, ...] | None = None  # pre-tokenized prompt (tests, benchmarks)
     max_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-
-    def sampling(self) -> llama.SamplingParams:
-        return llama.SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-            repeat_penalty=self.repeat_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=self.seed, logit_bias=self.logit_bias)
 
 
 @attrs.define
@@ -201,22 +182,21 @@ class HeadEngine:
         """Check, admit and run one generation. Raises GenerationError: QueueTimeout when it found no place
         within the queue timeout."""
         started = time.perf_counter()
+        sampling = req.sampling
         try:
-            sampling = req.sampling()
             sampling.validate(self.model.n_vocab)
-        except llama.InvalidArgumentError as exc:
-            raise GenerationError(str(exc), status=400) from exc
+        except InvalidSampling as exc:
+            raise GenerationError(f"sampling parameters: {exc}", status=400) from exc
         if req.max_tokens < 1:
             raise GenerationError("max_tokens must be >= 1", status=400)
         prompt = self.prompt_tokens(req)
         max_tokens = min(req.max_tokens, self.context.n_ctx_seq - len(prompt))
-        wire_sampling = _wire_sampling(sampling) if self.pool is not None else None
         request_id = self.new_request_id()
         session_id = secrets.randbits(63)
         live = LiveGeneration(request_id, session_id, len(prompt), time.monotonic(), trio.CancelScope())
         self.live[session_id] = live
-        run = GenerationRun(self.parts, live, prompt, max_tokens, sampling, wire_sampling, req.stop, req.ignore_eos,
-                            on_piece, started)
+        run = GenerationRun(self.parts, live, prompt, max_tokens, sampling, req.stop, req.ignore_eos, on_piece,
+                            started)
         try:
             with live.cancel_scope, span("head.generation", request=request_id, session=session_id) as sp:
                 deadline = await self._admit()
@@ -293,10 +273,3 @@ class HeadEngine:
             except OSError as exc:
                 log.warning("head: cannot append receipt to %s: %s", self.receipts_file, exc)
 
-
-def _wire_sampling(p: llama.SamplingParams) -> WireSampling:
-    return WireSampling(
-        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, repeat_penalty=p.repeat_penalty,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        penalty_last_n=p.penalty_last_n, seed=DEFAULT_SEED if p.seed is None else p.seed,
-        logit_bias=p.logit_bias)

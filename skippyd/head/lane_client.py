@@ -38,6 +38,7 @@ from skippyd.head.lanes import Lane
 from skippyd.head.liveness import StageDown, StageWatch
 from skippyd.head.step_clock import StepClock
 from skippyd.head.token_return import LaneSpoke, ReturnLost, TokenReturnHub
+from skippyd.sampling import SamplingParams
 from skippyd.stage.downstream import DownstreamError
 from skippyd.telemetry import span
 from skippyd.wire.codec import decode_step_head
@@ -52,9 +53,6 @@ from skippyd.wire.messages import (
     PrefillChunk,
     StatsTotal,
     Stop,
-)
-from skippyd.wire.messages import (
-    SamplingParams as WireSampling,
 )
 from skippyd.wire.stream import PreparedFrame
 
@@ -141,7 +139,7 @@ class LaneClient:
         self._lane_watched: _PipelineFailures | None = None  # see _watched
 
     # ------------------------------------------------------------ configure
-    async def configure(self, sampling: WireSampling) -> LaneClient:
+    async def configure(self, sampling: SamplingParams) -> LaneClient:
         """Open the session down the lane, with direct token return if the pipeline offers it. Called on the
         RelayedLane made for a lane just checked out; returns the client for the rest of the attempt: this
         one, or a DirectLane."""

@@ -42,12 +42,12 @@ from skippyd.head.resume import ResumePolicy
 from skippyd.head.step_clock import StepClock
 from skippyd.head.text_output import PieceCallback, TextOutput
 from skippyd.runtime import llama
+from skippyd.sampling import SamplingParams
 from skippyd.stage.downstream import DownstreamError
 from skippyd.stage.scheduler import Job, Scheduler
 from skippyd.stage.sessions import SessionTable
 from skippyd.telemetry import span
 from skippyd.wire.messages import PrefillChunk, StageStats, StatsTotal
-from skippyd.wire.messages import SamplingParams as WireSampling
 from skippyd.wire.stream import PreparedFrame
 
 log = logging.getLogger("skippyd.head")
@@ -75,7 +75,7 @@ class GenerationRun:
     """The state of one generation while it runs (admitted: it holds one of the engine's places)."""
 
     def __init__(self, head: HeadParts, live: LiveGeneration, prompt: np.ndarray, max_tokens: int,
-                 sampling: llama.SamplingParams, wire_sampling: WireSampling | None, stops: tuple[str, ...],
+                 sampling: SamplingParams, stops: tuple[str, ...],
                  ignore_eos: bool, on_piece: PieceCallback | None, started: float):
         self.head, self.live = head, live
         self.scheduler = head.scheduler
@@ -87,7 +87,6 @@ class GenerationRun:
         self.max_tokens = max_tokens
         self.ignore_eos = ignore_eos  # end-of-generation tokens are generated like any other
         self.sampling = sampling
-        self.wire_sampling = wire_sampling  # what ConfigureGeneration carries (None: single stage)
         self.started = started
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
@@ -162,7 +161,7 @@ class GenerationRun:
         self.lane = RelayedLane(lane, head.lane_services, session_id=self.live.session_id,
                                 request_id=self.live.request_id, wire_request_id=self.wire_request_id,
                                 stats=self._stats, clock=self.clock, acked_steps=self.acked_steps)
-        self.lane = await self.lane.configure(self.wire_sampling)
+        self.lane = await self.lane.configure(self.sampling)
         if self.position:  # a replay: recompute the head's hidden states from position 0, as the first time
             seq = self.session.seq
             await head.scheduler.run_kv(lambda: head.context.kv_clear_seq(seq))

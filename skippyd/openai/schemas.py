@@ -28,6 +28,7 @@ import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
 from skippyd.head.engine import GenerationRequest
+from skippyd.sampling import InvalidSampling, SamplingParams
 
 MAX_STOPS = 16
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -124,12 +125,16 @@ class _Sampling:
             seed = secrets.randbits(32) if temperature > 0 else None
         else:
             seed %= 2**32
-        return dict(
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-            temperature=temperature, top_p=top_p, top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0, repeat_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty,
-            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            seed=seed, logit_bias=_logit_bias(self.logit_bias, n_vocab), stop=_stops(self.stop))
+        try:
+            sampling = SamplingParams(
+                temperature=temperature, top_p=top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
+                repeat_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty,
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                seed=seed, logit_bias=_logit_bias(self.logit_bias, n_vocab))
+        except InvalidSampling as exc:
+            raise BadParameter(str(exc), exc.field) from exc
+        return dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens, sampling=sampling,
+                    stop=_stops(self.stop))
 
     def _max_tokens_param(self) -> str:
         return "max_tokens"

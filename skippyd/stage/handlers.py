@@ -45,7 +45,6 @@ from skippyd.stage.token_return import TokenReturnLost
 from skippyd.telemetry import span
 from skippyd.wire.codec import REPLY_COMPUTE_US_AT, decode_step_head, frame_bytes
 from skippyd.wire.messages import (
-    DEFAULT_SEED,
     NO_STATS,
     TRUSTED,
     Ack,
@@ -64,7 +63,6 @@ from skippyd.wire.messages import (
     merge,
     with_stats,
 )
-from skippyd.wire.messages import SamplingParams as WireSampling
 from skippyd.wire.stream import PreparedFrame, write_frame
 
 log = logging.getLogger("skippyd.stage")
@@ -81,21 +79,6 @@ class RequestFailed(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-
-
-def runtime_sampling(wire: WireSampling) -> llama.SamplingParams:
-    return llama.SamplingParams(
-        temperature=wire.temperature,
-        top_k=max(0, wire.top_k),
-        top_p=wire.top_p if 0.0 < wire.top_p <= 1.0 else 1.0,
-        min_p=min(max(wire.min_p, 0.0), 1.0),
-        repeat_penalty=wire.repeat_penalty,
-        presence_penalty=wire.presence_penalty,
-        frequency_penalty=wire.frequency_penalty,
-        penalty_last_n=wire.penalty_last_n,
-        seed=None if wire.seed == DEFAULT_SEED else wire.seed,
-        logit_bias=wire.logit_bias,
-    )
 
 
 def returns_only(msg) -> bool:
@@ -339,15 +322,14 @@ class FinalStage(StageHandlers):
             await self._check_direct_return(session)
         session.direct_return = msg.direct_return
         session.answer = self.on_return if msg.direct_return else self.on_lane
-        params = runtime_sampling(msg.sampling)
         if session.sampler is not None:
             session.sampler.close()
             session.sampler = None
         try:
-            if not params.is_plain_greedy:
-                session.sampler = llama.Sampler(self.core.model, params)
-        except llama.InvalidArgumentError as exc:
-            raise RequestFailed(ErrorCode.INTERNAL, str(exc)) from exc
+            if not msg.sampling.is_plain_greedy:
+                session.sampler = llama.Sampler(self.core.model, msg.sampling)
+        except llama.InvalidArgumentError as exc:  # the head checks them: a peer of another make sent these
+            raise RequestFailed(ErrorCode.BAD_VALUE, str(exc)) from exc
         await self.reply(Ack(msg.request_id, msg.session_id, stats=self._own_stats()))
 
     async def on_ping(self, msg: Ping) -> None:
