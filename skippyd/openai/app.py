@@ -25,7 +25,8 @@ import json
 import logging
 import secrets
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import attrs
 import trio
@@ -33,7 +34,8 @@ import trio
 from skippyd.head.engine import GenerationError, GenerationRequest, GenerationResult, PromptTooLong, QueueTimeout
 from skippyd.head.piece_relay import ClientStalled, PieceRelay
 from skippyd.openai import schemas
-from skippyd.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
+from skippyd.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from skippyd.openai.metrics import Metrics
 from skippyd.runtime.llama import LlamaError
 from skippyd.telemetry import span
 
@@ -401,7 +403,7 @@ class OpenAIApp:
                 async def relay_pieces() -> None:
                     try:
                         await relay.run()
-                    except Exception as exc:  # noqa: BLE001 - the client is gone: so is its generation
+                    except Exception as exc:  # the client is gone: so is its generation
                         log.info("openai: request %s: streaming failed (%s); cancelling it", ex.id, exc)
                         nursery.cancel_scope.cancel()
 
