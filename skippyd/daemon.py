@@ -222,6 +222,8 @@ class Daemon:
         self.draining = True
         for stage in self.stages:
             stage.begin_drain()  # new sessions from upstream are refused (SHUTTING_DOWN), running ones go on
+        if self.head is not None and self.head.engine is not None:
+            self.head.engine.begin_drain()
         if self.head is not None and self.head.pool is not None:
             await self.head.pool.drain()
         last = None

@@ -30,7 +30,7 @@ import trio
 
 from skippyd.head.admission import AdmissionGate
 from skippyd.head.chunking import PrefillChunker
-from skippyd.head.errors import GenerationError, PromptTooLong, QueueTimeout
+from skippyd.head.errors import Draining, GenerationError, PromptTooLong, QueueTimeout
 from skippyd.head.lane_client import ACKED_DECODE_STEPS, LaneServices, TokenPaths
 from skippyd.head.lanes import LanePool
 from skippyd.head.live import LiveGeneration
@@ -45,8 +45,9 @@ from skippyd.stage.sessions import SessionTable
 from skippyd.telemetry import span
 from skippyd.wire.messages import StageStats
 
-__all__ = ["ACKED_DECODE_STEPS", "STOP_TIMEOUT_S", "GenerationError", "GenerationRequest", "GenerationResult",
-           "HeadEngine", "LiveGeneration", "PieceCallback", "PromptTooLong", "QueueTimeout", "Receipt"]
+__all__ = ["ACKED_DECODE_STEPS", "STOP_TIMEOUT_S", "Draining", "GenerationError", "GenerationRequest",
+           "GenerationResult", "HeadEngine", "LiveGeneration", "PieceCallback", "PromptTooLong", "QueueTimeout",
+           "Receipt"]
 
 log = logging.getLogger("skippyd.head")
 
@@ -234,6 +235,10 @@ class HeadEngine:
 
     def new_request_id(self) -> int:
         return next(self._request_ids)
+
+    def begin_drain(self) -> None:
+        """Take no new generation, those waiting for a place included; running ones go on."""
+        self.gate.close("the daemon is draining: no new generations")
 
     def kill(self, session_id: int, why: str) -> bool:
         """Cancel the generation; it ends through its normal cleanup, "cancelled", with `why` as its error."""

@@ -31,6 +31,13 @@ class QueueTimeout(GenerationError):
         super().__init__(message, retryable=True, status=503)
 
 
+class Draining(GenerationError):
+    """The daemon is draining: it takes no new generation (those waiting for a place included)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, retryable=True, status=503)
+
+
 # stage errors worth retrying shortly: a full or draining stage, or one further down that died or hung
 _RETRYABLE = (ErrorCode.NO_CAPACITY, ErrorCode.SHUTTING_DOWN, ErrorCode.DOWNSTREAM_FAILED)
 # ... of which a stage further down failed (died, hung, cut off)

@@ -31,7 +31,14 @@ from typing import Any
 import attrs
 import trio
 
-from skippyd.head.engine import GenerationError, GenerationRequest, GenerationResult, PromptTooLong, QueueTimeout
+from skippyd.head.engine import (
+    Draining,
+    GenerationError,
+    GenerationRequest,
+    GenerationResult,
+    PromptTooLong,
+    QueueTimeout,
+)
 from skippyd.head.piece_relay import ClientStalled, PieceRelay
 from skippyd.openai import schemas
 from skippyd.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -67,6 +74,8 @@ class ApiError(Exception):
     def from_generation(cls, exc: GenerationError) -> ApiError:
         if isinstance(exc, QueueTimeout):
             return cls(503, str(exc), code="no_lane", retry_after=RETRY_AFTER_S)
+        if isinstance(exc, Draining):
+            return cls(503, "the server is draining: no new generations", code="draining", retry_after=RETRY_AFTER_S)
         if exc.status == 400:
             return cls(400, str(exc), code="context_length_exceeded" if "context" in str(exc) else "invalid_value")
         status = exc.status if exc.status >= 500 else 500
