@@ -62,7 +62,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--thread-poll", type=int, default=0,
                     help="each context's ggml thread pool polls this long before sleeping, as skippyd's "
-                         "--thread-poll (default 0, skippyd's default); -1: llama.cpp's threads per graph")
+                         "runtime.thread_poll (default 0, skippyd's default); -1: llama.cpp's threads per graph")
     ap.add_argument("--prompt-tokens", type=int, default=500)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")

@@ -40,7 +40,7 @@ With ``--delay-ms D`` (default 10; 0 skips it) the 2- and 3-stage pipelines
 run again with D ms one-way delay on every link and the time per output
 token is set against compute + the one-way delays around the loop + 1.5 ms
 (2 stages: 2 links; 3 stages with direct return: 3, not 4); and once more
-each with ``keep_warm_ms`` (``--keep-warm-ms``, default 100; 0 skips them): cores left idle
+each with ``runtime.keep_warm_ms`` (this script's ``--keep-warm-ms``, default 100; 0 skips them): cores left idle
 between a stage's steps compute the next one more slowly, and the ratio of
 the time per token kept warm to not is what that option gives.
 

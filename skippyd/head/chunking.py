@@ -11,7 +11,7 @@ i is on the wire or on stage k+1. Two costs pull the chunk size apart:
   with nothing to do. Covering the round trip needs
   ``chunk >= round_trip / (credit * compute_per_token)``.
 
-The configured chunk (``--prefill-chunk``) is the floor, what a fast link
+The configured chunk (``runtime.prefill_chunk``) is the floor, what a fast link
 gets; on a slow link the chunk grows to cover its round trip (with a
 quarter to spare), up to the batch size. The head measures both inputs as
 it goes: its own compute per prompt token (prefill), and the round trip of

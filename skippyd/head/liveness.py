@@ -1,6 +1,6 @@
 """Is stage 1 alive? Pings while a generation waits on it, and the up/down state ``status`` shows.
 
-The reply deadline (``--reply-timeout``, 30 s by default) must leave room
+The reply deadline (``runtime.reply_timeout``, 30 s by default) must leave room
 for a slow compute, so it cannot tell a busy stage from a hung one within
 seconds. A stage computes in a worker thread while its event loop keeps
 serving the network, so an alive stage answers a Ping at once, however long

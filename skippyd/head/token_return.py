@@ -73,7 +73,7 @@ class TokenReturnHub:
         if not prediction_timeout > 0:
             raise ValueError(f"prediction_timeout must be > 0, got {prediction_timeout!r}")
         self.hello = attrs.evolve(hello, role=Role.TOKEN_RETURN)
-        self.prediction_timeout = prediction_timeout  # a session's wait for its prediction (--reply-timeout)
+        self.prediction_timeout = prediction_timeout  # a session's wait for its prediction (runtime.reply_timeout)
         self.allow = allow  # who may connect (the final stage's host by default; see stage/access.py)
         self.handshake_timeout = handshake_timeout
         self.read_deadline = read_deadline

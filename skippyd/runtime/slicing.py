@@ -1,7 +1,7 @@
 """Cut a GGUF model into stage files ("slices") by contiguous layer ranges.
 
 A stage file for layers [a, b) is a complete GGUF model that libllama loads
-as is (see native-spike.md §1):
+as is:
 
 * every metadata key of the source, except `{arch}.block_count = b - a` and
   per-layer `{arch}.*` arrays cut to [a:b];

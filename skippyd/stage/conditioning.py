@@ -1,7 +1,7 @@
 """Link conditioning: a fixed one-way delay and a bandwidth cap on what a daemon sends.
 
 For tests and benchmarks: WAN behaviour measured on one machine
-(``skippyd --link-delay-ms``, ``--link-mbps``). A conditioned connection
+(``stage.link_delay_ms``, ``stage.link_mbps``). A conditioned connection
 sends through a :class:`ShapedSendStream`: ``send_all`` returns at once (the
 bytes are "on the wire"), and the connection's transmit task hands each
 chunk to the socket when it would arrive at the peer:

@@ -98,4 +98,4 @@ class StageCore:
             return f"no connection to the head at {link.address}: {link.last_error or 'retrying later'}"
         if self.n_stages < 3:
             return "the pipeline has fewer than three stages"
-        return "turned off on this stage (--no-direct-return)"
+        return "turned off on this stage (runtime.direct_return = false)"

@@ -237,7 +237,7 @@ class Execution:
                     native, native_cpu = time.perf_counter(), time.thread_time()
                     if out is not None and (ctx.hidden_output or job.want_token):
                         # the frame leaves (and the host lock is released) as the compute ends, before the Python
-                        # below: the next stage's wake-up and compute no longer wait for it
+                        # below: the next stage's wake-up and compute do not wait for it
                         lock_fd = self.host_lock.fd if self.host_lock is not None else -1
                         inputs = {"token": int(job.tokens[0])} if ctx.token_input else {"embd": job.embd}
                         handed = True  # the call releases the lock, whatever its result
