@@ -57,9 +57,8 @@ def _ephemeral_low() -> int:
 def free_ports(n: int) -> list[int]:
     """`n` distinct ports free on 127.0.0.1 now, for daemons to listen on later. Below the kernel's ephemeral
     range: a port bind(0) picks comes from that range, where the outgoing connections of daemons started
-    meanwhile take their local ports, and a daemon started later found its port taken ("Address already
-    in use", seen when a benchmark split three pipelines before starting them one by one). Never a port it
-    handed out before in this run (seen: stage 2's control port was stage 0's listener in the topology)."""
+    meanwhile take their local ports, and a daemon started later would find its port taken. Never a port it
+    handed out before in this run (two daemons of one test must not share one)."""
     low = min(_ephemeral_low(), 65536)
     ports: list[int] = []
     with _handing_out:

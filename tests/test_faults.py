@@ -327,7 +327,7 @@ STOPS = [(2, 1), (3, 1), (3, 2)]
 
 @pytest.mark.parametrize(("n", "victim"), STOPS, ids=[f"{n}stage-stop{k}" for n, k in STOPS])
 async def test_sigstop_mid_decode(pipes, n, victim):
-    """A hung stage (SIGSTOP) is detected by the reply deadline (--reply-timeout 2), then SIGCONT heals it."""
+    """A hung stage (SIGSTOP) is detected by the reply deadline (reply_timeout 2), then SIGCONT heals it."""
     pipe = await pipes.get(n)
     d = pipe.stages[victim]
     with trio.fail_after(60):
@@ -346,7 +346,7 @@ async def test_sigstop_mid_decode(pipes, n, victim):
         check_clean_error(s, victim)
         release_s, state = await released(pipe, resumed)  # the stopped stage frees its sessions once it runs
         await works_again(pipe)
-    REPORT.append(Row(f"{n}-stage SIGSTOP stage {victim} mid-decode (--reply-timeout 2), SIGCONT after",
+    REPORT.append(Row(f"{n}-stage SIGSTOP stage {victim} mid-decode (reply_timeout 2), SIGCONT after",
                       detection, describe_error(s.error, s.retryable), state + " (after SIGCONT); generation OK",
                       release_s))
     assert detection < REPLY_TIMEOUT_S + 0.5
@@ -402,7 +402,7 @@ async def test_sigstop_default_reply_timeout_detected_within_2s(pipe2_default_ti
         release_s, state = await released(pipe, time.monotonic())
         await works_again(pipe)
     after = describe_error(s.error, s.retryable) if s.error else f"completed ({s.result['finish_reason']})"
-    REPORT.append(Row("2-stage SIGSTOP stage 1 mid-decode (default --reply-timeout 30), SIGCONT after 3 s",
+    REPORT.append(Row("2-stage SIGSTOP stage 1 mid-decode (default reply_timeout 30), SIGCONT after 3 s",
                       s.ended_at - injected if detected else None,
                       after if detected else f"not detected within {DETECT_S + 1:g} s; after SIGCONT: {after}",
                       state + "; generation OK", release_s))

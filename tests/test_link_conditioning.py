@@ -1,4 +1,4 @@
-"""Link conditioning (`--link-delay-ms`, `--link-mbps`): a fixed one-way delay and a bandwidth cap.
+"""Link conditioning (`stage.link_delay_ms`, `stage.link_mbps`): a fixed one-way delay and a bandwidth cap.
 
 In-process: the conditioned send stream on trio's memory streams and
 autojump clock (exact times, no waiting): each chunk arrives `delay` after it

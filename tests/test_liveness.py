@@ -1,4 +1,4 @@
-"""Stage 1's liveness as the head sees it, against real skippyd processes (default --reply-timeout, 30 s).
+"""Stage 1's liveness as the head sees it, against real skippyd processes (default runtime.reply_timeout, 30 s).
 
 A hung stage 1 (SIGSTOP) fails the running generation within 2 s, is shown
 down in `status`, and new generations are refused with a retryable error
@@ -86,8 +86,9 @@ async def test_hung_stage_is_down_in_status_and_new_work_is_refused_until_it_ans
 
 
 async def test_a_busy_stage_answers_pings_and_is_not_taken_for_a_hung_one(pipe):
-    """A 1000-token prefill chunk: stage 1 computes for seconds while the head waits (and pings). (3000
-    tokens took stage 1 over the 30 s reply deadline on a slower VM: the test is about pings, not speed.)"""
+    """A 1000-token prefill chunk: stage 1 computes for seconds while the head waits (and pings). (The
+    test is about pings, not speed: the chunk is small enough for a slow host to finish within the reply
+    deadline.)"""
     before = await downstream(pipe)  # (the head may have checked before stage 1 listened: a failed check)
     with trio.fail_after(120):
         got = await pipe.generate(prompt="word" + " word" * 999, raw=True, max_tokens=4)

@@ -40,7 +40,7 @@ LONG_PROMPT = ("In the beginning the universe was created. This has made a lot o
                "mistake in coming down from the trees in the first place. And some said that even the trees "
                "had been a bad move, and that no one should ever have left the oceans.")
 CHUNK = 16
-RELEASE_S = 2.0  # the issue's bound: every stage releases within 2 seconds
+RELEASE_S = 2.0  # every stage releases within 2 seconds
 
 
 def _start(model_path, n_stages: int, tmp_path_factory, name: str, *, config: dict | None = None) -> Pipeline:

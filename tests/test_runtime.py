@@ -34,8 +34,7 @@ from tests.local_pipeline import LocalPipeline
 
 PARAMS = ContextParams(n_ctx_per_seq=1024, n_seq_max=4, n_batch=512, n_ubatch=512, n_threads=2)
 POEM = "Write a short poem about the sea, then explain what a lighthouse does."
-# Greedy continuation of the chat-templated POEM prompt, as measured by the
-# feasibility study with the unsplit model (native-spike.md, section 5).
+# Greedy continuation of the chat-templated POEM prompt: the greedy tokens of the unsplit model.
 POEM_REFERENCE = [504, 3426, 28, 253, 4749, 284, 11965, 7815, 28, 837, 260, 6177, 282, 260, 905, 359,
                   2042, 29, 16845, 30, 533, 260, 16862, 282, 260, 453, 33334, 28, 837, 260, 13226, 314]
 
