@@ -248,6 +248,7 @@ def tiny_split3(tiny_model_path, tmp_path_factory):
     return work / "topology.toml"
 
 
+@pytest.mark.slow  # real daemon processes
 async def test_two_stages_with_delay_pay_two_one_way_delays_per_token(tiny_model_path, tmp_path):
     split_for_test(tiny_model_path, 2, tmp_path)
     pipe = await trio.to_thread.run_sync(_pipeline, tmp_path / "topology.toml", tmp_path)
@@ -267,6 +268,7 @@ async def test_two_stages_with_delay_pay_two_one_way_delays_per_token(tiny_model
     assert head["token_return"]["relayed"] > 0
 
 
+@pytest.mark.slow  # real daemon processes
 async def test_three_stages_direct_return_saves_one_delay_per_token(tiny_split3, tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "r").mkdir()

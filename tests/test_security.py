@@ -267,6 +267,7 @@ async def ping(pipe: Pipeline, hello: Hello) -> None:
         await link.aclose()
 
 
+@pytest.mark.slow  # real daemon processes
 async def test_stage_refuses_addresses_its_allow_list_does_not_name(tiny_model_small_vocab_path, tmp_path):
     split_for_test(tiny_model_small_vocab_path, 2, tmp_path)
     pipe = Pipeline(tmp_path / "topology.toml", tmp_path, extra=["--upstream-allow", "192.0.2.1,198.51.100.0/24"])
@@ -284,6 +285,7 @@ async def test_stage_refuses_addresses_its_allow_list_does_not_name(tiny_model_s
     assert codes == {1: 0}
 
 
+@pytest.mark.slow  # real daemon processes
 async def test_default_allow_list_admits_the_loopback_topology_and_status_names_listeners(
         tiny_model_small_vocab_path, tmp_path):
     split_for_test(tiny_model_small_vocab_path, 2, tmp_path)
@@ -304,6 +306,7 @@ async def test_default_allow_list_admits_the_loopback_topology_and_status_names_
     assert all(c == 0 for c in codes.values()), codes
 
 
+@pytest.mark.slow  # real daemon processes
 async def test_head_refuses_a_token_return_connection_from_elsewhere(tiny_model_small_vocab_path, tmp_path):
     """The head's token-return listener takes only the final stage's host: from anywhere else a peer that
     passed the handshake could inject tokens into running generations. Refused, the final stage falls back to
@@ -326,6 +329,7 @@ async def test_head_refuses_a_token_return_connection_from_elsewhere(tiny_model_
     assert all(c == 0 for c in codes.values()), codes
 
 
+@pytest.mark.slow  # real daemon processes
 async def test_pipeline_with_a_link_secret(tiny_model_small_vocab_path, tmp_path):
     """Every daemon holds the secret: lanes (and status probes) work; a dialer without it, or with
     another, is refused with "authentication failed"."""
@@ -374,6 +378,7 @@ def test_units_run_unprivileged_and_confined(name):
 
 
 # ---------------------------------------------------------------------------- a handshake flood
+@pytest.mark.slow  # real daemon processes
 async def test_connections_beyond_max_handshakes_are_closed_at_once(tiny_model_small_vocab_path, tmp_path, nursery):
     """Silent connections fill the handshake slots; the next ones are closed unheard; once the silent ones
     time out, a real upstream is accepted again."""
