@@ -405,6 +405,9 @@ class FakeEngine:
     def prompt_tokens(self, req):
         return np.arange(1, 6, dtype=np.int32)
 
+    def begin_drain(self) -> None:
+        self.gate.close("the daemon is draining: no new generations")
+
     async def generate(self, req, on_piece=None):
         self.requests.append(req)
         await self.gate.enter()
