@@ -86,10 +86,9 @@ def fake_daemon():
 def test_daemon_state_is_read_at_scrape_time():
     daemon = fake_daemon()
     m = Metrics(daemon)
-    m.http_waiting = 2
     s = samples(m)
     assert s[("skippy_live_generations", (("state", "decode"),))] == 2
-    assert s[("skippy_queue_depth", ())] == 3  # one queued in the engine, two waiting in the HTTP app
+    assert s[("skippy_queue_depth", ())] == 1  # every request, HTTP or control, waits at the engine's gate
     assert s[("skippy_lanes", (("state", "busy"),))] == 2
     assert s[("skippy_lanes", (("state", "idle"),))] == 1
     assert s[("skippy_lanes", (("state", "unopened"),))] == 1

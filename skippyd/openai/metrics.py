@@ -38,7 +38,6 @@ _MS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0)
 class Metrics:
     def __init__(self, daemon: Any = None):
         self.registry = CollectorRegistry(auto_describe=True)
-        self.http_waiting = 0  # HTTP requests waiting for a free lane (the app keeps it)
         r = self.registry
         self.requests = Counter("skippy_http_requests", "HTTP requests by endpoint and status "
                                 "(499: the client went away before the answer was complete)",
@@ -140,7 +139,7 @@ class _DaemonCollector(Collector):
                 g.add_metric([state], n)
             yield g
             yield GaugeMetricFamily("skippy_queue_depth", "Generations waiting for a lane or a slot",
-                                    value=states["queued"] + self.metrics.http_waiting)
+                                    value=states["queued"])
             totals = getattr(engine, "totals", {})
             c = CounterMetricFamily("skippy_head_generations", "Generations the head engine ran, all sources "
                                     "(errors included)", labels=["outcome"])
