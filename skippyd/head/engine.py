@@ -58,7 +58,7 @@ class GenerationRequest:
     messages: tuple[dict, ...] = ()  # chat messages ({role, content}); wins over prompt
     system: str | None = None
     raw: bool = False
-    prompt_tokens: tuple[int, ...] | None = None  # pre-tokenized prompt (tests, benchmarks)
+    prompt_tokens: tuple[int, ...] | None = None  # the prompt as token ids (a completion may send them)
     max_tokens: int = 256
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
