@@ -24,7 +24,7 @@ import pytest
 import trio
 
 from skippyctl.client import ControlError
-from skippyd.head.engine import ACKED_DECODE_STEPS
+from skippyd.head.lane_client import ACKED_DECODE_STEPS
 from skippyd.head.token_return import ReturnLost, TokenReturnHub
 from skippyd.runtime.llama import ContextParams
 from skippyd.stage.downstream import DownstreamError, DownstreamLink

@@ -38,7 +38,7 @@ import trio
 
 from skippyctl.client import ControlError, open_control
 from skippyd.control import messages as m
-from skippyd.head.engine import ACKED_DECODE_STEPS
+from skippyd.head.lane_client import ACKED_DECODE_STEPS
 from tests.procs import Daemon, Pipeline, retarget, split_for_test
 
 pytestmark = pytest.mark.slow  # real daemon processes killed and stopped

@@ -31,11 +31,11 @@ import trio
 from skippyd.head.admission import AdmissionGate
 from skippyd.head.chunking import PrefillChunker
 from skippyd.head.errors import Draining, GenerationError, PromptTooLong, QueueTimeout
-from skippyd.head.lane_client import ACKED_DECODE_STEPS, LaneServices, TokenPaths
+from skippyd.head.lane_client import LaneServices, TokenPaths
 from skippyd.head.lanes import LanePool
 from skippyd.head.live import LiveGeneration
 from skippyd.head.liveness import StageWatch
-from skippyd.head.run import STOP_TIMEOUT_S, GenerationRun, HeadParts
+from skippyd.head.run import GenerationRun, HeadParts
 from skippyd.head.text_output import PieceCallback
 from skippyd.head.token_return import TokenReturnHub
 from skippyd.runtime import llama
@@ -45,9 +45,8 @@ from skippyd.stage.sessions import SessionTable
 from skippyd.telemetry import span
 from skippyd.wire.messages import StageStats
 
-__all__ = ["ACKED_DECODE_STEPS", "STOP_TIMEOUT_S", "Draining", "GenerationError", "GenerationRequest",
-           "GenerationResult", "HeadEngine", "LiveGeneration", "PieceCallback", "PromptTooLong", "QueueTimeout",
-           "Receipt"]
+__all__ = ["Draining", "GenerationError", "GenerationRequest", "GenerationResult", "HeadEngine", "LiveGeneration",
+           "PieceCallback", "PromptTooLong", "QueueTimeout", "Receipt"]
 
 log = logging.getLogger("skippyd.head")
 

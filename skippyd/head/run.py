@@ -44,7 +44,8 @@ from skippyd.head.text_output import PieceCallback, TextOutput
 from skippyd.runtime import llama
 from skippyd.sampling import SamplingParams
 from skippyd.stage.downstream import DownstreamError
-from skippyd.stage.scheduler import Job, Scheduler
+from skippyd.stage.execution import Job
+from skippyd.stage.scheduler import Scheduler
 from skippyd.stage.sessions import SessionTable
 from skippyd.telemetry import span
 from skippyd.wire.messages import PrefillChunk, StageStats, StatsTotal

@@ -1,10 +1,10 @@
-"""The head's decode steps as the HotPath counts them (see :class:`skippyd.stage.scheduler.HotPath`)."""
+"""The head's decode steps as the HotPath counts them (see :class:`skippyd.stage.execution.HotPath`)."""
 
 from __future__ import annotations
 
 import time
 
-from skippyd.stage.scheduler import HotPath
+from skippyd.stage.execution import HotPath
 
 
 class StepClock:

@@ -39,7 +39,7 @@ import trio
 
 from skippyd.runtime import llama
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
-from skippyd.stage.scheduler import Job
+from skippyd.stage.execution import Job
 from skippyd.stage.sessions import NoFreeSlot, StageSession
 from skippyd.stage.token_return import TokenReturnLost
 from skippyd.telemetry import span

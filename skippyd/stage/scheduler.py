@@ -29,8 +29,6 @@ from skippyd.stage.execution import Execution, HotPath, Job, SchedulerStats
 from skippyd.stage.host_lock import HostComputeLock
 from skippyd.stage.threads import ThreadChooser, usable_cores
 
-__all__ = ["HotPath", "Job", "Scheduler", "SchedulerStats"]
-
 log = logging.getLogger(__name__)
 
 
