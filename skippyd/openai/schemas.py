@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import secrets
-import struct
 from typing import Any
 
 import attrs
@@ -111,11 +110,6 @@ class _Sampling:
         _in_range(self.min_p, 0.0, 1.0, "min_p")
         if self.top_k is not None and self.top_k < 0:
             raise BadParameter(f"{self.top_k} is less than the minimum of 0", "top_k")
-        if self.top_k is not None and self.top_k > INT32_MAX:
-            raise BadParameter(f"{self.top_k} is greater than the maximum of {INT32_MAX}", "top_k")
-        # sampling parameters travel between stages as float32: the value must still be > 0 there
-        if self.repeat_penalty is not None and not 0 < _as_float32(self.repeat_penalty) <= FLOAT32_MAX:
-            raise BadParameter("repeat_penalty must be > 0 and at most 3.4e38 (a float32)", "repeat_penalty")
         temperature = 1.0 if self.temperature is None else self.temperature
         top_p = 1.0 if self.top_p is None else self.top_p
         if top_p == 0.0:  # keep only the most likely token: greedy
@@ -131,6 +125,7 @@ class _Sampling:
                 repeat_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty,
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 seed=seed, logit_bias=_logit_bias(self.logit_bias, n_vocab))
+            sampling.validate(n_vocab)  # what travels as float32 / int32 must still be in range there
         except InvalidSampling as exc:
             raise BadParameter(str(exc), exc.field) from exc
         return dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens, sampling=sampling,
@@ -215,17 +210,6 @@ class CompletionRequest(_Sampling):
 
 
 # ---------------------------------------------------------------- value checks
-FLOAT32_MAX = 3.4028234663852886e38
-INT32_MAX = 2**31 - 1
-
-
-def _as_float32(value: float) -> float:
-    """`value` rounded to a float32 (inf past its range)."""
-    if abs(value) > FLOAT32_MAX:
-        return math.copysign(math.inf, value)
-    return struct.unpack("<f", struct.pack("<f", value))[0]
-
-
 def _in_range(value: float | None, lo: float, hi: float, param: str) -> None:
     if value is None:
         return
