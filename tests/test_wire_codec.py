@@ -17,6 +17,7 @@ from skippyd.wire.codec import (
     MESSAGE_HEADER_SIZE,
     PREFIX_SIZE,
     REPLY_HEADER_SIZE,
+    decode_body,
     decode_frame,
     decode_step_head,
     encode_frame,
@@ -32,10 +33,14 @@ from skippyd.wire.handshake import check_hello
 from skippyd.wire.messages import (
     DEFAULT_LIMITS,
     MAX_ACTIVATION_BYTES,
+    MAX_CACHE_REPORT_STAGES,
     MAX_LOGIT_BIAS,
     MAX_TOKENS,
     PROTOCOL_VERSION,
     Ack,
+    CacheQuery,
+    CacheReport,
+    CacheStats,
     ConfigureGeneration,
     DecodeStep,
     ErrorCode,
@@ -49,7 +54,9 @@ from skippyd.wire.messages import (
     PredictedToken,
     PredictedTokens,
     PrefillChunk,
+    PrefixRestored,
     ReplyKind,
+    RestorePrefix,
     Role,
     SamplingParams,
     StageStats,
@@ -59,6 +66,7 @@ from skippyd.wire.messages import (
     VerifyWindow,
     merge,
     merge_all,
+    with_stats,
 )
 
 FP = bytes(range(32))
@@ -118,6 +126,8 @@ def messages(n_embd: int):
         st.builds(TrimSession, ids, ids, positions),
         st.builds(Stop, ids, ids),
         st.builds(Ping, ids),
+        st.builds(RestorePrefix, ids, ids, token_arrays(1, 16)),
+        st.builds(CacheQuery, ids, st.booleans()),
     )
 
 
@@ -128,11 +138,15 @@ stage_stats = st.builds(
     st.integers(0, 2**32 - 1),
 )
 
+cache_stats = st.builds(CacheStats, st.integers(0, 2**32 - 1), *[ids] * 9)
+
 replies = st.one_of(
     st.builds(Ack, ids, ids, stage_stats),
     st.builds(PredictedToken, ids, ids, token_ids, stage_stats),
     st.builds(PredictedTokens, ids, ids, token_arrays(0, 32), stage_stats),
     st.builds(ErrorReply, ids, ids, st.sampled_from(ErrorCode), st.text(max_size=100), stage_stats),
+    st.builds(PrefixRestored, ids, ids, st.integers(0, 2**32 - 1), stage_stats),
+    st.builds(CacheReport, ids, ids, st.lists(cache_stats, max_size=6), stage_stats),
 )
 
 hellos = st.builds(
@@ -255,6 +269,66 @@ def test_final_is_a_flag_on_prefill():
 def test_tokens_only_messages_are_allowed():
     msg = decode_frame(frame_bytes(PrefillChunk(1, 2, 0, [1, 2])), n_embd=576)
     assert msg.activation is None and list(msg.tokens) == [1, 2]
+
+
+def test_prefix_cache_frames_layout():
+    """Pin the layout of the prefix cache's frames that skippy-protocol(7) documents."""
+    restore = frame_bytes(RestorePrefix(7, 9, [5, -6]))
+    assert restore == b"SK\x17\x00" + struct.pack("<I", 32 + 8) + header(7, 9, 0, 2) + struct.pack("<ii", 5, -6)
+    assert frame_bytes(CacheQuery(3)) == b"SK\x18\x00" + struct.pack("<I", 32) + header(3, 0, 0, 0)
+    assert frame_bytes(CacheQuery(3, clear=True))[:4] == b"SK\x18" + bytes([Flags.CLEAR])
+    stats = StageStats(1, 2, 3, 4, 5, 6, 7, 8)
+    packed_stats = struct.pack("<QQQQQQII", 1, 2, 3, 4, 5, 6, 7, 8)
+    restored = frame_bytes(PrefixRestored(5, 6, 2**32 - 1, stats))
+    assert restored == (b"SK\x24\x00" + struct.pack("<I", 84) + struct.pack("<QQIHH", 5, 6, 1, 0, 0) + packed_stats
+                        + struct.pack("<I", 2**32 - 1))
+    record = CacheStats(2, 512 << 20, 1000, 3, 250, 10, 4, 200, 300, 1)
+    report = frame_bytes(CacheReport(5, 0, [record, CacheStats(3)], stats))
+    assert report == (b"SK\x25\x00" + struct.pack("<I", 80 + 160) + struct.pack("<QQIHH", 5, 0, 2, 0, 0)
+                      + packed_stats + struct.pack("<IIQQQQQQQQQ", 2, 0, 512 << 20, 1000, 3, 250, 10, 4, 200, 300, 1)
+                      + struct.pack("<IIQQQQQQQQQ", 3, 0, *[0] * 9))
+    assert codec.CACHE_RECORD_SIZE == 80
+
+
+def test_prefix_cache_messages_decode():
+    msg = decode_frame(frame_bytes(RestorePrefix(1, 2, range(100))), n_embd=8)
+    assert type(msg) is RestorePrefix and list(msg.tokens) == list(range(100)) and msg.tokens.dtype == np.dtype("<i4")
+    assert decode_frame(frame_bytes(CacheQuery(4, clear=True)), n_embd=8) == CacheQuery(4, True)
+    assert decode_frame(frame_bytes(CacheQuery(4)), n_embd=8) == CacheQuery(4, False)
+    assert not hasattr(CacheQuery(4), "session_id")  # like Ping: the pipeline, not a session
+
+
+def test_cache_report_of_the_most_records_round_trips():
+    report = CacheReport(1, 0, [CacheStats(i, lookups=i, hits=i // 2) for i in range(MAX_CACHE_REPORT_STAGES)])
+    wire = frame_bytes(report)
+    assert len(wire) == 8 + 80 + 80 * MAX_CACHE_REPORT_STAGES
+    assert decode_frame(wire) == report
+    assert decode_frame(wire, accept=codec.REPLY_KINDS).stages[-1].stage_index == MAX_CACHE_REPORT_STAGES - 1
+
+
+@given(stats=stage_stats, restored=st.integers(0, 2**32 - 1), records=st.lists(cache_stats, max_size=4))
+def test_with_stats_rebuilds_the_prefix_cache_replies(stats, restored, records):
+    for reply in (PrefixRestored(1, 2, restored), CacheReport(1, 0, records)):
+        got = with_stats(reply, stats)
+        assert type(got) is type(reply) and got.stats == stats
+        assert attrs.evolve(got, stats=reply.stats) == reply
+        assert decode_frame(frame_bytes(got)) == got
+
+
+def test_cache_stats():
+    s = CacheStats(1, budget_bytes=100, bytes_held=50, entries=2, tokens_held=40, lookups=8, hits=2,
+                   restored_tokens=64, recorded_tokens=80, evictions=1)
+    assert s.hit_rate == 0.25 and CacheStats(0).hit_rate == 0.0
+    assert s.to_json() == {"stage_index": 1, "budget_bytes": 100, "bytes_held": 50, "entries": 2, "tokens_held": 40,
+                           "lookups": 8, "hits": 2, "restored_tokens": 64, "recorded_tokens": 80, "evictions": 1,
+                           "hit_rate": 0.25}
+    assert [f.name for f in attrs.fields(CacheStats)] == [
+        "stage_index", "budget_bytes", "bytes_held", "entries", "tokens_held", "lookups", "hits", "restored_tokens",
+        "recorded_tokens", "evictions"]
+    for bad in (dict(stage_index=2**32), dict(stage_index=-1), dict(stage_index=0, evictions=2**64),
+                dict(stage_index=0, hits=-1), dict(stage_index=0, lookups=1.0), dict(stage_index=True)):
+        with pytest.raises(ValueError):
+            CacheStats(**bad)
 
 
 # --------------------------------------------------------------------------
@@ -502,6 +576,107 @@ def test_malformed_messages(wire, code):
     assert code_of(decode_frame, wire, n_embd=8) == code
 
 
+@pytest.mark.parametrize(
+    ("wire", "code"),
+    [
+        # tokens on a cache query
+        (prefix(MessageKind.CACHE_QUERY, 36) + header(session_id=0, n_tokens=1) + b"\0" * 4, ErrorCode.FRAME_TOO_LARGE),
+        (prefix(MessageKind.CACHE_QUERY, 32) + header(session_id=0, n_tokens=1), ErrorCode.BAD_VALUE),
+        # CLEAR on another kind, another flag on a cache query
+        (prefix(MessageKind.PING, 32, flags=Flags.CLEAR) + header(session_id=0, n_tokens=0), ErrorCode.BAD_FLAGS),
+        (prefix(MessageKind.RESTORE_PREFIX, 36, flags=Flags.CLEAR) + header() + b"\0" * 4, ErrorCode.BAD_FLAGS),
+        (prefix(MessageKind.PREFILL, 36, flags=Flags.CLEAR) + header() + b"\0" * 4, ErrorCode.BAD_FLAGS),
+        (prefix(MessageKind.CACHE_QUERY, 32, flags=Flags.FINAL) + header(session_id=0, n_tokens=0),
+         ErrorCode.BAD_FLAGS),
+        (prefix(MessageKind.CACHE_QUERY, 32, flags=0x10) + header(session_id=0, n_tokens=0), ErrorCode.BAD_FLAGS),
+        (prefix(MessageKind.RESTORE_PREFIX, 36, flags=Flags.SAMPLING) + header() + b"\0" * 4, ErrorCode.BAD_FLAGS),
+        # positions and sessions
+        (prefix(MessageKind.RESTORE_PREFIX, 36) + header(pos=1) + b"\0" * 4, ErrorCode.BAD_VALUE),
+        (prefix(MessageKind.CACHE_QUERY, 32) + header(session_id=0, pos=1, n_tokens=0), ErrorCode.BAD_VALUE),
+        (prefix(MessageKind.CACHE_QUERY, 32) + header(session_id=5, n_tokens=0), ErrorCode.BAD_VALUE),
+        # a restore needs tokens and carries no activation
+        (prefix(MessageKind.RESTORE_PREFIX, 32) + header(n_tokens=0), ErrorCode.BAD_VALUE),
+        (prefix(MessageKind.RESTORE_PREFIX, 36 + 32) + header(act_bytes=32) + b"\0" * 36, ErrorCode.BAD_VALUE),
+        (prefix(MessageKind.RESTORE_PREFIX, 40) + header(n_tokens=1) + b"\0" * 8, ErrorCode.LENGTH_MISMATCH),
+    ],
+)
+def test_malformed_prefix_cache_messages(wire, code):
+    assert code_of(decode_frame, wire, n_embd=8) == code
+
+
+def test_restore_prefix_limits():
+    tight = Limits(max_tokens=16)
+    assert code_of(decode_frame, frame_bytes(RestorePrefix(1, 2, range(17))), n_embd=4, limits=tight) in (
+        ErrorCode.FRAME_TOO_LARGE,
+        ErrorCode.LIMIT_EXCEEDED,
+    )
+    p = codec.FramePrefix(MessageKind.RESTORE_PREFIX, 0, 32 + 4 * 17)
+    assert code_of(parse_message_header, p, header(n_tokens=17), tight, 4) == ErrorCode.LIMIT_EXCEEDED
+    assert len(decode_frame(frame_bytes(RestorePrefix(1, 2, range(16))), n_embd=4, limits=tight).tokens) == 16
+    assert code_of(parse_prefix, prefix(MessageKind.RESTORE_PREFIX, 32 + 4 * 16 + 4), tight, n_embd=4) == (
+        ErrorCode.FRAME_TOO_LARGE
+    )
+    assert code_of(parse_prefix, prefix(MessageKind.CACHE_QUERY, 33), n_embd=4) == ErrorCode.FRAME_TOO_LARGE
+    with pytest.raises(ValueError):
+        RestorePrefix(1, 2, [])
+    with pytest.raises(ValueError):
+        RestorePrefix(1, 2, range(MAX_TOKENS + 1))
+    with pytest.raises(ValueError):
+        RestorePrefix(1, 2, [[1, 2]])
+
+
+def reply_body(kind: int, count: int, payload: bytes, request_id=1, session_id=2, code=0, reserved=0) -> bytes:
+    return struct.pack("<QQIHH", request_id, session_id, count, code, reserved) + bytes(56) + payload
+
+
+def test_bad_prefix_cache_replies():
+    record = struct.pack("<IIQQQQQQQQQ", 1, 0, *range(9))
+    # PrefixRestored: exactly one u32
+    for count in (0, 2):
+        wire = bytearray(frame_bytes(PrefixRestored(1, 2, 5)))
+        struct.pack_into("<I", wire, 8 + 16, count)
+        assert code_of(decode_frame, wire) == ErrorCode.BAD_VALUE
+    assert code_of(parse_prefix, prefix(ReplyKind.PREFIX_RESTORED, 88)) == ErrorCode.FRAME_TOO_LARGE
+    assert code_of(parse_prefix, prefix(ReplyKind.PREFIX_RESTORED, 80)) == ErrorCode.LENGTH_MISMATCH
+    wire = bytearray(frame_bytes(PrefixRestored(1, 2, 5)))
+    struct.pack_into("<H", wire, 8 + 20, ErrorCode.INTERNAL)  # a code on a non-error
+    assert code_of(decode_frame, wire) == ErrorCode.BAD_VALUE
+    # CacheReport: the body is count records, no more, no fewer
+    for count, records in ((2, 1), (1, 2), (0, 1), (1, 0)):
+        body = reply_body(ReplyKind.CACHE_REPORT, count, record * records)
+        assert code_of(decode_frame, prefix(ReplyKind.CACHE_REPORT, len(body)) + body) == ErrorCode.LENGTH_MISMATCH
+    body = reply_body(ReplyKind.CACHE_REPORT, 1, record[:-1])
+    assert code_of(decode_frame, prefix(ReplyKind.CACHE_REPORT, len(body)) + body) == ErrorCode.LENGTH_MISMATCH
+    # at most MAX_CACHE_REPORT_STAGES records: refused from the prefix, or from the count
+    n = MAX_CACHE_REPORT_STAGES + 1
+    body = reply_body(ReplyKind.CACHE_REPORT, n, record * n)
+    assert code_of(decode_frame, prefix(ReplyKind.CACHE_REPORT, len(body)) + body) == ErrorCode.FRAME_TOO_LARGE
+    body = reply_body(ReplyKind.CACHE_REPORT, n, record * (n - 1))
+    assert code_of(decode_frame, prefix(ReplyKind.CACHE_REPORT, len(body)) + body) == ErrorCode.LIMIT_EXCEEDED
+    assert code_of(decode_body, codec.FramePrefix(ReplyKind.CACHE_REPORT, 0, len(body)), body) == (
+        ErrorCode.LIMIT_EXCEEDED
+    )
+    with pytest.raises(ValueError):
+        CacheReport(1, 0, [CacheStats(0)] * n)
+    with pytest.raises(TypeError):
+        CacheReport(1, 0, [{"stage_index": 0}])
+    # a record's reserved field must be zero
+    body = reply_body(ReplyKind.CACHE_REPORT, 1, struct.pack("<IIQQQQQQQQQ", 1, 7, *range(9)))
+    with pytest.raises(ProtocolError) as info:
+        decode_frame(prefix(ReplyKind.CACHE_REPORT, len(body)) + body)
+    assert info.value.code == ErrorCode.BAD_VALUE and (info.value.request_id, info.value.session_id) == (1, 2)
+    # a good one, built by hand
+    body = reply_body(ReplyKind.CACHE_REPORT, 1, record)
+    assert decode_frame(prefix(ReplyKind.CACHE_REPORT, len(body)) + body).stages == (CacheStats(1, *range(9)),)
+
+
+def test_restored_is_a_u32():
+    for bad in (-1, 2**32, 1.5, True):
+        with pytest.raises(ValueError):
+            PrefixRestored(1, 2, bad)
+    assert PrefixRestored(1, 2, 0).stats == StageStats()
+
+
 def test_nan_sampling_rejected():
     wire = bytearray(frame_bytes(ConfigureGeneration(1, 2, SamplingParams())))
     struct.pack_into("<f", wire, 40, math.nan)  # temperature
@@ -639,7 +814,7 @@ def test_adjacent_lane_accepted_both_ways():
 @pytest.mark.parametrize(
     ("peer", "reason"),
     [
-        (lane(0, 0, 10, version=2), "protocol version mismatch: peer 2, ours 3"),
+        (lane(0, 0, 10, version=2), f"protocol version mismatch: peer 2, ours {PROTOCOL_VERSION}"),
         (lane(0, 0, 10, fingerprint=OTHER_FP), "model fingerprint mismatch: peer 0000000000000000…, ours 00010203"),
         (Hello(FP, 0, 0, 10, 30, 1024), "model shape mismatch"),
         (lane(0, 0, 10, role=Role.TOKEN_RETURN), "role mismatch"),

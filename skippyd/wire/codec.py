@@ -11,7 +11,7 @@ All integers little-endian. The reader needs the prefix only to know how
 much to read; :func:`parse_prefix` checks magic, kind, flags and ``body_len``
 against the limits *before* anything is allocated.
 
-Message body (kinds 0x10–0x16)::
+Message body (kinds 0x10–0x18)::
 
     header   0  u64 request_id
              8  u64 session_id
@@ -25,16 +25,20 @@ Message body (kinds 0x10–0x16)::
             token_count * i32 tokens
             activation_bytes of f32, row-major (token_count, n_embd)
 
-Reply body (kinds 0x20–0x23)::
+Reply body (kinds 0x20–0x25)::
 
      0  u64 request_id
      8  u64 session_id
-    16  u32 count        (tokens that follow; ERROR: message bytes)
+    16  u32 count        (tokens that follow; ERROR: message bytes; PREFIX_RESTORED: 1;
+                          CACHE_REPORT: records)
     20  u16 code         (ErrorCode for ERROR, else 0)
     22  u16 reserved = 0
     24  stats: u64 compute_us, compute_us_max, queue_us, forward_write_us,
                downstream_wait_us, bytes_sent; u32 stage_count, slowest_stage
-    80  count * i32 tokens | count bytes of UTF-8
+    80  count * i32 tokens | count bytes of UTF-8 | u32 restored
+        | count * 80-byte cache records (u32 stage_index, u32 reserved = 0,
+          u64 budget_bytes, bytes_held, entries, tokens_held, lookups, hits,
+          restored_tokens, recorded_tokens, evictions)
 
 Hello and HelloReply layouts are in :func:`encode_hello` /
 :func:`encode_hello_reply`. For a message, the reader parses the 32-byte header
@@ -60,6 +64,7 @@ from skippyd.wire.messages import (
     DEFAULT_LIMITS,
     DEFAULT_SEED,
     MAX_AUTH_BYTES,
+    MAX_CACHE_REPORT_STAGES,
     MAX_HELLO_BODY_BYTES,
     MAX_NODE_NAME_BYTES,
     MAX_POSITION,
@@ -67,6 +72,9 @@ from skippyd.wire.messages import (
     PROTOCOL_VERSION,
     TRUSTED,
     Ack,
+    CacheQuery,
+    CacheReport,
+    CacheStats,
     ConfigureGeneration,
     DecodeStep,
     ErrorCode,
@@ -83,8 +91,10 @@ from skippyd.wire.messages import (
     PredictedToken,
     PredictedTokens,
     PrefillChunk,
+    PrefixRestored,
     Reply,
     ReplyKind,
+    RestorePrefix,
     Role,
     SamplingParams,
     StageStats,
@@ -95,6 +105,7 @@ from skippyd.wire.messages import (
 )
 
 __all__ = [
+    "CACHE_RECORD_SIZE",
     "COALESCE_BYTES",
     "FRAME_MAGIC",
     "HELLO_MAGIC",
@@ -140,6 +151,7 @@ _REPLY_HEADER = struct.Struct("<QQIHH" "QQQQQQII")
 _HELLO = struct.Struct("<4sHBB32sIIIIIHH")
 _HELLO_VERSION = struct.Struct("<4sH")
 _HELLO_REPLY = struct.Struct("<BBH")
+_CACHE_RECORD = struct.Struct("<IIQQQQQQQQQ")  # stage_index, reserved, then CacheStats' u64 fields in order
 
 PREFIX_SIZE = _PREFIX.size  # 8
 MESSAGE_HEADER_SIZE = _MSG_HEADER.size  # 32
@@ -148,8 +160,10 @@ REPLY_HEADER_SIZE = _REPLY_HEADER.size  # 80
 REPLY_COMPUTE_US_AT = PREFIX_SIZE + 24  # a reply frame's stats.compute_us (u64), compute_us_max after it
 HELLO_SIZE = _HELLO.size  # 64 (fixed part)
 HELLO_REPLY_SIZE = _HELLO_REPLY.size  # 4 (fixed part)
+CACHE_RECORD_SIZE = _CACHE_RECORD.size  # 80
 
-assert (PREFIX_SIZE, MESSAGE_HEADER_SIZE, SAMPLING_SIZE, REPLY_HEADER_SIZE, HELLO_SIZE) == (8, 32, 36, 80, 64)
+assert (PREFIX_SIZE, MESSAGE_HEADER_SIZE, SAMPLING_SIZE, REPLY_HEADER_SIZE, HELLO_SIZE, CACHE_RECORD_SIZE) == (
+    8, 32, 36, 80, 64, 80)
 
 MESSAGE_KINDS = frozenset(int(k) for k in MessageKind)
 REPLY_KINDS = frozenset(int(k) for k in ReplyKind)
@@ -161,6 +175,7 @@ _ALLOWED_FLAGS = {int(k): 0 for k in _ALL_KINDS}
 _ALLOWED_FLAGS[MessageKind.PREFILL] = int(Flags.FINAL)  # ints (see _FINAL_FLAG)
 _ALLOWED_FLAGS[MessageKind.CONFIGURE_GENERATION] = int(Flags.SAMPLING | Flags.DIRECT_RETURN)
 _ALLOWED_FLAGS[MessageKind.DECODE] = int(Flags.DIRECT_RETURN)
+_ALLOWED_FLAGS[MessageKind.CACHE_QUERY] = int(Flags.CLEAR)
 _REQUIRED_FLAGS = {int(k): 0 for k in _ALL_KINDS}
 _REQUIRED_FLAGS[MessageKind.CONFIGURE_GENERATION] = int(Flags.SAMPLING)
 
@@ -173,17 +188,25 @@ _TOKEN_RANGE = {
     MessageKind.TRIM_SESSION: (0, 0),
     MessageKind.STOP: (0, 0),
     MessageKind.PING: (0, 0),
+    MessageKind.RESTORE_PREFIX: (1, None),
+    MessageKind.CACHE_QUERY: (0, 0),
 }
+# kinds whose pos_start must be 0, and those whose session_id must be 0 too
+_NO_POSITION = frozenset({MessageKind.STOP, MessageKind.PING, MessageKind.CONFIGURE_GENERATION,
+                          MessageKind.RESTORE_PREFIX, MessageKind.CACHE_QUERY})
+_NO_SESSION = frozenset({MessageKind.PING, MessageKind.CACHE_QUERY})
 
 
 _MESSAGE_KIND = {int(k): k for k in MessageKind}
 _REPLY_KIND = {int(k): k for k in ReplyKind}
 _TOKEN = struct.Struct("<i")
+_U32 = struct.Struct("<I")
 _F4 = np.dtype("<f4")
 
 
 # plain ints: an IntFlag operand makes every ``&`` a call into the enum module, and these run for every frame
 _FINAL_FLAG, _SAMPLING_FLAG, _DIRECT_RETURN_FLAG = int(Flags.FINAL), int(Flags.SAMPLING), int(Flags.DIRECT_RETURN)
+_CLEAR_FLAG = int(Flags.CLEAR)
 
 
 class FramePrefix(NamedTuple):
@@ -251,11 +274,15 @@ def encode_message(msg: Message) -> list[Buffer]:
             bias_count = len(msg.sampling.logit_bias)
         case TrimSession():
             pos_start = msg.pos_start
+        case RestorePrefix():
+            tokens = msg.tokens
+        case CacheQuery():
+            flags = _CLEAR_FLAG if msg.clear else 0
         case Stop() | Ping():
             pass
         case _:
             raise TypeError(f"not a message: {msg!r}")
-    if not isinstance(msg, Ping):
+    if not isinstance(msg, (Ping, CacheQuery)):
         session_id = msg.session_id
 
     token_bytes = b"" if tokens is None else tokens.astype("<i4", copy=False).tobytes()
@@ -309,6 +336,12 @@ def encode_reply(reply: Reply) -> list[Buffer]:
             tail = reply.message.encode("utf-8")
             count = len(tail)
             code = reply.code
+        case PrefixRestored():
+            tail = _U32.pack(reply.restored)
+            count = 1
+        case CacheReport():
+            tail = b"".join(_encode_cache_record(r) for r in reply.stages)
+            count = len(reply.stages)
         case _:
             raise TypeError(f"not a reply: {reply!r}")
     s = reply.stats
@@ -331,6 +364,11 @@ def encode_reply(reply: Reply) -> list[Buffer]:
     except struct.error as exc:
         raise ValueError(f"stats out of range: {s!r}") from exc
     return [_prefix(reply.kind, 0, len(body) + len(tail)) + body + tail]
+
+
+def _encode_cache_record(r: CacheStats) -> bytes:
+    return _CACHE_RECORD.pack(r.stage_index, 0, r.budget_bytes, r.bytes_held, r.entries, r.tokens_held, r.lookups,
+                              r.hits, r.restored_tokens, r.recorded_tokens, r.evictions)
 
 
 def encode_hello(hello: Hello) -> bytes:
@@ -395,7 +433,7 @@ def encode_frame(obj: Frame) -> list[Buffer]:
             return [encode_hello(obj)]
         case HelloReply():
             return [encode_hello_reply(obj)]
-        case Ack() | PredictedToken() | PredictedTokens() | ErrorReply():
+        case Ack() | PredictedToken() | PredictedTokens() | ErrorReply() | PrefixRestored() | CacheReport():
             return encode_reply(obj)
         case _:
             return encode_message(obj)
@@ -433,7 +471,9 @@ def _max_message_body(kind: int, limits: Limits, n_embd: int) -> int:
     if kind in (MessageKind.PREFILL, MessageKind.VERIFY_WINDOW):
         act = min(limits.max_tokens * row, limits.max_activation_bytes)
         return MESSAGE_HEADER_SIZE + 4 * limits.max_tokens + act
-    return MESSAGE_HEADER_SIZE  # trim, stop, ping
+    if kind == MessageKind.RESTORE_PREFIX:
+        return MESSAGE_HEADER_SIZE + 4 * limits.max_tokens  # tokens only
+    return MESSAGE_HEADER_SIZE  # trim, stop, ping, cache query
 
 
 def _body_bounds(kind: int, limits: Limits, n_embd: int | None) -> tuple[int, int]:
@@ -451,6 +491,10 @@ def _body_bounds(kind: int, limits: Limits, n_embd: int | None) -> tuple[int, in
         return REPLY_HEADER_SIZE, REPLY_HEADER_SIZE + 4 * limits.max_tokens
     if kind == ReplyKind.ERROR:
         return REPLY_HEADER_SIZE, REPLY_HEADER_SIZE + limits.max_error_message
+    if kind == ReplyKind.PREFIX_RESTORED:
+        return REPLY_HEADER_SIZE + 4, REPLY_HEADER_SIZE + 4
+    if kind == ReplyKind.CACHE_REPORT:
+        return REPLY_HEADER_SIZE, REPLY_HEADER_SIZE + CACHE_RECORD_SIZE * MAX_CACHE_REPORT_STAGES
     if kind == HandshakeKind.HELLO:
         # generous and version-independent, so a newer peer's Hello can still
         # be read far enough to refuse it with a version message
@@ -532,11 +576,13 @@ def parse_message_header(prefix: FramePrefix, data: Buffer, limits: Limits, n_em
     sampling = bool(prefix.flags & _SAMPLING_FLAG)
     if bias_count and not sampling:
         raise fail(ErrorCode.BAD_VALUE, "logit-bias entries without a sampling block")
-    if pos_start < 0 or (kind in (MessageKind.STOP, MessageKind.PING, MessageKind.CONFIGURE_GENERATION) and pos_start):
+    if act_bytes and kind == MessageKind.RESTORE_PREFIX:
+        raise fail(ErrorCode.BAD_VALUE, "an activation on a message that carries none")
+    if pos_start < 0 or (kind in _NO_POSITION and pos_start):
         raise fail(ErrorCode.BAD_VALUE, f"pos_start {pos_start} invalid")
     if pos_start + n_tokens > MAX_POSITION:
         raise fail(ErrorCode.BAD_VALUE, f"positions {pos_start}+{n_tokens} overflow int32")
-    if kind == MessageKind.PING and session_id:
+    if kind in _NO_SESSION and session_id:
         raise fail(ErrorCode.BAD_VALUE, "session_id must be 0")
     tail_len = (SAMPLING_SIZE + _BIAS.size * bias_count if sampling else 0) + 4 * n_tokens
     expected = MESSAGE_HEADER_SIZE + tail_len + act_bytes
@@ -575,11 +621,15 @@ def decode_message(header: MessageHeader, tail: Buffer, activation: Buffer | Non
             return Stop(header.request_id, header.session_id)
         if kind == MessageKind.PING:
             return Ping(header.request_id)
+        if kind == MessageKind.CACHE_QUERY:
+            return CacheQuery(header.request_id, bool(header.flags & _CLEAR_FLAG))
         offset = header.tail_len - 4 * header.token_count
         tokens = np.frombuffer(tail, dtype="<i4", count=header.token_count, offset=offset)
         act = None
         if header.activation_bytes:
             act = np.frombuffer(activation, dtype="<f4").reshape(header.token_count, n_embd)
+        if kind == MessageKind.RESTORE_PREFIX:
+            return RestorePrefix(header.request_id, header.session_id, tokens)
         # parse_message_header checked the ids, positions, token count and activation size: built as trusted
         if kind == MessageKind.PREFILL:
             return trusted(PrefillChunk, header.request_id, header.session_id, header.pos_start, tokens, act,
@@ -630,9 +680,13 @@ def decode_reply(prefix: FramePrefix, body: Buffer) -> Reply:
     ids = {"request_id": request_id, "session_id": session_id}
     if reserved or (code and kind != ReplyKind.ERROR):
         raise ProtocolError(ErrorCode.BAD_VALUE, f"{kind.name}: reserved field or code set", **ids)
-    unit = 1 if kind == ReplyKind.ERROR else 4
-    if kind == ReplyKind.ACK and count != 0 or kind == ReplyKind.PREDICTED_TOKEN and count != 1:
+    unit = 1 if kind == ReplyKind.ERROR else CACHE_RECORD_SIZE if kind == ReplyKind.CACHE_REPORT else 4
+    if (kind == ReplyKind.ACK and count != 0 or kind == ReplyKind.PREDICTED_TOKEN and count != 1
+            or kind == ReplyKind.PREFIX_RESTORED and count != 1):
         raise ProtocolError(ErrorCode.BAD_VALUE, f"{kind.name}: count {count}", **ids)
+    if kind == ReplyKind.CACHE_REPORT and count > MAX_CACHE_REPORT_STAGES:
+        raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, f"{kind.name}: {count} records, at most "
+                            f"{MAX_CACHE_REPORT_STAGES}", **ids)
     if REPLY_HEADER_SIZE + unit * count != len(body):
         raise ProtocolError(
             ErrorCode.LENGTH_MISMATCH, f"{kind.name}: body of {len(body)} bytes, count says {count}", **ids
@@ -648,10 +702,26 @@ def decode_reply(prefix: FramePrefix, body: Buffer) -> Reply:
         if kind == ReplyKind.PREDICTED_TOKENS:
             tokens = np.frombuffer(body, dtype="<i4", count=count, offset=REPLY_HEADER_SIZE)
             return PredictedTokens(request_id, session_id, tokens, stage_stats)
+        if kind == ReplyKind.PREFIX_RESTORED:
+            (restored,) = _U32.unpack_from(body, REPLY_HEADER_SIZE)
+            return PrefixRestored(request_id, session_id, restored, stage_stats)
+        if kind == ReplyKind.CACHE_REPORT:
+            return CacheReport(request_id, session_id, _decode_cache_records(body, count), stage_stats)
         message = bytes(memoryview(body)[REPLY_HEADER_SIZE:]).decode("utf-8")
         return ErrorReply(request_id, session_id, code, message, stage_stats)
     except (ValueError, TypeError, OverflowError) as exc:
         raise ProtocolError(ErrorCode.BAD_VALUE, f"{kind.name}: {exc}", **ids) from exc
+
+
+def _decode_cache_records(body: Buffer, count: int) -> tuple[CacheStats, ...]:
+    records = []
+    for stage_index, reserved, *counters in _CACHE_RECORD.iter_unpack(
+        memoryview(body)[REPLY_HEADER_SIZE : REPLY_HEADER_SIZE + CACHE_RECORD_SIZE * count]
+    ):
+        if reserved:
+            raise ValueError(f"cache record of stage {stage_index}: reserved field is not zero")
+        records.append(CacheStats(stage_index, *counters))
+    return tuple(records)
 
 
 def hello_version(body: Buffer) -> int:

@@ -5,9 +5,11 @@ Pure data, no I/O. The byte layout lives in :mod:`skippyd.wire.codec` and in
 
 * upstream → downstream **messages**: :class:`ConfigureGeneration`,
   :class:`PrefillChunk` (``final`` flag), :class:`DecodeStep`,
-  :class:`VerifyWindow`, :class:`TrimSession`, :class:`Stop`, :class:`Ping`;
+  :class:`VerifyWindow`, :class:`TrimSession`, :class:`Stop`, :class:`Ping`,
+  :class:`RestorePrefix`, :class:`CacheQuery`;
 * downstream → upstream **replies**: :class:`Ack`, :class:`PredictedToken`,
-  :class:`PredictedTokens`, :class:`ErrorReply`, each with :class:`StageStats`;
+  :class:`PredictedTokens`, :class:`ErrorReply`, :class:`PrefixRestored`,
+  :class:`CacheReport` (of :class:`CacheStats` records), each with :class:`StageStats`;
 * the **handshake**: :class:`Hello` and :class:`HelloReply`.
 
 Tokens are 1-D ``int32`` numpy arrays, activations 2-D ``float32`` arrays of
@@ -32,6 +34,7 @@ __all__ = [
     "DEFAULT_SEED",
     "MAX_ACTIVATION_BYTES",
     "MAX_AUTH_BYTES",
+    "MAX_CACHE_REPORT_STAGES",
     "MAX_ERROR_MESSAGE_BYTES",
     "MAX_FRAME_BYTES",
     "MAX_HELLO_BODY_BYTES",
@@ -44,6 +47,9 @@ __all__ = [
     "NO_STATS",
     "PROTOCOL_VERSION",
     "Ack",
+    "CacheQuery",
+    "CacheReport",
+    "CacheStats",
     "ConfigureGeneration",
     "DecodeStep",
     "ErrorCode",
@@ -60,8 +66,10 @@ __all__ = [
     "PredictedToken",
     "PredictedTokens",
     "PrefillChunk",
+    "PrefixRestored",
     "Reply",
     "ReplyKind",
+    "RestorePrefix",
     "Role",
     "SamplingParams",
     "StageStats",
@@ -73,8 +81,9 @@ __all__ = [
 ]
 
 # 2: DIRECT_RETURN on DecodeStep (no lane reply from the final stage); 3: on a DecodeStep to a middle stage
-# too (no lane reply on success, an Error on the lane on failure)
-PROTOCOL_VERSION = 3
+# too (no lane reply on success, an Error on the lane on failure); 4: the prefix cache's RestorePrefix and
+# CacheQuery (flag CLEAR), answered by PrefixRestored and CacheReport
+PROTOCOL_VERSION = 4
 
 # Hard limits of the protocol (the same in every version). A receiver may be configured tighter
 # (see Limits), never looser.
@@ -88,6 +97,7 @@ MAX_NODE_NAME_BYTES = 255  # Hello node name (UTF-8)
 MAX_HELLO_BODY_BYTES = 4096  # any Hello body, in every protocol version
 MAX_FRAME_BYTES = MAX_ACTIVATION_BYTES + 64 * 1024  # prefix + body of any frame
 MAX_POSITION = 2**31 - 1  # positions are llama_pos (int32)
+MAX_CACHE_REPORT_STAGES = 256  # CacheStats records in one CacheReport (one per stage)
 DEFAULT_SEED = RANDOM_SEED  # a seed of None on the wire
 
 _U32 = 2**32 - 1
@@ -111,6 +121,8 @@ class MessageKind(enum.IntEnum):
     TRIM_SESSION = 0x14
     STOP = 0x15
     PING = 0x16
+    RESTORE_PREFIX = 0x17
+    CACHE_QUERY = 0x18
 
 
 class ReplyKind(enum.IntEnum):
@@ -120,6 +132,8 @@ class ReplyKind(enum.IntEnum):
     PREDICTED_TOKEN = 0x21
     PREDICTED_TOKENS = 0x22
     ERROR = 0x23
+    PREFIX_RESTORED = 0x24
+    CACHE_REPORT = 0x25
 
 
 class Flags(enum.IntFlag):
@@ -133,13 +147,16 @@ class Flags(enum.IntFlag):
     and answers those messages on the lane with an ``Ack``. On ``DECODE``
     (set by the stage just before the final stage, for such a session): the
     final stage sends the prediction, or the error, on the token-return
-    connection only, and no reply on the lane. Every other bit must be zero.
+    connection only, and no reply on the lane. ``CLEAR``, only on
+    ``CACHE_QUERY``: each stage empties its prefix cache before it reports.
+    Every other bit must be zero.
     """
 
     NONE = 0
     FINAL = 0x01
     SAMPLING = 0x02
     DIRECT_RETURN = 0x04
+    CLEAR = 0x08
 
 
 class ErrorCode(enum.IntEnum):
@@ -563,7 +580,34 @@ class Ping:
     request_id: int = attrs.field(validator=_u64)
 
 
-Message: TypeAlias = ConfigureGeneration | PrefillChunk | DecodeStep | VerifyWindow | TrimSession | Stop | Ping
+@attrs.frozen
+class RestorePrefix:
+    """Restore into the session (opened if need be, as by a ConfigureGeneration) the longest prefix of
+    ``tokens`` (positions 0..) that this stage's prefix cache holds; a hit under the cache's minimum counts
+    as none. A middle stage with a hit of L tokens forwards ``tokens[:L]`` and answers the smaller of L and
+    the next stage's answer; with none it answers 0 without forwarding. Reply: ``PrefixRestored``."""
+
+    kind: ClassVar[MessageKind] = MessageKind.RESTORE_PREFIX
+    request_id: int = attrs.field(validator=_u64)
+    session_id: int = attrs.field(validator=_u64)
+    tokens: np.ndarray = _tokens_field()
+
+    def __attrs_post_init__(self) -> None:
+        _check_tokens(self.tokens, lo=1, hi=MAX_TOKENS, what="RestorePrefix")
+
+
+@attrs.frozen
+class CacheQuery:
+    """Report this stage's prefix cache and every later stage's (with ``clear``: empty each first).
+    Reply: ``CacheReport``, one record per stage from this one to the final stage."""
+
+    kind: ClassVar[MessageKind] = MessageKind.CACHE_QUERY
+    request_id: int = attrs.field(validator=_u64)
+    clear: bool = attrs.field(default=False, converter=bool)
+
+
+Message: TypeAlias = (ConfigureGeneration | PrefillChunk | DecodeStep | VerifyWindow | TrimSession | Stop | Ping
+                      | RestorePrefix | CacheQuery)
 
 
 # --------------------------------------------------------------------------
@@ -613,7 +657,75 @@ class ErrorReply:
     stats: StageStats = NO_STATS
 
 
-Reply: TypeAlias = Ack | PredictedToken | PredictedTokens | ErrorReply
+@attrs.frozen
+class PrefixRestored:
+    """The answer to a RestorePrefix: ``restored`` positions, from 0, that this stage and every later
+    one now hold for the session (0: a miss)."""
+
+    kind: ClassVar[ReplyKind] = ReplyKind.PREFIX_RESTORED
+    request_id: int = attrs.field(validator=_u64)
+    session_id: int = attrs.field(validator=_u64)
+    restored: int = attrs.field(validator=_u32)
+    stats: StageStats = NO_STATS
+
+
+@attrs.frozen
+class CacheStats:
+    """One stage's prefix cache, as a CacheReport carries it (pure data; the counters count from the
+    stage's start).
+
+    ``budget_bytes``     most bytes the cache may hold (0: off)
+    ``bytes_held``       bytes it holds (KV state plus token ids)
+    ``entries``          prefixes it holds
+    ``tokens_held``      tokens of those prefixes, summed
+    ``lookups``, ``hits``  restores asked for, and those that restored something
+    ``restored_tokens``  positions restored, summed
+    ``recorded_tokens``  tokens of the prefixes recorded, summed
+    ``evictions``        entries dropped to stay within the budget
+    """
+
+    stage_index: int = attrs.field(validator=_u32)
+    budget_bytes: int = attrs.field(default=0, validator=_u64)
+    bytes_held: int = attrs.field(default=0, validator=_u64)
+    entries: int = attrs.field(default=0, validator=_u64)
+    tokens_held: int = attrs.field(default=0, validator=_u64)
+    lookups: int = attrs.field(default=0, validator=_u64)
+    hits: int = attrs.field(default=0, validator=_u64)
+    restored_tokens: int = attrs.field(default=0, validator=_u64)
+    recorded_tokens: int = attrs.field(default=0, validator=_u64)
+    evictions: int = attrs.field(default=0, validator=_u64)
+
+    @property
+    def hit_rate(self) -> float:
+        """``hits / lookups``; 0.0 before any lookup."""
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def to_json(self) -> dict[str, int | float]:
+        """The fields by name, and ``hit_rate``."""
+        return {**attrs.asdict(self), "hit_rate": self.hit_rate}
+
+
+def _cache_records(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
+    if len(value) > MAX_CACHE_REPORT_STAGES:
+        raise ValueError(f"{attribute.name}: {len(value)} records, at most {MAX_CACHE_REPORT_STAGES}")
+    for record in value:
+        if not isinstance(record, CacheStats):
+            raise TypeError(f"{attribute.name} holds {type(record).__name__}, not CacheStats")
+
+
+@attrs.frozen
+class CacheReport:
+    """The answer to a CacheQuery: one :class:`CacheStats` per stage, from the one asked to the final
+    stage, in stage order."""
+
+    kind: ClassVar[ReplyKind] = ReplyKind.CACHE_REPORT
+    request_id: int = attrs.field(validator=_u64)
+    session_id: int = attrs.field(validator=_u64)
+    stages: tuple[CacheStats, ...] = attrs.field(converter=tuple, validator=_cache_records)
+    stats: StageStats = NO_STATS
+
+
+Reply: TypeAlias = Ack | PredictedToken | PredictedTokens | ErrorReply | PrefixRestored | CacheReport
 
 
 def with_stats(reply: Reply, stats: StageStats) -> Reply:
