@@ -24,6 +24,7 @@ FLAG_KEYS = {
     "threads": "runtime.threads",
     "queue_timeout": "runtime.queue_timeout",
     "resume": "runtime.resume",
+    "prefix_cache_mb": "runtime.prefix_cache_mb",
     "listen": "stage.listen",
     "upstream_allow": "stage.upstream_allow",
     "link_secret_file": "stage.link_secret_file",
@@ -86,6 +87,16 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more: {text}")
+    return value
+
+
 def _allow_list(text: str) -> list[str]:
     from skippyd.topology import TopologyError, parse_allow_entry
 
@@ -128,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
                      help="the head: a generation a stage failure interrupts is replayed once the pipeline "
                           "is whole again, instead of failing (default off)")
+    run.add_argument("--prefix-cache-mb", type=_non_negative_int, default=None, metavar="N",
+                     help="the most memory (MiB) each stage's prefix cache may hold: the KV of prompts it has "
+                          "computed, so that a prompt that begins the same computes only the rest; 0: off "
+                          "(default 512)")
     net = p.add_argument_group("network and security")
     net.add_argument("--listen", type=_hostport, default=None, metavar="HOST:PORT",
                      help="this stage's listener (default: from the topology)")

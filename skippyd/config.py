@@ -136,6 +136,8 @@ class RuntimeSection:
     queue_timeout: float = attrs.field(default=30.0, validator=_at_least(0))  # the head: wait for a slot
     resume: bool = False  # the head: replay a generation a stage failure interrupted, once it is back
     resume_window: float = attrs.field(default=30.0, validator=_at_least(0))  # ... waiting this long
+    # the most memory (MiB) a stage's prefix cache may hold: the KV of prompts it has computed; 0: no cache
+    prefix_cache_mb: int = attrs.field(default=512, validator=_at_least(0))
 
 
 def _allow_list(_inst, attribute, value) -> None:

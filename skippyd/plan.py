@@ -129,7 +129,8 @@ def stage_config(config: Config, n_local: int, decode_groups: int, link_auth: by
                       keep_warm_ms=rt.keep_warm_ms, decode_groups=decode_groups, credit_limit=rt.credit,
                       reply_timeout_s=rt.reply_timeout, direct_return=rt.direct_return,
                       link_delay_ms=stage.link_delay_ms, link_mbps=stage.link_mbps,
-                      frame_timeout_s=stage.frame_timeout, link_auth=link_auth)
+                      frame_timeout_s=stage.frame_timeout, link_auth=link_auth,
+                      prefix_cache_mb=rt.prefix_cache_mb)
     if stage.listen:
         cfg.listen_host, cfg.listen_port = parse_hostport(stage.listen)
     if stage.upstream_allow is not None:

@@ -20,6 +20,7 @@ from skippyd.stage.connection import UpstreamConnection
 from skippyd.stage.core import StageCounters
 from skippyd.stage.downstream import DownstreamError
 from skippyd.stage.handlers import FinalStage, MiddleStage, handlers_for
+from skippyd.stage.prefix_cache import PrefixCache
 from skippyd.stage.sessions import SessionTable
 from skippyd.wire.messages import (
     Ack,
@@ -103,6 +104,7 @@ class FakeCore:
         self.token_return = None
         self.draining = False
         self.counters = StageCounters()
+        self.prefix_cache = PrefixCache(0, stage_index=index)  # off: these tests are about the messages
         self.released: list[int] = []
         self.failing_release: set[int] = set()  # session ids whose release raises
         self.dialed = 0

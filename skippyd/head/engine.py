@@ -40,6 +40,7 @@ from skippyd.head.text_output import PieceCallback
 from skippyd.head.token_return import TokenReturnHub
 from skippyd.runtime import llama
 from skippyd.sampling import InvalidSampling, SamplingParams
+from skippyd.stage.prefix_cache import PrefixCache
 from skippyd.stage.scheduler import Scheduler
 from skippyd.stage.sessions import SessionTable
 from skippyd.telemetry import span
@@ -77,6 +78,7 @@ class GenerationResult:
     elapsed_ms: float
     stage_stats: dict = attrs.field(factory=dict)
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens restored from the stages' prefix caches, not computed
 
     def to_json(self) -> dict:
         return {
@@ -86,7 +88,7 @@ class GenerationResult:
             "tokens": self.tokens,
             "finish_reason": self.finish_reason,
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
-                      "total_tokens": self.prompt_tokens + len(self.tokens)},
+                      "total_tokens": self.prompt_tokens + len(self.tokens), "cached_tokens": self.cached_tokens},
             "timings": {"ttft_ms": round(self.ttft_ms, 3), "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
                         "elapsed_ms": round(self.elapsed_ms, 3)},
             "error": self.error,
@@ -112,7 +114,8 @@ class HeadEngine:
     def __init__(self, model: llama.Model, context: llama.Context, scheduler: Scheduler,
                  pool: LanePool | None, *, prefill_chunk: int = 256, receipts_file: Path | None = None,
                  receipts_kept: int = 256, queue_timeout: float = 30.0, hub: TokenReturnHub | None = None,
-                 watch: StageWatch | None = None, resume_window: float | None = None):
+                 watch: StageWatch | None = None, resume_window: float | None = None,
+                 prefix_cache: PrefixCache | None = None):
         self.model = model
         self.context = context
         self.scheduler = scheduler
@@ -137,8 +140,10 @@ class HeadEngine:
         # where the predictions of pipeline generations came from, and configures that fell back
         self.token_paths = TokenPaths()
         self.lane_services = LaneServices(watch, hub, self.chunker, self.token_paths, context.n_embd)
+        # the KV of stage 0's layers for prompts the head has computed (none: budget 0)
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0, stage_index=0)
         self.parts = HeadParts(model, context, scheduler, self.sessions, pool, self.chunker, self.lane_services,
-                               resume_window, self.new_request_id)
+                               resume_window, self.new_request_id, self.prefix_cache)
 
     def describe_token_return(self) -> dict | None:
         if self.pool is None:
@@ -255,7 +260,7 @@ class HeadEngine:
             request_id=live.request_id, session_id=live.session_id, text=run.text.text, tokens=list(run.tokens),
             finish_reason=run.finish_reason or "error", prompt_tokens=len(run.prompt), ttft_ms=run.ttft_ms,
             decode_tokens_per_s=live.decode_rate() or 0.0, elapsed_ms=run.elapsed_ms(),
-            stage_stats=attrs.asdict(run.stats), error=run.error)
+            stage_stats=attrs.asdict(run.stats), error=run.error, cached_tokens=run.cached_tokens)
 
     def _record(self, run: GenerationRun) -> None:
         if run.finish_reason is None:

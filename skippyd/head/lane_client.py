@@ -51,6 +51,7 @@ from skippyd.wire.messages import (
     ErrorReply,
     PredictedToken,
     PrefillChunk,
+    RestorePrefix,
     StatsTotal,
     Stop,
 )
@@ -196,6 +197,12 @@ class LaneClient:
         return reply
 
     # ------------------------------------------------------------ the prompt
+    async def restore(self, tokens: np.ndarray) -> int:
+        """Ask every stage to restore the longest prefix of ``tokens`` it has cached; how many positions all
+        of them hold now (see RestorePrefix in skippy-protocol(7))."""
+        reply = await self.request(RestorePrefix(self.wire_request_id, self.session_id, tokens))
+        return int(reply.restored)
+
     async def send_chunk(self, msg: PrefillChunk) -> None:
         """A prompt chunk that is not the last: its ack may come later (up to the link's credit)."""
         with self._watched(), span("head.forward_write", request=self.request_id, session=self.session_id,

@@ -19,6 +19,7 @@ from skippyd.head.liveness import StageWatch
 from skippyd.head.token_return import TokenReturnHub
 from skippyd.runtime.llama import Context, Model
 from skippyd.stage.access import UpstreamAllow
+from skippyd.stage.prefix_cache import PrefixCache
 from skippyd.stage.server import StageConfig
 from skippyd.topology import Topology
 from skippyd.wire.messages import Hello
@@ -84,7 +85,8 @@ class HeadNode:
                                               prediction_timeout=cfg.reply_timeout_s)
             self.engine = HeadEngine(self.model, context, scheduler, self.pool, prefill_chunk=self.prefill_chunk,
                                      receipts_file=self.receipts_file, queue_timeout=self.queue_timeout,
-                                     hub=self.hub, watch=self.watch, resume_window=self.resume_window)
+                                     hub=self.hub, watch=self.watch, resume_window=self.resume_window,
+                                     prefix_cache=PrefixCache(cfg.prefix_cache_mb << 20, stage_index=0))
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(scheduler.serve)

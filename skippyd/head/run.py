@@ -45,6 +45,7 @@ from skippyd.runtime import llama
 from skippyd.sampling import SamplingParams
 from skippyd.stage.downstream import DownstreamError
 from skippyd.stage.execution import Job
+from skippyd.stage.prefix_cache import PrefixCache, record_from, restore_into
 from skippyd.stage.scheduler import Scheduler
 from skippyd.stage.sessions import SessionTable
 from skippyd.telemetry import span
@@ -70,6 +71,7 @@ class HeadParts:
     lane_services: LaneServices
     resume_window: float | None
     new_request_id: Callable[[], int]
+    prefix_cache: PrefixCache  # the KV of stage 0's layers for prompts the head has computed
 
 
 class GenerationRun:
@@ -93,6 +95,7 @@ class GenerationRun:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.position = 0
+        self.cached_tokens = 0  # prompt positions restored from the prefix caches, not computed
         self.ttft_ms = 0.0
         self.text = TextOutput(head.model.token_piece, stops, on_piece)
         self.clock = StepClock(head.scheduler.hot_path)
@@ -126,7 +129,7 @@ class GenerationRun:
                 if not self.sampling.is_plain_greedy:
                     self.sampler = llama.Sampler(head.model, self.sampling)
                 self.live.state = "prefill"
-                token = await self._prefill()
+                token = await self._prefill(await self._restore())
                 self.live.state = "decode"
                 await self._decode(token)
                 return
@@ -168,7 +171,7 @@ class GenerationRun:
             await head.scheduler.run_kv(lambda: head.context.kv_clear_seq(seq))
             self.position = 0
         self.live.state = "prefill"
-        token = await self._prefill()
+        token = await self._prefill(await self._restore())
         for replayed in list(self.tokens):  # already emitted: their predictions are not emitted again
             token = await self._step(replayed)
         return token
@@ -190,20 +193,43 @@ class GenerationRun:
                                   stage_failure=True) from exc
 
     # ------------------------------------------------------------------ prefill
-    async def _prefill(self) -> int:
-        """The prompt, in chunks; returns the first generated token."""
+    async def _restore(self) -> int:
+        """Restore the longest prefix of the prompt that every stage has in its prefix cache (the head's own
+        hit, then the hit the rest of the chain answers to it); returns its length, where the prefill
+        starts (0: a miss, the whole prompt is computed). A stage that restored more than that trims itself
+        when the prefill comes (positions are authoritative)."""
+        cache = self.head.prefix_cache
+        # the prompt's last token is always computed: its logits give the first generated token
+        hit = cache.lookup(self.prompt, len(self.prompt) - 1)
+        if hit is None:
+            return 0
+        length = hit.length
+        if self.lane is not None:
+            length = min(length, await self.lane.restore(self.prompt[:length]))
+            if length < cache.min_hit:
+                return 0
+        if not await restore_into(self.scheduler, self.head.context, self.session.seq, hit, length):
+            return 0
+        cache.note_restored(length)
+        self.position = self.live.position = self.cached_tokens = length
+        return length
+
+    async def _prefill(self, start: int = 0) -> int:
+        """The prompt from position ``start`` (what the prefix caches restored), in chunks; returns the first
+        generated token."""
         chunker = self.head.chunker
         if self.chunk is None:  # single-stage: never measured, so the configured chunk
             self.chunk = chunker.size
         chunk, prompt, lane = self.chunk, self.prompt, self.lane
         n = len(prompt)
         compute_us = 0  # the head's compute for this prompt
-        for lo in range(0, n, chunk):
+        for lo in range(start, n, chunk):
             part = prompt[lo:lo + chunk]
             final = lo + chunk >= n
             if lane is None:
                 token = await self._compute(part, lo, want_token=final)
                 if final:
+                    await self._record()
                     return int(token)
                 continue
             native_before = self.clock.native_us
@@ -213,9 +239,26 @@ class GenerationRun:
             if not final:
                 await lane.send_chunk(msg)
             else:
-                chunker.observe_prefill(n, compute_us)
-                return await self._predict_finish(await lane.send(msg))
+                chunker.observe_prefill(n - start, compute_us)
+                sent = await lane.send(msg)
+                await self._record()  # while the other stages compute
+                return await self._predict_finish(sent)
         raise AssertionError("unreachable: the prompt is not empty")
+
+    def _held_tokens(self) -> np.ndarray:
+        """The token ids of the positions the head's sequence holds."""
+        if self.position <= len(self.prompt):
+            return self.prompt[:self.position]
+        return np.concatenate([self.prompt, np.asarray(self.tokens, dtype=np.int32)])[:self.position]
+
+    async def _record(self, *, clear: bool = False) -> None:
+        """Keep what the head's sequence holds in its prefix cache (if the cache wants it); with ``clear``,
+        then empty the sequence."""
+        cache, seq, context = self.head.prefix_cache, self.session.seq, self.head.context
+        if cache.enabled:
+            await record_from(cache, self.scheduler, context, seq, self._held_tokens(), clear=clear)
+        elif clear:
+            await self.scheduler.run_kv(lambda: context.kv_clear_seq(seq))
 
     # ------------------------------------------------------------------ decode
     async def _decode(self, token: int) -> None:
@@ -342,9 +385,8 @@ class GenerationRun:
             if self.sampler is not None:
                 self.sampler.close()
             if self.session is not None:
-                seq = self.session.seq
                 try:
                     with trio.move_on_after(STOP_TIMEOUT_S):
-                        await head.scheduler.run_kv(lambda: head.context.kv_clear_seq(seq))
+                        await self._record(clear=True)  # the prompt and the reply: the next turn begins so
                 finally:
                     head.sessions.forget(self.session)

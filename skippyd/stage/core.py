@@ -19,6 +19,7 @@ import trio
 
 from skippyd.runtime.llama import Context, Model
 from skippyd.stage.downstream import DownstreamLink
+from skippyd.stage.prefix_cache import PrefixCache, record_from
 from skippyd.stage.scheduler import Scheduler
 from skippyd.stage.sessions import SessionTable, StageSession
 from skippyd.stage.token_return import TokenReturnLink
@@ -49,7 +50,7 @@ class StageCore:
     def __init__(self, index: int, n_stages: int, hello: Hello, config, *, next_stage: StageSpec | None,
                  sessions: SessionTable, token_return: TokenReturnLink | None = None,
                  wrap: Callable[[trio.SocketStream, trio.Nursery | None], trio.abc.SendStream] | None = None,
-                 frame_min_rate: float | None = None):
+                 frame_min_rate: float | None = None, prefix_cache: PrefixCache | None = None):
         self.index = index
         self.n_stages = n_stages
         self.is_final = index == n_stages - 1
@@ -67,9 +68,12 @@ class StageCore:
         self.frame_min_rate = config.frame_min_rate if frame_min_rate is None else frame_min_rate
         self.draining = False  # new sessions are refused (SHUTTING_DOWN); running ones go on
         self.counters = StageCounters()
+        # the KV of this stage's layers for prompts it has computed (none: budget 0)
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0, stage_index=index)
 
     async def release(self, session: StageSession) -> None:
-        """Clear the session's KV sequence, then free its slot and sampler. Idempotent."""
+        """Keep the session's KV in the prefix cache (if it wants it) and clear its KV sequence, then free its
+        slot and sampler. Idempotent."""
         if self.sessions.get(session.conn_id, session.session_id) is not session:
             return
         seq = session.seq
@@ -77,7 +81,11 @@ class StageCore:
         # shielded: a slot must never be freed with its KV sequence still full
         with trio.CancelScope(shield=True):
             try:
-                await self.scheduler.run_kv(lambda: self.context.kv_clear_seq(seq))
+                cache = self.prefix_cache
+                if cache.enabled and not self.draining:
+                    await record_from(cache, self.scheduler, self.context, seq, session.held_tokens(), clear=True)
+                else:
+                    await self.scheduler.run_kv(lambda: self.context.kv_clear_seq(seq))
             finally:
                 self.sessions.forget(session)
 

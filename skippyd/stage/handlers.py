@@ -40,6 +40,7 @@ import trio
 from skippyd.runtime import llama
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.stage.execution import Job
+from skippyd.stage.prefix_cache import record_from, restore_into
 from skippyd.stage.sessions import NoFreeSlot, StageSession
 from skippyd.stage.token_return import TokenReturnLost
 from skippyd.telemetry import span
@@ -48,6 +49,8 @@ from skippyd.wire.messages import (
     NO_STATS,
     TRUSTED,
     Ack,
+    CacheQuery,
+    CacheReport,
     ConfigureGeneration,
     DecodeStep,
     ErrorCode,
@@ -55,7 +58,9 @@ from skippyd.wire.messages import (
     Ping,
     PredictedToken,
     PrefillChunk,
+    PrefixRestored,
     Reply,
+    RestorePrefix,
     StageStats,
     Stop,
     TrimSession,
@@ -137,6 +142,8 @@ class StageHandlers:
         TrimSession: "on_trim",
         Stop: "on_stop",
         Ping: "on_ping",
+        RestorePrefix: "on_restore_prefix",
+        CacheQuery: "on_cache_query",
     }
 
     _SPANS = {kind: f"stage.{name[3:]}" for kind, name in _HANDLERS.items()}
@@ -194,6 +201,7 @@ class StageHandlers:
         job = await self._compute(session, msg, want_token=self.want_token)
         session.state = "decode"
         await session.answer.send(session, msg, job)
+        await self._record(session)  # the prompt, for the sessions that begin with it while this one runs
 
     async def on_decode(self, msg: DecodeStep) -> None:
         started, started_cpu = time.perf_counter(), time.thread_time()
@@ -214,6 +222,15 @@ class StageHandlers:
     async def on_verify_window(self, msg: VerifyWindow) -> None:
         raise RequestFailed(ErrorCode.INTERNAL, "verify windows (speculative decoding) are not supported yet")
 
+    async def on_restore_prefix(self, msg: RestorePrefix) -> None:
+        """Restore the longest prefix of the message's tokens this stage has cached (see _restore), then let
+        the role answer with the chain's hit."""
+        session = self._session(msg, create=True)
+        await self._pass_restore(msg, await self._restore(session, msg.tokens))
+
+    async def on_cache_query(self, msg: CacheQuery) -> None:
+        raise NotImplementedError
+
     async def on_trim(self, msg: TrimSession) -> None:
         session = self._session(msg, create=False)
         if session.position > msg.pos_start:
@@ -231,6 +248,10 @@ class StageHandlers:
         await self._pass_down(msg, unreported)
 
     # ------------------------------------------------------------------ what the roles do
+    async def _pass_restore(self, msg: RestorePrefix, restored: int) -> None:
+        """Answer a RestorePrefix this stage restored ``restored`` positions of."""
+        raise NotImplementedError
+
     async def _pass_on_chunk(self, msg: PrefillChunk, job: Job) -> None:
         """After a non-final prefill chunk's compute (acked already)."""
 
@@ -286,8 +307,35 @@ class StageHandlers:
             raise RequestFailed(ErrorCode.CONTEXT_FULL, str(exc)) from exc
         except llama.LlamaError as exc:
             raise RequestFailed(ErrorCode.COMPUTE_FAILED, str(exc)) from exc
-        session.position = msg.pos_start + len(msg.tokens)
+        session.computed(msg.pos_start, msg.tokens)
         return job
+
+    # ------------------------------------------------------------------ the prefix cache
+    async def _restore(self, session: StageSession, tokens) -> int:
+        """The session holds the longest prefix of ``tokens`` this stage has cached (nothing on a miss, as it
+        starts over from position 0); returns its length."""
+        core = self.core
+        await self._align(session, 0)
+        hit = core.prefix_cache.lookup(tokens, min(len(tokens), core.context.n_ctx_seq - 1))
+        if hit is None or not await restore_into(core.scheduler, core.context, session.seq, hit, hit.length):
+            return 0
+        core.prefix_cache.note_restored(hit.length)
+        session.computed(0, hit.entry.tokens[:hit.length])
+        return hit.length
+
+    async def _record(self, session: StageSession) -> None:
+        """Keep what the session holds in the prefix cache, if the cache wants it."""
+        core = self.core
+        if core.prefix_cache.enabled:
+            await record_from(core.prefix_cache, core.scheduler, core.context, session.seq, session.held_tokens())
+
+    def _cache_report(self, msg: CacheQuery):
+        """This stage's line of a CacheReport (after emptying the cache, if the query says so)."""
+        cache = self.core.prefix_cache
+        if msg.clear:
+            dropped = cache.clear()
+            log.info("stage %d: prefix cache cleared (%d entries)", self.core.index, dropped)
+        return cache.stats()
 
     def _take_deferred(self, session_id: int) -> None:
         err = self._deferred.pop(session_id, None)
@@ -338,6 +386,12 @@ class FinalStage(StageHandlers):
 
     async def _pass_down(self, msg, unreported: StageStats = NO_STATS) -> None:
         await self.reply(Ack(msg.request_id, msg.session_id, stats=self._own_stats()))
+
+    async def _pass_restore(self, msg: RestorePrefix, restored: int) -> None:
+        await self.reply(PrefixRestored(msg.request_id, msg.session_id, restored, stats=self._own_stats()))
+
+    async def on_cache_query(self, msg: CacheQuery) -> None:
+        await self.reply(CacheReport(msg.request_id, 0, (self._cache_report(msg),), stats=self._own_stats()))
 
     async def _check_direct_return(self, session: StageSession) -> None:
         """Direct return needs a live token-return connection (dialed now if need be); without one the
@@ -445,6 +499,27 @@ class MiddleStage(StageHandlers):
             return
         self.down.broken = True
         raise DownstreamError(self.down.address, f"no answer to a liveness ping within {wait:.2g} s")
+
+    async def _pass_restore(self, msg: RestorePrefix, restored: int) -> None:
+        """The next stage restores at most what this one did: the reply going up is the smaller hit. On a miss
+        here nothing goes down (a later stage's prefix would be of no use)."""
+        if restored == 0 or self.down is None:
+            await self.reply(PrefixRestored(msg.request_id, msg.session_id, 0, stats=self._own_stats()))
+            return
+        await self._relay(RestorePrefix(msg.request_id, msg.session_id, msg.tokens[:restored]), None)
+
+    async def on_cache_query(self, msg: CacheQuery) -> None:
+        """This stage's line, then every later stage's."""
+        own = self._cache_report(msg)
+        await self._ensure_downstream()
+        if self.down is None:
+            await self.reply(CacheReport(msg.request_id, 0, (own,), stats=self._own_stats()))
+            return
+        reply, sent, write_us, wait_us = await self.down.request(msg)
+        stats = merge(self._own_stats(write_us=write_us, wait_us=wait_us, sent=sent), reply.stats)
+        if isinstance(reply, CacheReport):
+            reply = CacheReport(msg.request_id, 0, (own, *reply.stages), stats=stats)
+        await self.reply(with_stats(reply, stats))
 
     async def _pass_on_chunk(self, msg: PrefillChunk, job: Job) -> None:
         if self.down is not None:

@@ -31,6 +31,7 @@ from skippyd.stage.connection import UpstreamConnection
 from skippyd.stage.core import StageCore
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.stage.host_lock import HostComputeLock
+from skippyd.stage.prefix_cache import PrefixCache
 from skippyd.stage.scheduler import Scheduler
 from skippyd.stage.sessions import SessionTable
 from skippyd.stage.token_return import TokenReturnLink
@@ -81,6 +82,7 @@ class StageConfig:
     # the stages compute at the same time (hosts of their own): keep this many groups of sessions in flight
     # (Scheduler.decode_groups; the daemon resolves 0, auto, from the topology's hosts)
     decode_groups: int = 1
+    prefix_cache_mb: int = _RUNTIME.prefix_cache_mb  # the prefix cache's budget (MiB); 0: no cache
 
     def context_params(self) -> ContextParams:
         return ContextParams(n_ctx_per_seq=self.n_ctx_per_seq, n_seq_max=self.lanes, n_batch=self.n_batch,
@@ -144,7 +146,8 @@ class StageServer:
         self.core = StageCore(index, n_stages, self.hello, config,
                               next_stage=None if index == n_stages - 1 else topology.stage(index + 1),
                               sessions=SessionTable(config.lanes), token_return=token_return,
-                              wrap=self._shape.wrap, frame_min_rate=min_rate)
+                              wrap=self._shape.wrap, frame_min_rate=min_rate,
+                              prefix_cache=PrefixCache(config.prefix_cache_mb << 20, stage_index=index))
 
     # the core's, for the daemon, the control plane and the tests
     is_final = property(lambda self: self.core.is_final)

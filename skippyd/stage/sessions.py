@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import attrs
+import numpy as np
 
 from skippyd.runtime.llama import Sampler
 from skippyd.wire.messages import StatsTotal
@@ -42,6 +43,22 @@ class StageSession:
     # a middle stage's reports of the decode steps it did not acknowledge (DIRECT_RETURN): they go up with
     # the session's next reply on the lane (its Stop's, usually); summed in place, as they come every token
     unreported: StatsTotal = attrs.field(factory=StatsTotal)
+    # the token id at each position this stage holds KV for (what the prefix cache keys an entry by)
+    _tokens: np.ndarray = attrs.field(factory=lambda: np.empty(0, dtype=np.int32), repr=False)
+
+    def computed(self, pos: int, tokens: np.ndarray) -> None:
+        """The KV of ``tokens`` at positions [pos, pos + len) was computed: the session now holds up to there."""
+        end = pos + len(tokens)
+        if end > len(self._tokens):
+            grown = np.empty(max(end, 2 * len(self._tokens), 256), dtype=np.int32)
+            grown[:len(self._tokens)] = self._tokens
+            self._tokens = grown
+        self._tokens[pos:end] = tokens
+        self.position = end
+
+    def held_tokens(self) -> np.ndarray:
+        """The token ids of the positions this session holds (a view: copy it to keep it)."""
+        return self._tokens[:self.position]
 
     def describe(self) -> dict:
         return {

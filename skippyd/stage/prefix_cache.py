@@ -1,0 +1,202 @@
+"""A stage's prefix cache: the KV of its own layers for token prefixes it has computed, kept in host memory.
+
+An entry is the exact token ids of a sequence and that sequence's state as
+llama.cpp exports it (``Context.state_export``: the KV of this stage's layers
+for those positions). A later prompt that begins with the same tokens
+restores the entry into its own sequence and trims it to the common prefix
+(:meth:`PrefixCache.lookup`), so only the rest is computed. Entries are
+looked up by longest common prefix; a hit shorter than ``min_hit`` tokens
+is not worth its import and counts as a miss.
+
+The cache belongs to one stage process, whose model, layer range and context
+settings are fixed for its life, so the token ids are the whole key; a
+restart or a new split starts empty. The budget counts the bytes held (the
+states and their token arrays); the least recently used entries go first,
+and an entry larger than the budget is not kept. A restore copies an entry
+into the session's sequence, so evicting it never takes anything from a
+running session.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import attrs
+import numpy as np
+
+from skippyd.wire.messages import CacheStats
+
+MIN_HIT = 16  # a common prefix shorter than this is recomputed rather than restored
+
+
+@attrs.define(eq=False)
+class CacheEntry:
+    tokens: np.ndarray  # int32, the sequence's token ids
+    state: bytes  # llama.cpp's per-sequence state for exactly those positions
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.state) + self.tokens.nbytes
+
+
+@attrs.frozen
+class Hit:
+    entry: CacheEntry
+    length: int  # positions of the entry that the query shares
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """The number of leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+class PrefixCache:
+    """Entries of one stage, least recently used first (see the module docstring)."""
+
+    def __init__(self, budget_bytes: int, *, stage_index: int, min_hit: int = MIN_HIT):
+        self.budget_bytes = max(0, int(budget_bytes))
+        self.stage_index = stage_index
+        self.min_hit = max(1, min_hit)
+        self._entries: OrderedDict[int, CacheEntry] = OrderedDict()
+        self._next_key = 0
+        self.bytes_held = 0
+        self.lookups = 0
+        self.hits = 0
+        self.restored_tokens = 0
+        self.recorded_tokens = 0
+        self.evictions = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, tokens: np.ndarray, limit: int | None = None) -> Hit | None:
+        """The entry sharing the longest prefix with ``tokens[:limit]`` (at least ``min_hit`` tokens), now the
+        most recently used; None on a miss. Counted as a lookup (and a hit)."""
+        if not self.enabled:
+            return None
+        query = tokens if limit is None else tokens[:limit]
+        self.lookups += 1
+        best_key, best_len = None, 0
+        for key, entry in self._entries.items():
+            n = common_prefix(entry.tokens, query)
+            if n > best_len:
+                best_key, best_len = key, n
+        if best_key is None or best_len < self.min_hit:
+            return None
+        self.hits += 1
+        self._entries.move_to_end(best_key)
+        return Hit(self._entries[best_key], best_len)
+
+    def note_restored(self, n_tokens: int) -> None:
+        """A hit's tokens that were restored and used (the chain may use fewer than this stage's hit)."""
+        self.restored_tokens += n_tokens
+
+    # ------------------------------------------------------------------ record
+    def wants(self, tokens: np.ndarray) -> bool:
+        """Whether an entry for ``tokens`` would add anything: long enough, not already held by an entry that
+        begins with them, and an export of them could fit the budget (checked again by :meth:`record`)."""
+        if not self.enabled or len(tokens) < self.min_hit:
+            return False
+        n = len(tokens)
+        for entry in self._entries.values():
+            if len(entry.tokens) >= n and common_prefix(entry.tokens, tokens) == n:
+                return False
+        return True
+
+    def record(self, tokens: np.ndarray, state: bytes) -> bool:
+        """Keep ``state`` (the exported sequence) for ``tokens``; entries it covers (their tokens are a prefix
+        of these) are dropped, then the least recently used ones until it fits. False if not kept."""
+        if not self.wants(tokens):
+            return False
+        entry = CacheEntry(np.array(tokens, dtype=np.int32, copy=True), bytes(state))
+        if entry.nbytes > self.budget_bytes:
+            return False
+        n = len(entry.tokens)
+        for key, old in list(self._entries.items()):
+            if len(old.tokens) <= n and common_prefix(old.tokens, entry.tokens) == len(old.tokens):
+                self._drop(key)
+        while self._entries and self.bytes_held + entry.nbytes > self.budget_bytes:
+            self._drop(next(iter(self._entries)))
+            self.evictions += 1
+        self._entries[self._next_key] = entry
+        self._next_key += 1
+        self.bytes_held += entry.nbytes
+        self.recorded_tokens += n
+        return True
+
+    def _drop(self, key: int) -> None:
+        self.bytes_held -= self._entries.pop(key).nbytes
+
+    def resize(self, budget_bytes: int) -> None:
+        """A new budget; entries over it go, least recently used first."""
+        self.budget_bytes = max(0, int(budget_bytes))
+        while self._entries and self.bytes_held > self.budget_bytes:
+            self._drop(next(iter(self._entries)))
+            self.evictions += 1
+
+    def clear(self) -> int:
+        """Drop every entry; returns how many there were."""
+        n = len(self._entries)
+        self._entries.clear()
+        self.bytes_held = 0
+        return n
+
+    # ------------------------------------------------------------------ report
+    def stats(self) -> CacheStats:
+        return CacheStats(self.stage_index, self.budget_bytes, self.bytes_held, len(self._entries),
+                          sum(len(e.tokens) for e in self._entries.values()), self.lookups, self.hits,
+                          self.restored_tokens, self.recorded_tokens, self.evictions)
+
+
+# ---------------------------------------------------------------------- a sequence's KV in and out of the cache
+async def restore_into(scheduler, context, seq: int, hit: Hit, length: int) -> bool:
+    """Make ``seq`` hold the first ``length`` positions of ``hit``'s entry (whatever it held before is
+    dropped). False if llama.cpp refused the state; ``seq`` is then empty."""
+    restored = False
+
+    def restore() -> None:
+        nonlocal restored
+        context.kv_clear_seq(seq)
+        try:
+            context.state_import(seq, hit.entry.state)
+            context.kv_trim(seq, length)
+            restored = True
+        finally:
+            if not restored:
+                context.kv_clear_seq(seq)
+
+    await scheduler.run_kv(restore)
+    return restored
+
+
+async def record_from(cache: PrefixCache, scheduler, context, seq: int, tokens: np.ndarray, *,
+                      clear: bool = False) -> bool:
+    """Keep ``seq``'s KV (its positions [0, len(tokens)), computed from ``tokens``) if the cache wants it;
+    with ``clear``, empty ``seq`` afterwards in the same KV operation (whatever the export did). True if
+    kept."""
+    wanted = cache.wants(tokens)
+    state = None
+
+    def export() -> None:
+        nonlocal state
+        try:
+            if wanted:
+                context.kv_trim(seq, len(tokens))  # nothing past the positions the tokens name
+                state = context.state_export(seq)
+        finally:
+            if clear:
+                context.kv_clear_seq(seq)
+
+    if not wanted and not clear:
+        return False
+    await scheduler.run_kv(export)
+    return state is not None and cache.record(tokens, state)
