@@ -13,6 +13,7 @@ from pathlib import Path
 
 import trio
 
+from skippyd.head import cache_admin
 from skippyd.head.engine import HeadEngine
 from skippyd.head.lanes import LanePool
 from skippyd.head.liveness import StageWatch
@@ -22,7 +23,7 @@ from skippyd.stage.access import UpstreamAllow
 from skippyd.stage.prefix_cache import PrefixCache
 from skippyd.stage.server import StageConfig
 from skippyd.topology import Topology
-from skippyd.wire.messages import Hello
+from skippyd.wire.messages import CacheStats, Hello
 
 log = logging.getLogger("skippyd.head")
 
@@ -141,6 +142,11 @@ class HeadNode:
                 self.lanes_task_error = f"{type(exc).__name__}: {exc}"
             backoff = 1.0 if pool.last_error is None else min(backoff * 2, 10.0)
 
+    async def cache_report(self, clear: bool = False) -> list[CacheStats]:
+        """Every stage's prefix cache, stage 0 first (with ``clear``: each emptied first); see
+        skippyd/head/cache_admin.py. Raises CacheReportError naming a stage that did not answer."""
+        return await cache_admin.cache_report(self, clear=clear)
+
     def snapshot(self) -> dict:
         snap = self.engine.sessions.snapshot() if self.engine else {}
         snap.update(stage_index=0, scheduler=_stats(self.engine),
@@ -151,7 +157,8 @@ class HeadNode:
                     prefill=self.engine.chunker.describe() if self.engine and self.engine.pool else None,
                     token_return=self.engine.describe_token_return() if self.engine else None,
                     lanes_task=None if self.pool is None else {"failures": self.lanes_task_failures,
-                                                               "last_error": self.lanes_task_error})
+                                                               "last_error": self.lanes_task_error},
+                    prefix_cache=self.engine.prefix_cache.stats().to_json() if self.engine else None)
         return snap
 
 

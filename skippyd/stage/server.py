@@ -313,6 +313,7 @@ class StageServer:
             dropped_handshakes=counters.dropped_handshakes,
             returns_only=dict(counters.returns_only),
             link_secret=bool(self.config.link_auth),
+            prefix_cache=core.prefix_cache.stats().to_json(),
         )
         return snap
 

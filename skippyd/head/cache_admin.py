@@ -1,0 +1,106 @@
+"""The prefix caches of the whole pipeline, as the head sees them (``skippyctl cache``, ``/metrics``).
+
+The head reports its own cache (stage 0) and asks the rest with a
+``CacheQuery`` on a connection of its own to stage 1, opened for the query
+and closed after it: a lane is a generation's, and a query must not wait for
+one to be free. Stage 1 answers for itself and every later stage (a middle
+stage asks the next one), so the report lists every stage in order.
+
+A stage that cannot be reached or answers with an error fails the whole
+report with :class:`CacheReportError`, which names the stage (the first one
+whose answer is missing) and keeps what was gathered before it in
+``partial``: a report never passes off part of the pipeline as all of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+
+from skippyd.stage.downstream import DownstreamError, DownstreamLink
+from skippyd.wire.messages import CacheQuery, CacheReport, CacheStats, ErrorReply
+
+if TYPE_CHECKING:
+    from skippyd.head.node import HeadNode
+
+log = logging.getLogger("skippyd.head")
+
+_query_ids = itertools.count(1)  # the one-off connection carries nothing else: any id is its own
+
+
+class CacheReportError(Exception):
+    """A stage's prefix cache could not be reported (or cleared): ``stage`` is its index; ``partial`` holds the
+    stages reported before it."""
+
+    def __init__(self, stage: int, message: str, partial: list[CacheStats] | None = None):
+        super().__init__(message)
+        self.stage = stage
+        self.partial = list(partial or [])
+
+
+def clear_local(cache, stage: int) -> int:
+    """Empty one local cache; how many entries it held."""
+    dropped = cache.clear()
+    log.info("stage %d: prefix cache cleared (%d entries)", stage, dropped)
+    return dropped
+
+
+async def cache_report(node: HeadNode, *, clear: bool = False) -> list[CacheStats]:
+    """Every stage's :class:`CacheStats`, stage 0 first; with ``clear``, each cache is emptied before it
+    reports. Raises CacheReportError (see the module docstring)."""
+    engine = node.engine
+    if engine is None:
+        raise CacheReportError(0, "the head is still loading its model")
+    if clear:
+        clear_local(engine.prefix_cache, 0)
+    report = [engine.prefix_cache.stats()]
+    if node.single_stage:
+        return report
+    return report + await query_pipeline(node, clear=clear, partial=report)
+
+
+async def query_pipeline(node: HeadNode, *, clear: bool, partial: list[CacheStats]) -> list[CacheStats]:
+    """Stages 1..N's stats, by a CacheQuery to stage 1 on a connection opened for it (the lanes' address,
+    Hello and timeouts)."""
+    pool = node.pool
+    n_stages = len(node.topology.stages)
+    address = pool.address
+    reply = failure = None
+    # the link's own tasks (reply deadline, conditioning) run here; what fails is raised outside the nursery,
+    # not wrapped in an exception group
+    async with trio.open_nursery() as nursery:
+        try:
+            link = await DownstreamLink.connect(pool.host, pool.port, pool.hello, connect_timeout=pool.connect_timeout,
+                                                credit_limit=pool.credit_limit, reply_timeout=pool.reply_timeout,
+                                                wrap=pool.wrap, nursery=nursery)
+            try:
+                reply, *_ = await link.request(CacheQuery(next(_query_ids), clear=clear))
+            finally:
+                with trio.CancelScope(shield=True):
+                    await link.aclose()
+        except DownstreamError as exc:
+            failure = exc
+        finally:
+            nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise CacheReportError(1, f"stage 1 at {address}: {failure.detail}", partial) from failure
+    if isinstance(reply, ErrorReply):
+        raise CacheReportError(1, f"stage 1 at {address} answered the cache query with an error: "
+                                  f"{reply.code.name}: {reply.message}", partial)
+    if not isinstance(reply, CacheReport):
+        raise CacheReportError(1, f"stage 1 at {address} answered the cache query with "
+                                  f"{type(reply).__name__}", partial)
+    stages = list(reply.stages)
+    expected = list(range(1, n_stages))
+    got = [s.stage_index for s in stages]
+    if got != expected[:len(got)] or not got:
+        raise CacheReportError(1, f"stage 1 at {address} reported stages {got}, expected {expected}",
+                               partial)
+    if len(got) < len(expected):  # a middle stage without its next one answers for itself only
+        missing = expected[len(got)]
+        raise CacheReportError(missing, f"stage {missing} did not report its prefix cache (stage {missing - 1} "
+                                        f"could not reach it)", partial + stages)
+    return stages
