@@ -50,6 +50,7 @@ def _globals(
 
 # Nouns register here, one module each. Imported after `Globals` exists so a
 # noun module may import it from here.
+from skippyctl import cache as _cache  # noqa: E402
 from skippyctl import generate as _generate  # noqa: E402
 from skippyctl import lanes as _lanes  # noqa: E402
 from skippyctl import model as _model  # noqa: E402
@@ -59,6 +60,7 @@ from skippyctl import status as _status  # noqa: E402
 app.command("generate")(_generate.generate)
 app.add_typer(_sessions.app, name="sessions")
 app.add_typer(_lanes.app, name="lanes")
+app.add_typer(_cache.app, name="cache")
 app.command("status")(_status.status)
 app.add_typer(_model.app, name="model")
 

@@ -75,8 +75,11 @@ def generate(
     else:
         sys.stdout.write("\n")
         t = result["timings"]
-        sys.stderr.write(f"[{result['finish_reason']}: {result['usage']['prompt_tokens']} prompt + "
-                         f"{result['usage']['completion_tokens']} generated tokens, ttft {t['ttft_ms']:.0f} ms, "
+        usage = result["usage"]
+        # cached: prompt tokens the stages' prefix caches restored rather than computed
+        cached = f", cached {usage['cached_tokens']}" if "cached_tokens" in usage else ""
+        sys.stderr.write(f"[{result['finish_reason']}: {usage['prompt_tokens']} prompt + "
+                         f"{usage['completion_tokens']} generated tokens{cached}, ttft {t['ttft_ms']:.0f} ms, "
                          f"{t['decode_tokens_per_s']:.1f} tok/s]\n")
     sys.stdout.flush()
     if result["finish_reason"] in ("cancelled", "error"):

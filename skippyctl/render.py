@@ -80,6 +80,22 @@ def listing(*columns, **kwargs) -> Table:
     return _Listing(*columns, box=None, pad_edge=False, header_style="bold", **kwargs)
 
 
+def human_bytes(n: int) -> str:
+    """A byte count in binary units, as budgets are given (MiB): "0 B", "812 B", "3.4 KiB", "512 MiB"."""
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    if unit == "B":
+        return f"{int(value)} B"
+    return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+
+
+def entries(n: int) -> str:
+    return f"{n} entry" if n == 1 else f"{n} entries"
+
+
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
     """Print "error: message" on stderr and exit with `code`, without a traceback."""
     # Plain write, not rich: messages contain brackets ("[::1]:7400") rich would eat.

@@ -8,7 +8,7 @@ import typer
 from rich.table import Column, Table
 
 from skippyctl.client import ControlError, call_once
-from skippyctl.render import emit, fail, listing
+from skippyctl.render import emit, entries, fail, human_bytes, listing
 from skippyd.control import messages as m
 
 
@@ -26,7 +26,8 @@ def _table(data: dict) -> Table:
                     caption=f"{_running(data)}; skippy {data.get('version')}"
                             + _down((data.get("head") or {}).get("downstream"))
                             + _lanes_task((data.get("head") or {}).get("lanes_task"))
-                            + _listening(data.get("listeners")))
+                            + _listening(data.get("listeners"))
+                            + _caches(data))
     for s in (data.get("topology") or {}).get("stages", []):
         table.add_row(str(s["index"]), s["address"], f"[{s['layers'][0]},{s['layers'][1]})",
                       "yes" if s["local"] else "no", threads.get(s["index"], "-"), _yes(s["reachable"]),
@@ -71,6 +72,23 @@ def _lanes_task(task: dict | None) -> str:
     if not task or not task.get("failures"):
         return ""
     return f"\nkeeping lanes open FAILED {task['failures']} time(s), last: {task.get('last_error')} (see the log)"
+
+
+def _caches(data: dict) -> str:
+    """A line per local stage: its prefix cache's entries, bytes held of its budget, and hit rate."""
+    lines = []
+    for snap in [data.get("head"), *(data.get("stages") or [])]:
+        cache = (snap or {}).get("prefix_cache")
+        if not cache:
+            continue
+        head = f"\nprefix cache of stage {snap['stage_index']}: "
+        if not cache["budget_bytes"]:
+            lines.append(head + "off")
+            continue
+        rate = f"hit rate {100 * cache['hit_rate']:.0f}% of {cache['lookups']}" if cache["lookups"] else "no lookups"
+        lines.append(head + f"{entries(cache['entries'])}, {human_bytes(cache['bytes_held'])} of "
+                            f"{human_bytes(cache['budget_bytes'])}, {rate}")
+    return "".join(lines)
 
 
 def _listening(listeners: list[dict] | None) -> str:

@@ -110,6 +110,16 @@ class LanesUndrain:
 
 
 @attrs.frozen
+class CacheShow:
+    id: str
+
+
+@attrs.frozen
+class CacheClear:
+    id: str
+
+
+@attrs.frozen
 class Status:
     id: str
 
@@ -120,8 +130,8 @@ class Receipts:
     limit: int = 20
 
 
-Request = (Generate | SessionsList | SessionShow | SessionKill | LanesList | LanesDrain | LanesUndrain | Status
-           | Receipts)
+Request = (Generate | SessionsList | SessionShow | SessionKill | LanesList | LanesDrain | LanesUndrain | CacheShow
+           | CacheClear | Status | Receipts)
 
 
 # ---------------------------------------------------------------- replies

@@ -1,7 +1,9 @@
 """The websocket control channel (trio-websocket), served by every skippyd.
 
 Generation, ``sessions`` and ``lanes`` need the head; ``status`` (and
-``sessions list`` of a stage's own sessions) work on any daemon.
+``sessions list`` of a stage's own sessions) work on any daemon. ``cache``
+reports the prefix cache of every stage of the pipeline on the head, of the
+daemon's own stages elsewhere.
 
 Every connection must present the token (``Authorization: Bearer …``),
 compared in constant time. Each request runs as a task in the connection's
@@ -24,6 +26,7 @@ from trio_websocket import ConnectionClosed, WebSocketRequest, serve_websocket
 
 from skippyd.control import messages as m
 from skippyd.control.token import default_token_file, load_or_create_token
+from skippyd.head.cache_admin import CacheReportError, clear_local
 from skippyd.head.engine import GenerationError, GenerationRequest
 from skippyd.head.piece_relay import ClientStalled, PieceRelay
 from skippyd.listening import explain_bind_errors
@@ -119,6 +122,8 @@ class ControlServer:
             await send(m.Error(req.id, str(exc), code="not_found"))
         except _NotHead as exc:
             await send(m.Error(req.id, str(exc), code="bad_request"))
+        except CacheReportError as exc:
+            await send(m.Error(req.id, str(exc), code="unavailable", retryable=True))
         except Exception as exc:  # a bug must not take the connection down
             log.exception("control: %s failed", type(req).__name__)
             await send(m.Error(req.id, f"internal error: {exc}", code="failed"))
@@ -250,12 +255,51 @@ class ControlServer:
             self.pool.undrain()
         await send(m.Data(req.id, self._lanes()))
 
+    async def _cache_stats(self, clear: bool = False) -> list:
+        """Every stage's CacheStats: the whole pipeline's through the head, else this daemon's own stages."""
+        head = self.daemon.head
+        if head is not None:
+            return await head.cache_report(clear=clear)
+        out = []
+        for stage in sorted(self.daemon.stages, key=lambda s: s.index):
+            if clear:
+                clear_local(stage.core.prefix_cache, stage.index)
+            out.append(stage.core.prefix_cache.stats())
+        return out
+
+    async def on_cache_show(self, req: m.CacheShow, send) -> None:
+        await send(m.Data(req.id, [describe_cache(s) for s in await self._cache_stats()]))
+
+    async def on_cache_clear(self, req: m.CacheClear, send) -> None:
+        """Empty every stage's prefix cache; each stage's line says what it held just before (``cleared``
+        entries, ``cleared_bytes``) and what it holds after."""
+        before = {s.stage_index: s for s in await self._cache_stats()}
+        try:
+            after = await self._cache_stats(clear=True)
+        except CacheReportError as exc:
+            cleared = ", ".join(str(s.stage_index) for s in exc.partial) or "none"
+            raise CacheReportError(exc.stage, f"{exc} (stages cleared before it: {cleared})", exc.partial) from exc
+        out = []
+        for s in after:
+            held = before.get(s.stage_index)
+            out.append({**describe_cache(s), "cleared": held.entries if held else None,
+                        "cleared_bytes": held.bytes_held if held else None})
+        await send(m.Data(req.id, out))
+
     async def on_status(self, req: m.Status, send) -> None:
         await send(m.Data(req.id, await self.daemon.status()))
 
     async def on_receipts(self, req: m.Receipts, send) -> None:
         kept = list(self.engine.receipts)[-max(0, req.limit):]
         await send(m.Data(req.id, [attrs.asdict(r) for r in kept]))
+
+
+def describe_cache(stats) -> dict:
+    """One stage's prefix cache as the control channel answers it (a CacheStats)."""
+    return {"stage": stats.stage_index, "entries": stats.entries, "tokens": stats.tokens_held,
+            "bytes": stats.bytes_held, "budget_bytes": stats.budget_bytes, "lookups": stats.lookups,
+            "hits": stats.hits, "hit_rate": stats.hit_rate, "restored_tokens": stats.restored_tokens,
+            "recorded_tokens": stats.recorded_tokens, "evictions": stats.evictions}
 
 
 class _NotFound(LookupError):
