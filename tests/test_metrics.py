@@ -178,3 +178,76 @@ async def test_spans_in_child_tasks_name_their_parent(spans):
 def test_unknown_level_is_refused():
     with pytest.raises(ValueError):
         telemetry.configure("verbose")
+
+
+# ---------------------------------------------------------------- prefix caches
+def cache_daemon(report=None):
+    """A head of a 3-stage pipeline running stage 0 with stage 2 in the same daemon; `report` plays the head's
+    cache_report (of every stage)."""
+    import numpy as np
+
+    from skippyd.stage.prefix_cache import PrefixCache
+
+    head_cache, stage2_cache = PrefixCache(1 << 20, stage_index=0), PrefixCache(2 << 20, stage_index=2)
+    tokens = np.arange(40, dtype=np.int32)
+    assert head_cache.record(tokens, b"x" * 1000)
+    assert head_cache.lookup(tokens) is not None and head_cache.lookup(tokens[::-1].copy()) is None
+    head_cache.note_restored(39)
+    engine = SimpleNamespace(live={}, totals={}, sessions=SimpleNamespace(live=[], free_slots=1),
+                             scheduler=SimpleNamespace(stats=SimpleNamespace(compute_s=0, batches=0, tokens=0)),
+                             prefix_cache=head_cache)
+    pool = SimpleNamespace(capacity=1, describe=lambda: [])
+    stage = SimpleNamespace(index=2, sessions=None, scheduler=None, core=SimpleNamespace(prefix_cache=stage2_cache))
+    head = SimpleNamespace(engine=engine, pool=pool, cache_report=report)
+    return SimpleNamespace(head=head, stages=[stage], draining=False)
+
+
+async def test_prefix_caches_per_stage_local_and_from_the_heads_report():
+    from skippyd.wire.messages import CacheStats
+
+    asked = []
+
+    async def report(clear=False):
+        asked.append(clear)
+        return [CacheStats(0), CacheStats(1, budget_bytes=3 << 20, bytes_held=500, entries=2, tokens_held=70,
+                                          lookups=4, hits=3, restored_tokens=60, recorded_tokens=90, evictions=1),
+                CacheStats(2)]
+
+    m = Metrics(cache_daemon(report))
+    before = samples(m)  # no report asked for yet: the local stages only
+    assert ("skippy_prefix_cache_lookups_total", (("stage", "0"),)) in before
+    assert ("skippy_prefix_cache_lookups_total", (("stage", "1"),)) not in before
+    await m.refresh_caches()
+    await m.refresh_caches()  # within CACHE_REPORT_TTL_S: the same report
+    assert asked == [False]
+    s = samples(m)
+
+    def at(name: str, stage: int) -> float:
+        return s[(f"skippy_prefix_cache_{name}", (("stage", str(stage)),))]
+
+    # the head's own cache (stage 0): read now
+    assert (at("lookups_total", 0), at("hits_total", 0), at("restored_tokens_total", 0)) == (2, 1, 39)
+    assert at("recorded_tokens_total", 0) == 40 and at("entries", 0) == 1 and at("tokens", 0) == 40
+    assert at("bytes", 0) == 1000 + 40 * 4 and at("budget_bytes", 0) == 1 << 20 and at("evictions_total", 0) == 0
+    # stage 1 from the report; stage 2 (local) read now, not from the report
+    assert (at("lookups_total", 1), at("hits_total", 1), at("restored_tokens_total", 1)) == (4, 3, 60)
+    assert (at("recorded_tokens_total", 1), at("evictions_total", 1), at("bytes", 1)) == (90, 1, 500)
+    assert (at("entries", 1), at("budget_bytes", 1)) == (2, 3 << 20)
+    assert at("budget_bytes", 2) == 2 << 20
+
+
+async def test_prefix_caches_without_an_answer_are_the_local_stages(autojump_clock):
+    async def failing(clear=False):
+        raise RuntimeError("stage 1 at 127.0.0.1:1: cannot connect")
+
+    async def hanging(clear=False):
+        await trio.sleep_forever()
+
+    for report in (failing, hanging):
+        m = Metrics(cache_daemon(report))
+        started = trio.current_time()
+        await m.refresh_caches()
+        assert trio.current_time() - started <= 1.0  # a scrape waits a second at most
+        s = samples(m)
+        assert {labels for (name, labels) in s if name == "skippy_prefix_cache_entries"} == {
+            (("stage", "0"),), (("stage", "2"),)}

@@ -135,6 +135,8 @@ async def test_chat_matches_control_channel_and_counts_tokens(api, vocab):
 
 @pytest.mark.slow
 async def test_streamed_chat_equals_whole_answer(api):
+    # both answers after this one: the same prompt prefix restored from the stages' prefix caches in each
+    await run(api.client.chat.completions.create, model=MODEL_ID, messages=HELLO, max_tokens=1, temperature=0)
     whole = await run(api.client.chat.completions.create, model=MODEL_ID, messages=HELLO, max_tokens=10,
                       temperature=0)
 
@@ -401,6 +403,7 @@ class FakeEngine:
         self.behave = behave
         self.cancelled = 0
         self.requests = []
+        self.cached_tokens = 0  # what the stages' prefix caches restored of each prompt
 
     def prompt_tokens(self, req):
         return np.arange(1, 6, dtype=np.int32)
@@ -419,7 +422,8 @@ class FakeEngine:
         finally:
             self.gate.leave()
         return GenerationResult(request_id=1, session_id=2, text=text, tokens=tokens, finish_reason=finish,
-                                prompt_tokens=5, ttft_ms=1.0, decode_tokens_per_s=100.0, elapsed_ms=2.0)
+                                prompt_tokens=5, ttft_ms=1.0, decode_tokens_per_s=100.0, elapsed_ms=2.0,
+                                cached_tokens=self.cached_tokens)
 
 
 def fake_app(behave, **kw) -> tuple[OpenAIApp, FakeEngine]:
@@ -560,7 +564,30 @@ async def test_fake_defaults_follow_openai():
     assert chat_req.max_tokens == 64 and chat_req.sampling.temperature == 1.0 and chat_req.sampling.seed is not None
     assert comp_req.max_tokens == 16 and comp_req.raw
     assert chat_req.prompt_tokens == (1, 2, 3, 4, 5)  # tokenized once, by the app
-    assert json.loads(chat.data)["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+    assert json.loads(chat.data)["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6,
+                                              "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+async def test_fake_usage_reports_the_cached_prompt_tokens():
+    """usage.prompt_tokens_details.cached_tokens, whole and in the streamed usage chunk, of both endpoints."""
+    async def behave(on_piece):
+        if on_piece is not None:
+            on_piece("ok")
+        return "ok", [7], "stop"
+
+    app, engine = fake_app(behave)
+    engine.cached_tokens = 4
+    want = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6,
+            "prompt_tokens_details": {"cached_tokens": 4}}
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"model": "fake-model", "prompt": "x"})):
+        whole = Asgi(app, "POST", path, body)
+        await whole.run()
+        assert json.loads(whole.data)["usage"] == want, whole.data
+        streamed = Asgi(app, "POST", path, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        await streamed.run()
+        events = streamed.events()
+        assert events[-1] == "[DONE]" and events[-2]["usage"] == want and events[-2]["choices"] == []
+        assert all(e["usage"] is None for e in events[:-2]), events
 
 
 async def test_fake_bodies_nothing_could_serve():

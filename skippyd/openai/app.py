@@ -225,8 +225,10 @@ class _Completion(_Chat):
 
 def usage(result: GenerationResult) -> dict:
     completion = len(result.tokens)
+    # cached_tokens: prompt tokens the stages' prefix caches restored rather than computed
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": result.prompt_tokens + completion}
+            "total_tokens": result.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
 # ---------------------------------------------------------------- the application
@@ -353,6 +355,7 @@ class OpenAIApp:
             await ex.json(200, {"status": "ok", "model": self.model_id, "live_generations": len(engine.live)})
 
     async def metrics_text(self, ex: Exchange) -> None:
+        await self.metrics.refresh_caches()  # the remote stages' prefix caches (the collector cannot wait)
         await ex.respond(200, self.metrics.render(), METRICS_CONTENT_TYPE.encode())
 
     async def chat_completions(self, ex: Exchange) -> None:

@@ -7,7 +7,12 @@ Two kinds of numbers:
   output token, and the pipeline's timings from ``result.stage_stats``);
 * **state**, read from the daemon when scraped (:class:`_DaemonCollector`):
   live generations and queue depth, lanes by state, sessions and free slots
-  per local stage, scheduler counters per local stage, telemetry span totals.
+  per local stage, scheduler counters per local stage, telemetry span totals,
+  and every stage's prefix cache: the local stages' read then, the other
+  stages' from the head's cache report, which ``refresh_caches`` (awaited by
+  the ``/metrics`` route before it renders) fetches at most every
+  CACHE_REPORT_TTL_S and waits for at most CACHE_REPORT_TIMEOUT_S; without a
+  fresh one, only the local stages are reported.
 
 ``record_generation(result, source=...)`` is the one call a generation path
 needs: the OpenAI app calls it with ``source="http"``; the control channel
@@ -17,9 +22,11 @@ can call it with ``source="control"``.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from typing import Any
 
+import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -33,6 +40,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_SECONDS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 _MS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0)
+
+CACHE_REPORT_TTL_S = 1.0  # scrapes closer together than this share one report of the remote stages' caches
+CACHE_REPORT_TIMEOUT_S = 1.0  # a scrape waits this long for it, then reports the local stages only
 
 
 class Metrics:
@@ -73,8 +83,32 @@ class Metrics:
                                       registry=r)
         self.slowest_stage = Counter("skippy_slowest_stage", "Generations whose slowest single compute was on "
                                      "this stage", ["stage"], registry=r)
+        self.daemon = daemon
+        # the prefix caches of the stages this daemon does not run, by stage index (see refresh_caches)
+        self.remote_caches: dict[int, Any] = {}
+        self._caches_at = -math.inf
+        self._refreshing = trio.Lock()
         if daemon is not None:
             r.register(_DaemonCollector(daemon, self))
+
+    async def refresh_caches(self) -> None:
+        """Fetch the head's report of every stage's prefix cache, unless one is fresh (CACHE_REPORT_TTL_S);
+        waits at most CACHE_REPORT_TIMEOUT_S. On a failure or a timeout the remote stages are left out."""
+        head = getattr(self.daemon, "head", None)
+        if head is None or getattr(head, "engine", None) is None or getattr(head, "pool", None) is None:
+            self.remote_caches = {}  # no pipeline beyond this daemon's own stages
+            return
+        async with self._refreshing:
+            if trio.current_time() - self._caches_at < CACHE_REPORT_TTL_S:
+                return
+            report = []
+            with trio.move_on_after(CACHE_REPORT_TIMEOUT_S):
+                try:
+                    report = await head.cache_report()
+                except Exception as exc:  # a scrape reports what it can: the local stages
+                    log.debug("metrics: no prefix cache report from the pipeline: %s", exc)
+            self.remote_caches = {s.stage_index: s for s in report}
+            self._caches_at = trio.current_time()
 
     # ------------------------------------------------------------ events
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
@@ -158,6 +192,7 @@ class _DaemonCollector(Collector):
                 g.add_metric([state], n)
             yield g
         yield from self._stages(head, engine)
+        yield from self._prefix_caches(engine)
         spans = telemetry.summary()
         if spans:
             count = CounterMetricFamily("skippy_span", "Telemetry spans finished, by name", labels=["span"])
@@ -208,3 +243,42 @@ class _DaemonCollector(Collector):
             if chooser is not None:
                 threads.add_metric([k], chooser.current)
         yield from (live, free, compute, batches, tokens, threads)
+
+    def _prefix_caches(self, engine: Any) -> Iterable:
+        """Every stage's prefix cache: the local stages' now, the others' from the last report."""
+        caches = dict(self.metrics.remote_caches)
+        local = [(0, getattr(engine, "prefix_cache", None))]
+        local += [(stage.index, getattr(getattr(stage, "core", None), "prefix_cache", None))
+                  for stage in list(getattr(self.daemon, "stages", []))]
+        for index, cache in local:
+            if cache is not None:
+                caches[index] = cache.stats()
+        if not caches:
+            return
+        counters = {
+            "lookups": ("skippy_prefix_cache_lookups", "Prefix cache lookups (a prompt looked up) per stage"),
+            "hits": ("skippy_prefix_cache_hits", "Prefix cache lookups that found a prefix worth restoring, "
+                     "per stage"),
+            "restored_tokens": ("skippy_prefix_cache_restored_tokens", "Prompt positions restored from the prefix "
+                                "cache rather than computed, per stage"),
+            "recorded_tokens": ("skippy_prefix_cache_recorded_tokens", "Tokens of the prefixes recorded in the "
+                                "prefix cache, per stage"),
+            "evictions": ("skippy_prefix_cache_evictions", "Prefix cache entries dropped to stay within the "
+                          "budget, per stage"),
+        }
+        gauges = {
+            "bytes_held": ("skippy_prefix_cache_bytes", "Bytes the prefix cache holds (KV state and token ids), "
+                           "per stage"),
+            "entries": ("skippy_prefix_cache_entries", "Prefixes the prefix cache holds, per stage"),
+            "tokens_held": ("skippy_prefix_cache_tokens", "Tokens of the prefixes the prefix cache holds, per stage"),
+            "budget_bytes": ("skippy_prefix_cache_budget_bytes", "The most bytes the prefix cache may hold "
+                             "(0: off), per stage"),
+        }
+        families = [(field, CounterMetricFamily(name, doc, labels=["stage"])) for field, (name, doc) in
+                    counters.items()]
+        families += [(field, GaugeMetricFamily(name, doc, labels=["stage"])) for field, (name, doc) in
+                     gauges.items()]
+        for index, stats in sorted(caches.items()):
+            for field, family in families:
+                family.add_metric([str(index)], getattr(stats, field))
+        yield from (family for _, family in families)
