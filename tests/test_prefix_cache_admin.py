@@ -308,3 +308,23 @@ def test_cache_tables_fit_80_columns():
     assert _cleared([{"stage": 0, "cleared": 1, "cleared_bytes": 2048},
                      {"stage": 1, "cleared": 3, "cleared_bytes": 0}]) == (
         "stage 0: cleared 1 entry (2 KiB)\nstage 1: cleared 3 entries (0 B)")
+
+
+@pytest.mark.slow
+def test_three_stages_report_through_the_middle_one(default_model_path, tmp_path):
+    split_for_test(default_model_path, 3, tmp_path)
+    pipe = Pipeline(tmp_path / "topology.toml", tmp_path, extra=CACHE_ON).start()
+    try:
+        prompt = prompt_about("Oceans")
+        assert generate(pipe.head, prompt)["usage"]["cached_tokens"] == 0
+        assert generate(pipe.head, prompt)["usage"]["cached_tokens"] >= 16
+        rows = ctl_json(pipe.head, "cache", "show")
+        assert [r["stage"] for r in rows] == [0, 1, 2] and all(r["entries"] >= 1 and r["hits"] >= 1 for r in rows)
+        assert all(r["entries"] == 0 for r in ctl_json(pipe.head, "cache", "clear"))
+        pipe.stages[2].kill()
+        failed = ctl(pipe.head, "cache", "show")
+        # stage 1 refuses a connection that leads nowhere, and says where
+        assert failed.exit_code == 1 and "stage 1 at" in failed.stderr and "stage 2 at" in failed.stderr, \
+            failed.stderr
+    finally:
+        pipe.stop()
