@@ -116,6 +116,10 @@ class Daemon:
         self.control_port = free_ports(1)[0]
         self.token_file = workdir / f"{name}.token"
         self.log_path = workdir / f"{name}.log"
+        # the prefix cache off unless the test turns it on (a later --prefix-cache-mb wins): a restored prefix
+        # followed by a suffix prefill rounds differently from a whole prefill, and most tests compare the
+        # tokens of one run with another's
+        args = ["--prefix-cache-mb", "0", *args]
         if config:
             args = ["--config", str(write_config(workdir / f"{name}.toml", config)), *args]
         self.args = [sys.executable, "-m", "skippyd.daemon", *args, "--control", f"127.0.0.1:{self.control_port}",

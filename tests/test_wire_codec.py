@@ -605,15 +605,13 @@ def test_malformed_prefix_cache_messages(wire, code):
 
 
 def test_restore_prefix_limits():
+    """A RestorePrefix is looked up, never computed: a receiver's tighter token limit (its batch) does not apply,
+    only the protocol's."""
     tight = Limits(max_tokens=16)
-    assert code_of(decode_frame, frame_bytes(RestorePrefix(1, 2, range(17))), n_embd=4, limits=tight) in (
-        ErrorCode.FRAME_TOO_LARGE,
-        ErrorCode.LIMIT_EXCEEDED,
-    )
-    p = codec.FramePrefix(MessageKind.RESTORE_PREFIX, 0, 32 + 4 * 17)
-    assert code_of(parse_message_header, p, header(n_tokens=17), tight, 4) == ErrorCode.LIMIT_EXCEEDED
-    assert len(decode_frame(frame_bytes(RestorePrefix(1, 2, range(16))), n_embd=4, limits=tight).tokens) == 16
-    assert code_of(parse_prefix, prefix(MessageKind.RESTORE_PREFIX, 32 + 4 * 16 + 4), tight, n_embd=4) == (
+    assert len(decode_frame(frame_bytes(RestorePrefix(1, 2, range(17))), n_embd=4, limits=tight).tokens) == 17
+    p = codec.FramePrefix(MessageKind.RESTORE_PREFIX, 0, 32 + 4 * (MAX_TOKENS + 1))
+    assert code_of(parse_message_header, p, header(n_tokens=MAX_TOKENS + 1), tight, 4) == ErrorCode.LIMIT_EXCEEDED
+    assert code_of(parse_prefix, prefix(MessageKind.RESTORE_PREFIX, 32 + 4 * MAX_TOKENS + 4), tight, n_embd=4) == (
         ErrorCode.FRAME_TOO_LARGE
     )
     assert code_of(parse_prefix, prefix(MessageKind.CACHE_QUERY, 33), n_embd=4) == ErrorCode.FRAME_TOO_LARGE

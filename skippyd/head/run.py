@@ -49,7 +49,7 @@ from skippyd.stage.prefix_cache import PrefixCache, record_from, restore_into
 from skippyd.stage.scheduler import Scheduler
 from skippyd.stage.sessions import SessionTable
 from skippyd.telemetry import span
-from skippyd.wire.messages import PrefillChunk, StageStats, StatsTotal
+from skippyd.wire.messages import MAX_TOKENS, PrefillChunk, StageStats, StatsTotal
 from skippyd.wire.stream import PreparedFrame
 
 log = logging.getLogger("skippyd.head")
@@ -200,7 +200,7 @@ class GenerationRun:
         when the prefill comes (positions are authoritative)."""
         cache = self.head.prefix_cache
         # the prompt's last token is always computed: its logits give the first generated token
-        hit = cache.lookup(self.prompt, len(self.prompt) - 1)
+        hit = cache.lookup(self.prompt, min(len(self.prompt) - 1, MAX_TOKENS))  # MAX_TOKENS: one RestorePrefix
         if hit is None:
             return 0
         length = hit.length

@@ -69,6 +69,7 @@ from skippyd.wire.messages import (
     MAX_NODE_NAME_BYTES,
     MAX_POSITION,
     MAX_REASON_BYTES,
+    MAX_TOKENS,
     PROTOCOL_VERSION,
     TRUSTED,
     Ack,
@@ -471,8 +472,8 @@ def _max_message_body(kind: int, limits: Limits, n_embd: int) -> int:
     if kind in (MessageKind.PREFILL, MessageKind.VERIFY_WINDOW):
         act = min(limits.max_tokens * row, limits.max_activation_bytes)
         return MESSAGE_HEADER_SIZE + 4 * limits.max_tokens + act
-    if kind == MessageKind.RESTORE_PREFIX:
-        return MESSAGE_HEADER_SIZE + 4 * limits.max_tokens  # tokens only
+    if kind == MessageKind.RESTORE_PREFIX:  # tokens only, looked up and never computed: the protocol's cap
+        return MESSAGE_HEADER_SIZE + 4 * MAX_TOKENS
     return MESSAGE_HEADER_SIZE  # trim, stop, ping, cache query
 
 
@@ -557,8 +558,9 @@ def parse_message_header(prefix: FramePrefix, data: Buffer, limits: Limits, n_em
 
     if reserved:
         raise fail(ErrorCode.BAD_VALUE, "reserved header field is not zero")
-    if n_tokens > limits.max_tokens:
-        raise fail(ErrorCode.LIMIT_EXCEEDED, f"{n_tokens} tokens, at most {limits.max_tokens}")
+    max_tokens = MAX_TOKENS if kind == MessageKind.RESTORE_PREFIX else limits.max_tokens
+    if n_tokens > max_tokens:
+        raise fail(ErrorCode.LIMIT_EXCEEDED, f"{n_tokens} tokens, at most {max_tokens}")
     lo, hi = _TOKEN_RANGE[kind]
     if n_tokens < lo or (hi is not None and n_tokens > hi):
         raise fail(ErrorCode.BAD_VALUE, f"{n_tokens} tokens, expected {lo}..{hi if hi is not None else 'max'}")
