@@ -48,12 +48,14 @@ from skippyd.wire.codec import (
 )
 from skippyd.wire.messages import (
     DEFAULT_LIMITS,
+    CacheQuery,
     ConfigureGeneration,
     DecodeStep,
     Hello,
     HelloReply,
     Ping,
     PrefillChunk,
+    RestorePrefix,
     SamplingParams,
     Stop,
     TrimSession,
@@ -94,7 +96,10 @@ def live(default_model_path, tmp_path_factory):
     topo = split_for_test(default_model_path, 2, work)
     port = free_ports(1)[0]
     pipe = Pipeline(work / "topology.toml", work,
-                    extra=["--openai", f"127.0.0.1:{port}", "--ctx", str(CTX), "--lanes", "4"],
+                    # the cache on, so that fuzzed RestorePrefix frames reach it (the canary's prompt is too
+                    # short to be restored: its tokens stay those of a whole prefill)
+                    extra=["--openai", f"127.0.0.1:{port}", "--ctx", str(CTX), "--lanes", "4",
+                           "--prefix-cache-mb", "64"],
                     config={"runtime.prefill_chunk": 64})
     try:
         pipe.start()
@@ -287,6 +292,8 @@ def _messages(n_embd: int) -> list[bytes]:
         TrimSession(5, 77, 1),
         Stop(6, 77),
         Ping(7),
+        RestorePrefix(8, 78, np.arange(40, dtype=np.int32)),
+        CacheQuery(9, clear=False),
     )]
 
 
