@@ -333,8 +333,9 @@ def run_chat(endpoints: list[Endpoint], system: str, users: list[str], max_token
             r["messages"] = [dict(m) for m in conv]
             conv.append({"role": "assistant", "content": r["text"]})
             out[ep.name].append(r)
-            print(f"  chat turn {turn} {ep.name:18} TTFT {r['ttft_ms']:8.1f} ms  prompt {r['prompt_tokens']:5}  "
-                  f"cached {fmt_int(r['cached_tokens']):>5}  reply {r['completion_tokens']} tokens", flush=True)
+            print(f"  chat turn {turn} {ep.name:18} TTFT {fmt_ms(r['ttft_ms']):>8} ms  "
+                  f"prompt {fmt_int(r['prompt_tokens']):>5}  cached {fmt_int(r['cached_tokens']):>5}  "
+                  f"reply {fmt_int(r['completion_tokens'])} tokens", flush=True)
     return out
 
 
@@ -362,7 +363,7 @@ def run_sessions(endpoints: list[Endpoint], system: str, questions: list[str], m
                        for i, q in enumerate(rest, 2)]
             results += [f.result() for f in futures]
         out[ep.name] = results
-        print(f"  sessions {ep.name:18} TTFT " + "  ".join(f"{r['ttft_ms']:.1f}" for r in results) + " ms  cached "
+        print(f"  sessions {ep.name:18} TTFT " + "  ".join(fmt_ms(r["ttft_ms"]) for r in results) + " ms  cached "
               + " ".join(fmt_int(r["cached_tokens"]) for r in results), flush=True)
     return out
 
@@ -475,7 +476,7 @@ def ratios(chat: dict[str, list[dict]], sessions: dict[str, list[dict]], turns: 
         return rows[turn - 1]["ttft_ms"] if rows and len(rows) >= turn else None
 
     def row(label: str, value: float | None, op: str | None = None, bound: float | None = None) -> None:
-        out.append({"label": label, "value": value, "op": op, "bound": bound,
+        out.append({"label": label, "value": value, "op": op, "bound": bound if op else None,
                     "verdict": verdict(value, op, bound) if op else ""})
 
     def div(a: float | None, b: float | None) -> float | None:
@@ -490,10 +491,12 @@ def ratios(chat: dict[str, list[dict]], sessions: dict[str, list[dict]], turns: 
                 "<=" if main else None, 1.2)
     for name, results in sessions.items():
         first, rest = results[0]["ttft_ms"], [r["ttft_ms"] for r in results[1:]]
+        timed = None not in rest
         cached = name.endswith(" on")
-        row(f"sessions 2-{len(results)} / session 1, worst: {name}", div(max(rest), first),
+        row(f"sessions 2-{len(results)} / session 1, worst: {name}", div(max(rest), first) if timed else None,
             "<=" if cached else None, 0.3)
-        row(f"sessions 2-{len(results)} / session 1, mean: {name}", div(sum(rest) / len(rest), first))
+        row(f"sessions 2-{len(results)} / session 1, mean: {name}",
+            div(sum(rest) / len(rest), first) if timed else None)
     for name, rows in chat.items():
         if name.endswith(" off"):
             continue
@@ -586,6 +589,8 @@ def main() -> int:
     endpoints: list[Endpoint] = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        # the daemons take turns at the cores with each other, not with another run's stages on this host
+        os.environ.setdefault("SKIPPY_COMPUTE_LOCK", str(tmp / "compute.lock"))
         try:
             for topo, n in topologies.items():
                 for state, mb in (("on", CACHE_ON_MB), ("off", 0)):
