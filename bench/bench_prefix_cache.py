@@ -35,7 +35,14 @@ the previous turn's prompt plus reply), and the greedy replies with the cache
 against without it: where they differ, the first differing reply token (both
 replies re-tokenized) and, computed here on the whole model from the cache-off
 run's prompt and the common reply prefix, the log-probability margin between
-the two best candidates there.
+the two best candidates there (in one prefill, and as the uncached run
+computed it: its reply in decode steps), beside this CPU's rounding band: how
+far the same positions computed as decode steps and in one prefill land
+apart. A restored reply's KV is decode steps', where a cold prefill of the
+next turn computes it in a batch, so a flip inside that band is rounding.
+
+    .venv/bin/python bench/bench_prefix_cache.py --turns 8 --json bench/results/prefix_cache.json
+    .venv/bin/python bench/bench_prefix_cache.py --analyse bench/results/prefix_cache.json   # again, no runs
 """
 
 from __future__ import annotations
@@ -163,10 +170,14 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+
+
 def top2_margin(logits: np.ndarray) -> tuple[int, int, float, float]:
     """(best token, second token, their log-probabilities' margin, the best's log-probability)."""
-    x = logits.astype(np.float64)
-    logp = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+    logp = log_softmax(logits)
     second, best = np.argsort(logp)[-2:]
     return int(best), int(second), float(logp[best] - logp[second]), float(logp[best])
 
@@ -394,7 +405,9 @@ class Offline:
     def piece(self, token: int | None) -> str:
         return "<end>" if token is None else self.model.token_piece(token, special=True).decode("utf-8", "replace")
 
-    def after(self, tokens: list[int]) -> np.ndarray:
+    def after(self, tokens: list[int], stepped: list[int] = ()) -> np.ndarray:
+        """Logits after ``tokens`` computed in batches (a prefill), then ``stepped`` one at a time (decode
+        steps), as a run computes a prompt and then the reply it generates."""
         self.ctx.kv_clear_seq(0)
         arr = np.asarray(tokens, dtype=np.int32)
         step = self.ctx.n_batch
@@ -402,7 +415,19 @@ class Offline:
             part = arr[lo:lo + step]
             self.ctx.decode(np.arange(lo, lo + len(part), dtype=np.int32), np.zeros(len(part), dtype=np.int32),
                             tokens=part)
+        for pos, token in enumerate(stepped, start=len(arr)):
+            self.ctx.decode(np.array([pos], dtype=np.int32), np.zeros(1, dtype=np.int32),
+                            tokens=np.array([token], dtype=np.int32))
         return self.ctx.logits(0)
+
+    def rounding_band(self, tokens: list[int], stepped: int = 40) -> float:
+        """How far apart two exact computations of the same positions land on this CPU: the log-probabilities
+        (the five best) after ``tokens`` computed in one prefill, against the last ``stepped`` of them computed
+        as decode steps (the KV a generation leaves, and so a restored reply's)."""
+        whole = log_softmax(self.after(tokens))
+        steps = log_softmax(self.after(tokens[:-stepped], tokens[-stepped:]))
+        top = np.argsort(whole)[-5:]
+        return float(np.abs(whole[top] - steps[top]).max())
 
 
 def compare_replies(offline: Offline, label: str, off: dict, on: dict) -> dict:
@@ -413,13 +438,19 @@ def compare_replies(offline: Offline, label: str, off: dict, on: dict) -> dict:
     pos = first_difference(a, b)
     if pos is None:  # the texts differ but tokenize alike (cannot happen for real text; kept honest)
         return {"where": label, "equal": False, "position": None}
-    prefix = offline.prompt_tokens(off["messages"]) + a[:pos]
-    best, second, margin, _ = top2_margin(offline.after(prefix))
+    prompt = offline.prompt_tokens(off["messages"])
+    best, second, margin, _ = top2_margin(offline.after(prompt + a[:pos]))
     tok_off = a[pos] if pos < len(a) else None
     tok_on = b[pos] if pos < len(b) else None
+    # the cache-off run itself, as it computed: the prompt in a prefill, its reply in decode steps; how much
+    # it preferred its token over the one the cached run took (an end of the reply: the end-of-generation one)
+    logp = log_softmax(offline.after(prompt, a[:pos]))
+    eog = next((int(t) for t in np.argsort(logp)[::-1][:1000] if offline.model.is_eog(int(t))), None)
+    off_tok, on_tok = (eog if t is None else t for t in (tok_off, tok_on))
+    run_margin = None if off_tok is None or on_tok is None else float(logp[off_tok] - logp[on_tok])
     return {"where": label, "equal": False, "position": pos, "off": offline.piece(tok_off),
             "on": offline.piece(tok_on), "top1": offline.piece(best), "top2": offline.piece(second),
-            "margin": margin, "near_tie": margin <= NEAR_TIE,
+            "margin": margin, "near_tie": margin <= NEAR_TIE, "margin_in_uncached_run": run_margin,
             "top2_are_the_runs_tokens": runs_took_top2(tok_off, tok_on, best, second, offline.model.is_eog)}
 
 
@@ -454,6 +485,10 @@ def template_check(offline: Offline, chat: dict[str, list[dict]], sessions: dict
 # ---------------------------------------------------------------- report
 def fmt_int(v) -> str:
     return "-" if v is None else str(v)
+
+
+def fmt_margin(v) -> str:
+    return "-" if v is None else f"{v:.2e}"
 
 
 def fmt_ms(v) -> str:
@@ -507,7 +542,8 @@ def ratios(chat: dict[str, list[dict]], sessions: dict[str, list[dict]], turns: 
     return out
 
 
-def report(chat: dict, sessions: dict, targets: list[dict], greedy: list[dict], template: list[dict]) -> None:
+def report(chat: dict, sessions: dict, targets: list[dict], greedy: list[dict], template: list[dict],
+           band: float | None = None) -> None:
     names = list(chat)
     turns = len(next(iter(chat.values())))
     print_grid("chat: TTFT ms per turn", [f"turn {i + 1}" for i in range(turns)], names,
@@ -536,13 +572,18 @@ def report(chat: dict, sessions: dict, targets: list[dict], greedy: list[dict], 
             print(f"  {g['where']:28} texts differ, tokens alike")
         else:
             print(f"  {g['where']:28} differ at reply token {g['position']}: off {g['off']!r} on {g['on']!r}; "
-                  f"top-2 here {g['top1']!r} {g['top2']!r}, margin {g['margin']:.2e}"
-                  f"{' (near-tie)' if g['near_tie'] else ' (NOT a near-tie)'}"
+                  f"one prefill: top-2 {g['top1']!r} {g['top2']!r}, margin {g['margin']:.2e}; the uncached run "
+                  f"preferred its token by {fmt_margin(g['margin_in_uncached_run'])}"
                   f"{'' if g['top2_are_the_runs_tokens'] else '; the top-2 are not the runs tokens'}")
-    differing = [g for g in greedy if g["equal"] is False]
+    differing = [g for g in greedy if g["equal"] is False and g.get("position") is not None]
     if differing:
         ok = all(g.get("near_tie") for g in differing)
         print(f"  every difference at a near-tie (margin <= {NEAR_TIE:g}): {'yes' if ok else 'NO'}")
+        if band is not None:
+            inside = all(g["margin_in_uncached_run"] is not None and abs(g["margin_in_uncached_run"]) <= band
+                         for g in differing)
+            print(f"  rounding band on this CPU (the same tokens as decode steps or in one prefill, top-5 "
+                  f"log-probabilities): {band:.2e}; every difference inside it: {'yes' if inside else 'NO'}")
     if template:
         mismatched = [t for t in template if t["llama_server"] != t["skippyd_rendering"]]
         print(f"\nllama-server's prompt tokens against skippyd's rendering of the same messages: "
@@ -562,11 +603,18 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the embedded default model)")
     ap.add_argument("--no-llama-server", action="store_true", help="skip the llama-server reference")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
+    ap.add_argument("--analyse", type=Path, default=None, metavar="FILE",
+                    help="run nothing: the ratios and the greedy comparison of the runs a --json FILE holds")
     args = ap.parse_args()
     sizes = QUICK if args.quick else FULL
     if args.turns is not None:
         sizes = attrs.evolve(sizes, turns=args.turns)
     model = args.model or fetch_default_model()
+    if args.analyse is not None:
+        saved = json.loads(args.analyse.read_text())
+        sizes = attrs.evolve(sizes, **saved["sizes"])
+        topologies = {"single": 1} if "2-stage on" not in saved["chat"] else {"single": 1, "2-stage": 2}
+        return analyse(args, model, sizes, topologies, saved["chat"], saved["sessions"])
 
     from skippyd.runtime.llama import Model
 
@@ -611,21 +659,29 @@ def main() -> int:
         finally:
             for ep in endpoints:
                 ep.stop()
+    return analyse(args, model, sizes, topologies, chat, sessions)
+
+
+def analyse(args, model: Path, sizes, topologies: dict, chat: dict, sessions: dict) -> int:
+    """The ratios, the greedy comparison (margins computed here) and the report; written to --json."""
     targets = ratios(chat, sessions, sizes.turns)
     offline = Offline(model, args.threads, args.ctx)
     try:
         greedy = greedy_comparison(offline, chat, sessions, list(topologies))
         template = template_check(offline, chat, sessions)
+        first = next(iter(chat.values()))
+        band = offline.rounding_band(offline.prompt_tokens(first[-1]["messages"]))
     finally:
         offline.close()
     print(f"\nmodel {model.name}, {os.cpu_count()} cores, {args.threads} threads, --ctx {args.ctx}, seed {args.seed}")
-    report(chat, sessions, targets, greedy, template)
+    report(chat, sessions, targets, greedy, template, band)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"model": model.name, "cores": os.cpu_count(), "threads": args.threads,
                                          "ctx": args.ctx, "seed": args.seed, "sizes": attrs.asdict(sizes),
                                          "chat": chat, "sessions": sessions, "targets": targets,
-                                         "greedy": greedy, "template": template}, indent=2))
+                                         "greedy": greedy, "template": template, "rounding_band": band},
+                                        indent=2))
     return 0
 
 
