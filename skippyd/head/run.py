@@ -96,6 +96,7 @@ class GenerationRun:
         self.error: str | None = None
         self.position = 0
         self.cached_tokens = 0  # prompt positions restored from the prefix caches, not computed
+        self._prompt_unrecorded = False  # a single stage: the prompt goes to the prefix cache after the 1st token
         self.ttft_ms = 0.0
         self.text = TextOutput(head.model.token_piece, stops, on_piece)
         self.clock = StepClock(head.scheduler.hot_path)
@@ -229,7 +230,7 @@ class GenerationRun:
             if lane is None:
                 token = await self._compute(part, lo, want_token=final)
                 if final:
-                    await self._record()
+                    self._prompt_unrecorded = True  # once the first token is out (see _step)
                     return int(token)
                 continue
             native_before = self.clock.native_us
@@ -301,6 +302,9 @@ class GenerationRun:
             let_out = self.text.let_out
             if let_out is not None:
                 await let_out()  # the text so far goes out before the compute may block the loop
+            if self._prompt_unrecorded:  # (not before the first token: a record is not its client's wait)
+                self._prompt_unrecorded = False
+                await self._record()
             token = int(await self._compute(np.array([token], dtype=np.int32), self.position, want_token=True))
             if let_out is None:
                 await trio.lowlevel.checkpoint()  # the compute may not have been one (Scheduler.submit)

@@ -819,7 +819,9 @@ class Context(_NativeObject):
         r = self.kv_pos_range(seq)
         return 0 if r is None else r[1] + 1
 
-    def state_export(self, seq: int) -> bytes:
+    def state_export(self, seq: int) -> bytearray:
+        """The sequence's state (its KV), as llama.cpp writes it; a bytearray, not copied again into bytes (a long
+        sequence's state is tens of MB)."""
         op = "export sequence state"
         self._check_seq(seq, op)
         ptr = self._live(op)
@@ -828,7 +830,7 @@ class Context(_NativeObject):
         written = int(lib.llama_state_seq_get_data(ptr, ffi.from_buffer("uint8_t[]", buf), size, int(seq)))
         if written != size:
             raise LlamaError(op, f"wrote {written} of {size} bytes")
-        return bytes(buf)
+        return buf
 
     def state_import(self, seq: int, data: bytes) -> None:
         op = "import sequence state"

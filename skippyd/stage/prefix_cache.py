@@ -32,7 +32,7 @@ MIN_HIT = 16  # a common prefix shorter than this is recomputed rather than rest
 @attrs.define(eq=False)
 class CacheEntry:
     tokens: np.ndarray  # int32, the sequence's token ids
-    state: bytes  # llama.cpp's per-sequence state for exactly those positions
+    state: bytes | bytearray  # llama.cpp's per-sequence state for exactly those positions (never changed)
 
     @property
     def nbytes(self) -> int:
@@ -112,12 +112,12 @@ class PrefixCache:
                 return False
         return True
 
-    def record(self, tokens: np.ndarray, state: bytes) -> bool:
+    def record(self, tokens: np.ndarray, state: bytes | bytearray) -> bool:
         """Keep ``state`` (the exported sequence) for ``tokens``; entries it covers (their tokens are a prefix
         of these) are dropped, then the least recently used ones until it fits. False if not kept."""
         if not self.wants(tokens):
             return False
-        entry = CacheEntry(np.array(tokens, dtype=np.int32, copy=True), bytes(state))
+        entry = CacheEntry(np.array(tokens, dtype=np.int32, copy=True), state)
         if entry.nbytes > self.budget_bytes:
             return False
         n = len(entry.tokens)
