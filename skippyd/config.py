@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from skippyd.convert import Invalid, converter, structure_errors
-from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT
+from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT, DEFAULT_PEER_TIMEOUT
 
 CONFIG_NAME = "skippyd.toml"
 SYSTEM_CONFIG_DIR = Path("/etc/skippy")
@@ -132,6 +132,9 @@ class RuntimeSection:
     prefill_chunk: int = attrs.field(default=256, validator=_at_least(1))
     credit: int = attrs.field(default=2, validator=_at_least(1))
     reply_timeout: float = attrs.field(default=30.0, validator=_at_least(0.1))
+    # a stage link whose peer host has been silent this long (s) is closed and its sessions released; the
+    # kernel probes a link after a second of quiet, so this is at least 2
+    peer_timeout: float = attrs.field(default=DEFAULT_PEER_TIMEOUT, validator=_at_least(2))
     direct_return: bool = True  # 3+ stages: predictions go from the final stage straight to the head
     queue_timeout: float = attrs.field(default=30.0, validator=_at_least(0))  # the head: wait for a slot
     resume: bool = False  # the head: replay a generation a stage failure interrupted, once it is back
@@ -172,6 +175,8 @@ class ControlSection:
     enabled: bool = True
     listen: str = attrs.field(default=DEFAULT_CONTROL, validator=_hostport)
     token_file: Path | None = None
+    # a message to a client must be sent within this (s), or the client is dropped and its generations end
+    message_timeout: float = attrs.field(default=10.0, validator=_at_least(0.1))
 
 
 @attrs.frozen

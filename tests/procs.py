@@ -108,11 +108,15 @@ def write_config(path: Path, values: dict[str, Any]) -> Path:
 
 
 class Daemon:
-    """One skippyd process; `config` ({"section.key": value}) is written to a skippyd.toml of its own."""
+    """One skippyd process; `config` ({"section.key": value}) is written to a skippyd.toml of its own.
+    `prefix`: a command it runs under (``ip netns exec NAME``: a host of its own, see tests/netns.py);
+    `control_host`: where its control channel listens (an address the test can reach)."""
 
     def __init__(self, args: list[str], workdir: Path, name: str, *, env: dict | None = None,
-                 config: dict[str, Any] | None = None):
+                 config: dict[str, Any] | None = None, prefix: list[str] | None = None,
+                 control_host: str = "127.0.0.1"):
         self.name = name
+        self.control_host = control_host
         self.control_port = free_ports(1)[0]
         self.token_file = workdir / f"{name}.token"
         self.log_path = workdir / f"{name}.log"
@@ -122,8 +126,8 @@ class Daemon:
         args = ["--prefix-cache-mb", "0", *args]
         if config:
             args = ["--config", str(write_config(workdir / f"{name}.toml", config)), *args]
-        self.args = [sys.executable, "-m", "skippyd.daemon", *args, "--control", f"127.0.0.1:{self.control_port}",
-                     "--control-token-file", str(self.token_file)]
+        self.args = [*(prefix or ()), sys.executable, "-m", "skippyd.daemon", *args,
+                     "--control", f"{control_host}:{self.control_port}", "--control-token-file", str(self.token_file)]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
                                      env={**os.environ, **(env or {})},
@@ -133,7 +137,7 @@ class Daemon:
 
     @property
     def url(self) -> str:
-        return f"ws://127.0.0.1:{self.control_port}"
+        return f"ws://{self.control_host}:{self.control_port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

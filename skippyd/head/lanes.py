@@ -7,6 +7,13 @@ the generation's cleanup could not finish) or marked ``dirty`` is closed on
 return: its stream may hold half a frame. ``drain`` stops checkouts (running
 generations finish, idle lanes close); ``undrain`` restores service.
 
+Idle lanes are kept alive, or found dead, by the kernel: each lane is probed
+after a second of quiet (``keep_alive`` in skippyd/wire/stream.py), so a lane
+whose stage 1 vanished (its host down, the link cut) fails its socket within
+``peer_timeout`` s, and :meth:`LanePool.prune` (run every second by the
+head) and :meth:`LanePool.checkout` close it instead of handing it to a
+generation, which would find it dead only at its reply deadline.
+
 ``wrap(stream, nursery)`` (link conditioning, for tests and benchmarks) is
 put around each lane's stream as it is made; its tasks run in the pool's
 ``nursery`` (the head node's).
@@ -25,6 +32,7 @@ import trio
 
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.wire.messages import Hello
+from skippyd.wire.stream import DEFAULT_PEER_TIMEOUT
 
 log = logging.getLogger("skippyd.head")
 
@@ -63,8 +71,9 @@ class LanePool:
     def __init__(self, host: str, port: int, hello: Hello, *, capacity: int = 4, credit_limit: int = 2,
                  connect_timeout: float = 5.0, reply_timeout: float = 30.0,
                  wrap: Callable[[trio.SocketStream, trio.Nursery | None], trio.abc.SendStream] | None = None,
-                 nursery: trio.Nursery | None = None):
+                 nursery: trio.Nursery | None = None, peer_timeout: float = DEFAULT_PEER_TIMEOUT):
         self.host, self.port, self.hello = host, port, hello
+        self.peer_timeout = peer_timeout
         self.wrap = wrap
         self.nursery = nursery  # where the wrappers' tasks run
         self.capacity = capacity
@@ -90,7 +99,8 @@ class LanePool:
             link = await DownstreamLink.connect(self.host, self.port, self.hello,
                                                 connect_timeout=self.connect_timeout,
                                                 credit_limit=self.credit_limit, reply_timeout=self.reply_timeout,
-                                                wrap=self.wrap, nursery=self.nursery)
+                                                wrap=self.wrap, nursery=self.nursery,
+                                                peer_timeout=self.peer_timeout)
         except DownstreamError as exc:
             self.last_error = str(exc)
             if self.last_error != previous:
@@ -106,6 +116,8 @@ class LanePool:
         closed: while one closes, a checkout may take (and close) another of them."""
         while (dead := next((lane for lane in self._idle if not lane.link.looks_alive()), None)) is not None:
             self._idle.remove(dead)
+            log.info("head: idle lane %d to %s is dead (closed by stage 1, or its host silent for %g s): "
+                     "closing it", dead.lane_id, self.address, self.peer_timeout)
             await self._discard(dead)
 
     async def warm(self, n: int | None = None) -> None:

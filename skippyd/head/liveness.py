@@ -24,6 +24,14 @@ whole pipeline, and a middle stage relays a Ping with a shorter deadline
 than its upstream's (``on_ping`` in skippyd/stage/connection.py): a hung
 stage further down is named by the stage before it, in a DOWNSTREAM_FAILED
 reply ("stage 2 failed: ..."), and ``down_stage`` says which stage it was.
+
+The same holds across a network: a link cut (or losing packets one way)
+leaves the ping unanswered, so the generation fails within
+``interval + ping_timeout`` whatever the link does afterwards, while stage
+1, whose connection's host no longer answers, releases the generation's
+session on its side (skippyd/stage/connection.py). When the link heals the
+next check (with backoff, or at once for a new generation) finds the stage
+up again.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import trio
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.wire.errors import HandshakeRefused
 from skippyd.wire.messages import Ack, ErrorReply, Hello, Ping
+from skippyd.wire.stream import DEFAULT_PEER_TIMEOUT
 
 log = logging.getLogger("skippyd.head")
 
@@ -107,8 +116,9 @@ class _Waiter:
 
 class StageWatch:
     def __init__(self, host: str, port: int, hello: Hello, *, stage_index: int = 1, interval: float = INTERVAL_S,
-                 ping_timeout: float = PING_TIMEOUT_S):
+                 ping_timeout: float = PING_TIMEOUT_S, peer_timeout: float = DEFAULT_PEER_TIMEOUT):
         self.host, self.port, self.hello = host, port, hello
+        self.peer_timeout = peer_timeout
         self.stage_index = stage_index
         self.interval = interval
         self.ping_timeout = ping_timeout
@@ -241,7 +251,8 @@ class StageWatch:
                     with trio.fail_after(self.ping_timeout):
                         self._link = await DownstreamLink.connect(
                             self.host, self.port, self.hello, connect_timeout=self.ping_timeout, credit_limit=0,
-                            reply_timeout=self.ping_timeout + 1, write_timeout=self.ping_timeout + 1)
+                            reply_timeout=self.ping_timeout + 1, write_timeout=self.ping_timeout + 1,
+                            peer_timeout=self.peer_timeout)
                 sent = time.perf_counter()
                 with trio.fail_after(self.ping_timeout):
                     reply, *_ = await self._link.request(Ping(next(self._ids)))

@@ -9,6 +9,16 @@ daemon shutdown) runs :meth:`UpstreamConnection.release_all` in a shielded,
 time-bounded scope, so every KV sequence and slot the connection held is
 freed on this stage, and closing our downstream connection makes the next
 stage do the same.
+
+A peer that vanishes without a word (its host down, the link cut, packets
+lost one way) is found by the kernel (``keep_alive`` in skippyd/wire/stream.py):
+the connection is probed after a second of quiet and our replies must be
+acknowledged, so about ``runtime.peer_timeout`` s after the upstream's host
+last answered the socket fails with ETIMEDOUT and the connection ends as
+any other, releasing its sessions, whether or not the link comes back.
+The same probes go down the middle stage's own link to the next stage. An
+upstream *process* that is stopped or busy keeps its connection: its
+kernel answers the probes.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.stage.handlers import handlers_for
 from skippyd.wire.errors import PeerClosed, ProtocolError, ReadTimeout, WireError
 from skippyd.wire.messages import ErrorCode, ErrorReply, Limits
-from skippyd.wire.stream import ReceiveBuffer, WaitWatch, read_message, write_frame
+from skippyd.wire.stream import ReceiveBuffer, WaitWatch, keep_alive, read_message, timed_out, write_frame
 
 log = logging.getLogger("skippyd.stage")
 
@@ -48,9 +58,16 @@ class UpstreamConnection:
         self.conn_id = next(_conn_ids)
         self._down = down
         self.handlers = None  # made by serve, for the stage's role
+        self.gone_silent = False  # the upstream's host stopped answering (see keep_alive): the log says so
 
     async def serve(self) -> None:
         """Until the connection ends; then release every session it owned, and close it."""
+        peer_timeout = self.core.config.peer_timeout_s
+        if isinstance(self.stream, trio.SocketStream):
+            # our replies are small and read at once: unacknowledged ones mean the upstream no longer hears us
+            keep_alive(self.stream, peer_timeout=peer_timeout, user_timeout=True)
+        if self._down is not None and isinstance(self._down.stream, trio.SocketStream):
+            keep_alive(self._down.stream, peer_timeout=peer_timeout)
         async with trio.open_nursery() as nursery:  # the tasks of what the connection opens
             self.handlers = handlers_for(self.core, self.conn_id, self.out, nursery, down=self._down)
             self._down = None
@@ -95,8 +112,16 @@ class UpstreamConnection:
                 log.warning("stage %d: upstream %s: %s; closing", core.index, self.peer, exc)
             else:
                 log.info("stage %d: upstream %s idle past the deadline; closing", core.index, self.peer)
-        except (PeerClosed, WireError, trio.BrokenResourceError, trio.ClosedResourceError):
-            log.info("stage %d: upstream %s closed", core.index, self.peer)
+        except (PeerClosed, WireError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            if timed_out(exc):
+                self.gone_silent = True
+                held = len(core.sessions.owned_by(self.conn_id))
+                log.log(logging.WARNING if held else logging.INFO,
+                        "stage %d: upstream %s silent for %g s (its host does not answer, or does not acknowledge "
+                        "our replies): closing; releasing its %d session(s)", core.index, self.peer,
+                        cfg.peer_timeout_s, held)
+            else:
+                log.info("stage %d: upstream %s closed", core.index, self.peer)
         except Exception:  # a bug must cost one connection, never the daemon
             log.exception("stage %d: connection from %s failed", core.index, self.peer)
         finally:
@@ -112,7 +137,8 @@ class UpstreamConnection:
             except Exception:  # a bug releasing one session must not keep the others (and the links) held
                 log.exception("stage %d: releasing session %d failed", core.index, session.session_id)
                 continue
-            log.info("stage %d: released session %d (connection closed)", core.index, session.session_id)
+            log.info("stage %d: released session %d (%s)", core.index, session.session_id,
+                     "upstream silent" if self.gone_silent else "connection closed")
 
     async def _fail_connection(self, code: ErrorCode, message: str, request_id: int = 0, session_id: int = 0):
         """Tell the peer why the connection ends (best effort; the close lets it arrive)."""

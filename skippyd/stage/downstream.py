@@ -15,6 +15,11 @@ go with DIRECT_RETURN and owe nothing (:meth:`DownstreamLink.send`): the
 next stage says something only if it fails, and :meth:`watch_silence` wakes
 the sender when it does, without a read per step.
 
+The kernel probes the link after a second of quiet (``keep_alive``): a
+next stage whose host vanished fails the socket within ``peer_timeout``
+when nothing of ours is in flight, and :meth:`DownstreamLink.looks_alive`
+says so before the link is used again.
+
 What the link sends goes through ``out``: the stream itself, or a wrapper
 that whoever made the stream put around it (``wrap`` of :meth:`DownstreamLink.connect`);
 closing ``out`` closes the stream.
@@ -33,6 +38,7 @@ from skippyd.wire.handshake import handshake_client
 from skippyd.wire.messages import NO_STATS, Ack, ErrorReply, Hello, Message, Reply, StageStats, merge, with_stats
 from skippyd.wire.stream import (
     DEFAULT_FRAME_TIMEOUT,
+    DEFAULT_PEER_TIMEOUT,
     PreparedFrame,
     ReceiveBuffer,
     WaitWatch,
@@ -84,17 +90,19 @@ class DownstreamLink:
     async def connect(cls, host: str, port: int, hello: Hello, *, connect_timeout: float = 5.0,
                       credit_limit: int = 2, reply_timeout: float = 30.0, write_timeout: float = 10.0,
                       wrap: Callable[[trio.SocketStream, trio.Nursery | None], trio.abc.SendStream] | None = None,
-                      nursery: trio.Nursery | None = None) -> DownstreamLink:
+                      nursery: trio.Nursery | None = None,
+                      peer_timeout: float = DEFAULT_PEER_TIMEOUT) -> DownstreamLink:
         """Dial and handshake. ``wrap(stream, nursery)``: what frames after the handshake are sent through
         (default: the stream). With a ``nursery``, the reply deadline is kept by a task there (see
-        WaitWatch), not by a cancel scope per read."""
+        WaitWatch), not by a cancel scope per read. ``peer_timeout``: the kernel fails the connection once
+        the next stage's host has been silent this long (see keep_alive)."""
         address = f"{host}:{port}"
         try:
             with trio.fail_after(connect_timeout):
                 stream = await trio.open_tcp_stream(host, port)
         except (OSError, trio.TooSlowError) as exc:
             raise DownstreamError(address, f"cannot connect: {exc or 'timed out'}") from exc
-        keep_alive(stream)
+        keep_alive(stream, peer_timeout=peer_timeout)
         receive = ReceiveBuffer(stream)
         try:
             peer = await handshake_client(stream, hello, timeout=connect_timeout, receive=receive)

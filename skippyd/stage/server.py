@@ -67,6 +67,8 @@ class StageConfig:
     max_handshakes: int = 64  # connections in their handshake at once; more are closed at once
     reply_timeout_s: float = _RUNTIME.reply_timeout  # the next stage must answer within this
     write_timeout_s: float = 10.0
+    # a peer host silent this long (no answer to keepalive probes, replies unacknowledged) is given up
+    peer_timeout_s: float = _RUNTIME.peer_timeout
     listen_host: str | None = None  # default: the topology's host for this stage
     listen_port: int | None = None
     direct_return: bool = _RUNTIME.direct_return  # 3+ stages: predictions go from the final stage to the head

@@ -136,7 +136,7 @@ class TokenReturnLink:
     async def _dial(self) -> _Connection:
         with trio.fail_after(self.connect_timeout):
             stream = await trio.open_tcp_stream(self.host, self.port)  # TCP_NODELAY
-        keep_alive(stream)
+        keep_alive(stream, user_timeout=True)  # small frames the head reads at once: unacknowledged means lost
         try:
             receive = ReceiveBuffer(stream, read_size=0)
             peer = await handshake_client(stream, self.hello, timeout=self.connect_timeout, receive=receive)

@@ -51,15 +51,18 @@ from skippyd.wire.messages import DEFAULT_LIMITS, Frame, Limits, Message, Reply
 __all__ = [
     "DEFAULT_FRAME_TIMEOUT",
     "DEFAULT_MIN_RATE",
+    "DEFAULT_PEER_TIMEOUT",
     "DEFAULT_READ_SIZE",
     "PreparedFrame",
     "ReceiveBuffer",
     "WaitWatch",
     "frame_deadline_s",
     "keep_alive",
+    "keepalive_probes",
     "read_frame",
     "read_message",
     "read_reply",
+    "timed_out",
     "write_frame",
     "write_prepared",
 ]
@@ -599,29 +602,62 @@ def _send_now(stream: trio.SocketStream, data: Buffer) -> int:
         _raise_socket_failure(exc)
 
 
-# An idle stage link is probed after KEEPALIVE_IDLE_S of silence, every KEEPALIVE_INTERVAL_S, and given up
-# after KEEPALIVE_PROBES unanswered probes: a peer gone without a word is known within about a minute.
-KEEPALIVE_IDLE_S = 30
-KEEPALIVE_INTERVAL_S = 10
-KEEPALIVE_PROBES = 3
+# A stage link's peer is given up once its host has been silent for DEFAULT_PEER_TIMEOUT s (runtime.peer_timeout):
+# the kernel probes a connection after KEEPALIVE_IDLE_S of quiet, every KEEPALIVE_INTERVAL_S, and a peer host
+# alive (even a stopped process's) answers those probes itself; on a link that is cut, nothing answers.
+DEFAULT_PEER_TIMEOUT = 3.0
+KEEPALIVE_IDLE_S = 1
+KEEPALIVE_INTERVAL_S = 1
 
 
-def keep_alive(stream: trio.SocketStream) -> None:
+def keepalive_probes(peer_timeout: float) -> int:
+    """Unanswered probes after which the kernel gives a quiet connection up: about ``peer_timeout`` s after
+    the last packet from its peer (the first probe goes out after KEEPALIVE_IDLE_S)."""
+    return max(1, math.ceil((peer_timeout - KEEPALIVE_IDLE_S) / KEEPALIVE_INTERVAL_S))
+
+
+def keep_alive(stream: trio.SocketStream, *, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+               user_timeout: bool = False) -> None:
     """TCP keepalive on a stage link (both ends set it when the connection is made).
 
-    A peer whose host went down, or a NAT or firewall that forgot an idle
-    lane, sends no FIN or RST: without probes such a lane looks alive until
-    something is sent on it and a reply deadline runs out. With them the
-    socket fails after about a minute of silence (the lane is replaced
-    before the next generation needs it), and the probes keep the
-    mappings of idle lanes alive in the first place.
+    A peer whose host went down, or a link that was cut, sends no FIN or
+    RST: without probes such a connection looks alive until something is
+    sent on it and a reply deadline runs out (or, with nothing to send,
+    for ever). With probes after a second of quiet the kernel fails the
+    socket about ``peer_timeout`` s after the peer's host last said
+    anything: a read waiting on it wakes with ETIMEDOUT, an idle lane is
+    seen dead before a generation takes it, and the probes keep the
+    mappings of NATs and firewalls alive in the first place. The peer's
+    kernel answers the probes, so a peer process that is merely stopped or
+    busy keeps its connections. This costs nothing on a connection that
+    carries traffic: the probes go only after a quiet second.
+
+    ``user_timeout``: also TCP_USER_TIMEOUT, so that data of ours that stays
+    unacknowledged for ``peer_timeout`` s fails the socket (replies that
+    stopped getting through: loss in one direction). Only for a side that
+    sends small frames its peer reads at once (a stage's replies upstream,
+    the predictions of direct return): a sender of big frames to a peer
+    that computes before it reads again (prefill chunks to a busy stage)
+    would see a closed receive window, which the kernel counts as
+    unacknowledged too, and give up a healthy peer.
     """
     sock = stream.socket
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
-                            ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+                            ("TCP_KEEPCNT", keepalive_probes(peer_timeout))):
             if hasattr(socket, name):  # Linux; elsewhere the system's defaults
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+        if user_timeout and hasattr(socket, "TCP_USER_TIMEOUT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, round(peer_timeout * 1000)))
     except OSError:  # a connection already reset: it fails on its first use anyway
         pass
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether a connection failed because its peer's host went silent (keepalive or TCP_USER_TIMEOUT)."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno == errno.ETIMEDOUT:
+            return True
+        exc = exc.__cause__
+    return False
