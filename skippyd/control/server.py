@@ -11,6 +11,13 @@ nursery, so a streaming generation and a ``sessions kill`` can share one
 connection; when the connection closes (Ctrl-C in skippyctl), the nursery
 is cancelled and so is every generation it started, through the engine's
 normal cleanup path.
+
+Every message to a client must be out within ``control.message_timeout``
+(10 s by default): a client that stops reading (its socket full, its host
+gone) is dropped, and with it every generation it started, rather than
+holding them, and the text queued for it, for as long as its TCP
+connection lingers. A task per connection keeps that deadline (no cancel
+scope per message).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketRequest, serve_websocket
 
+from skippyd.config import DEFAULTS
 from skippyd.control import messages as m
 from skippyd.control.token import default_token_file, load_or_create_token
 from skippyd.head.cache_admin import CacheReportError, clear_local
@@ -35,6 +43,7 @@ from skippyd.sampling import InvalidSampling
 log = logging.getLogger("skippyd.control")
 
 KILL_WAIT_S = 5.0  # `sessions kill` answers once the session is released (or after this long)
+MESSAGE_TIMEOUT_S = DEFAULTS.control.message_timeout
 
 
 @attrs.define(eq=False)
@@ -43,16 +52,55 @@ class _Connection:
 
     ws: object
     nursery: trio.Nursery
+    timeout: float = MESSAGE_TIMEOUT_S
+    sending: int = 0  # messages being sent (or waiting for the stream) now
+    since: float = 0.0  # trio time the oldest of them began, or the last one finished
+    dropped: bool = False
 
     async def __call__(self, msg) -> None:
         # no lock of ours: trio-websocket frames the whole message before it takes its own FIFO stream
         # lock, so the messages of concurrent requests never interleave
-        await self.ws.send_message(m.dump(msg))
+        if not self.sending:
+            self.since = trio.current_time()
+        self.sending += 1
+        try:
+            await self.ws.send_message(m.dump(msg))
+        finally:
+            self.sending -= 1
+            self.since = trio.current_time()  # progress: the next message in line gets a full deadline
+
+    async def keep_deadline(self) -> None:
+        """Drop the connection once a message has been on its way for ``timeout`` s."""
+        while True:
+            due = self.since + self.timeout
+            if self.sending and trio.current_time() >= due:
+                break
+            await trio.sleep(max(due - trio.current_time(), 0.0) if self.sending else self.timeout / 4)
+        self.dropped = True
+        log.warning("control: client %s took no message for %g s: dropping it (and cancelling its generations)",
+                    _remote(self.ws), self.timeout)
+        stream = getattr(self.ws, "_stream", None)  # its socket: a close handshake would wait on the client too
+        if stream is not None:
+            await trio.aclose_forcefully(stream)
+        self.nursery.cancel_scope.cancel()
+
+
+def _remote(ws) -> str:
+    try:
+        remote = ws.remote
+        return f"{remote.address}:{remote.port}"
+    except Exception:  # the socket is gone already
+        return "?"
 
 
 class ControlServer:
-    def __init__(self, daemon, host: str, port: int, *, token_file: Path | None = None):
+    def __init__(self, daemon, host: str, port: int, *, token_file: Path | None = None,
+                 message_timeout: float | None = None):
         self.daemon = daemon
+        if message_timeout is None:  # the daemon's setting (control.message_timeout), else the default
+            config = getattr(daemon, "config", None)
+            message_timeout = config.control.message_timeout if config is not None else MESSAGE_TIMEOUT_S
+        self.message_timeout = message_timeout
         self.host, self.port = host, port
         self.token_file = token_file or default_token_file()
         self.token = load_or_create_token(self.token_file)
@@ -83,7 +131,8 @@ class ControlServer:
         self._open.add(ws)
         try:
             async with trio.open_nursery() as nursery:
-                send = _Connection(ws, nursery)
+                send = _Connection(ws, nursery, self.message_timeout)
+                nursery.start_soon(send.keep_deadline)
                 while True:
                     text = await ws.get_message()
                     try:
