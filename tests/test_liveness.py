@@ -9,6 +9,7 @@ computes, and is not mistaken for a hung one.
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 
@@ -131,3 +132,97 @@ async def test_hung_final_stage_of_three_is_named_within_2s(splits, tmp_path, di
             await pipe.wait_all_released()
     finally:
         await trio.to_thread.run_sync(pipe.stop)
+
+
+# ---------------------------------------------------------------------------- silent peers (no daemon)
+async def test_keep_alive_probes_a_quiet_link_every_second():
+    """The kernel probes a stage link after a second of quiet and gives it up about peer_timeout after its
+    peer's host last answered; only a side that sends small frames also bounds unacknowledged data."""
+    import socket
+
+    from skippyd.wire.stream import keep_alive
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    try:
+        sock = stream.socket
+        keep_alive(stream)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 2  # probes at 1 s and 2 s; gone at 3 s
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 0
+        keep_alive(stream, peer_timeout=5.0, user_timeout=True)
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 4
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 5000
+    finally:
+        await stream.aclose()
+        for listener in listeners:
+            await listener.aclose()
+
+
+def test_timed_out_tells_a_silent_host_from_a_close():
+    import errno
+
+    from skippyd.wire.errors import PeerClosed
+    from skippyd.wire.stream import timed_out
+
+    def broken(err: int) -> PeerClosed:
+        try:
+            try:
+                raise OSError(err, "x")
+            except OSError as exc:
+                raise PeerClosed("connection broken", mid_frame=True) from exc
+        except PeerClosed as exc:
+            return exc
+
+    assert timed_out(broken(errno.ETIMEDOUT))
+    assert not timed_out(broken(errno.ECONNRESET))
+    assert not timed_out(PeerClosed("peer closed the connection"))
+
+
+class _StuckClient:
+    """A control client's websocket whose messages never go out (it stopped reading)."""
+
+    remote = None  # the log line copes with an address it cannot tell
+
+    def __init__(self, send_s: float = math.inf):
+        self.send_s = send_s
+        self.closed = False
+        self._stream = self  # what the deadline closes
+
+    async def send_message(self, text) -> None:
+        await trio.sleep(self.send_s)
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_control_client_that_stops_reading_is_dropped(autojump_clock):
+    from skippyd.control import messages as cm
+    from skippyd.control.server import _Connection
+
+    ws = _StuckClient()
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        conn = _Connection(ws, nursery, 10.0)
+        nursery.start_soon(conn.keep_deadline)
+        nursery.start_soon(conn, cm.Error("1", "a message the client never takes"))
+        await trio.sleep_forever()  # the connection's requests: cancelled with it
+    assert conn.dropped and ws.closed
+    assert 10.0 <= trio.current_time() - started <= 12.6
+
+
+async def test_control_client_that_reads_slowly_is_kept(autojump_clock):
+    from skippyd.control import messages as cm
+    from skippyd.control.server import _Connection
+
+    ws = _StuckClient(send_s=6.0)  # each message slow, none past the deadline
+    async with trio.open_nursery() as nursery:
+        conn = _Connection(ws, nursery, 10.0)
+        nursery.start_soon(conn.keep_deadline)
+        for i in range(5):
+            await conn(cm.Error(str(i), "slow"))
+        nursery.cancel_scope.cancel()
+    assert not conn.dropped and not ws.closed
