@@ -215,6 +215,7 @@ class Endpoint:
     base_url: str
     stop: Callable[[], None]
     model_id: str = ""
+    extra_body: dict | None = None  # sent with every request (llama-server's cache_prompt)
 
     def client(self):
         from openai import OpenAI
@@ -259,7 +260,13 @@ def start_skippy(name: str, model: Path, work: Path, stages: int, cache_mb: int,
     return Endpoint(name, f"http://127.0.0.1:{port}/v1", pipe.stop)
 
 
-def start_llama_server(model: Path, work: Path, threads: int, ctx: int, slots: int) -> Endpoint:
+def start_llama_server(model: Path, work: Path, threads: int, ctx: int, slots: int, *,
+                       cache_prompt: bool = True) -> Endpoint:
+    """llama-server; with ``cache_prompt`` False every request asks it to compute its whole prompt (a server of
+    its own, so that its slots never hold a prompt for the cached one to reuse)."""
+    name = "llama-server" if cache_prompt else "llama-server off"
+    work = work / name.replace(" ", "-")
+    work.mkdir(parents=True, exist_ok=True)
     from bench.llama_server import ensure_llama_server
 
     binary = ensure_llama_server()
@@ -286,11 +293,12 @@ def start_llama_server(model: Path, work: Path, threads: int, ctx: int, slots: i
         stop()
         print((work / "llama-server.log").read_text(errors="replace")[-3000:], file=sys.stderr)
         raise
-    return Endpoint("llama-server", f"http://127.0.0.1:{port}/v1", stop)
+    return Endpoint(name, f"http://127.0.0.1:{port}/v1", stop,
+                    extra_body=None if cache_prompt else {"cache_prompt": False})
 
 
 # ---------------------------------------------------------------- one request
-def stream_chat(client, model_id: str, messages: list[dict], max_tokens: int) -> dict:
+def stream_chat(client, model_id: str, messages: list[dict], max_tokens: int, extra_body: dict | None = None) -> dict:
     """One streamed greedy chat completion: TTFT (ms, to the first non-empty content delta), usage, text."""
     started = time.perf_counter()
     ttft = None
@@ -298,7 +306,8 @@ def stream_chat(client, model_id: str, messages: list[dict], max_tokens: int) ->
     usage = None
     finish = None
     stream = client.chat.completions.create(model=model_id, messages=messages, max_tokens=max_tokens,
-                                            temperature=0, stream=True, stream_options={"include_usage": True})
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            extra_body=extra_body)
     for chunk in stream:
         for choice in chunk.choices:
             if choice.delta and choice.delta.content:
@@ -339,7 +348,7 @@ def run_chat(endpoints: list[Endpoint], system: str, users: list[str], max_token
         for ep in endpoints:
             conv = convs[ep.name]
             conv.append({"role": "user", "content": user})
-            r = stream_chat(clients[ep.name], ep.model_id, conv, max_tokens)
+            r = stream_chat(clients[ep.name], ep.model_id, conv, max_tokens, ep.extra_body)
             r["turn"] = turn
             r["messages"] = [dict(m) for m in conv]
             conv.append({"role": "assistant", "content": r["text"]})
@@ -356,7 +365,7 @@ def session_request(ep: Endpoint, system: str, question: str, session: int, max_
     messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     if barrier is not None:
         barrier.wait()
-    r = stream_chat(client, ep.model_id, messages, max_tokens)
+    r = stream_chat(client, ep.model_id, messages, max_tokens, ep.extra_body)
     r["session"] = session
     r["messages"] = messages
     return r
@@ -457,8 +466,9 @@ def compare_replies(offline: Offline, label: str, off: dict, on: dict) -> dict:
 def greedy_comparison(offline: Offline, chat: dict[str, list[dict]], sessions: dict[str, list[dict]],
                       topologies: list[str]) -> list[dict]:
     out = []
-    for topo in topologies:
-        off, on = f"{topo} off", f"{topo} on"
+    pairs = [(topo, f"{topo} off", f"{topo} on") for topo in topologies]
+    pairs.append(("llama-server", "llama-server off", "llama-server"))  # its own prompt cache, same question
+    for topo, off, on in pairs:
         if off not in chat or on not in chat:
             continue
         for r_off, r_on in zip(chat[off], chat[on]):
@@ -502,6 +512,14 @@ def print_grid(title: str, rows: list[str], cols: list[str], cell: Callable[[str
         print(f"{row:12}" + "".join(f"{cell(c, i):>16}" for c in cols))
 
 
+def decode_rate(rows: list[dict] | None) -> float | None:
+    """Median over the turns of a reply's tokens after the first per second after the first."""
+    rates = sorted((r["completion_tokens"] - 1) / (r["elapsed_ms"] - r["ttft_ms"]) * 1e3 for r in rows or ()
+                   if (r.get("completion_tokens") or 0) > 1 and r.get("ttft_ms") is not None
+                   and (r.get("elapsed_ms") or 0) > r["ttft_ms"])
+    return rates[len(rates) // 2] if rates else None
+
+
 def ratios(chat: dict[str, list[dict]], sessions: dict[str, list[dict]], turns: int) -> list[dict]:
     """The targets: (label, value, op, bound) rows; op None for the figures beside them."""
     out = []
@@ -532,6 +550,10 @@ def ratios(chat: dict[str, list[dict]], sessions: dict[str, list[dict]], turns: 
             "<=" if cached else None, 0.3)
         row(f"sessions 2-{len(results)} / session 1, mean: {name}",
             div(sum(rest) / len(rest), first) if timed else None)
+    for topo in ("2-stage", "single"):
+        on, off = decode_rate(chat.get(f"{topo} on")), decode_rate(chat.get(f"{topo} off"))
+        if on is not None:
+            row(f"decode tokens/s {topo}, median of the turns: cache on / off", div(on, off))
     for name, rows in chat.items():
         if name.endswith(" off"):
             continue
@@ -648,6 +670,8 @@ def main() -> int:
             if not args.no_llama_server:
                 print("starting llama-server", flush=True)
                 endpoints.append(start_llama_server(model, tmp, args.threads, args.ctx, sizes.sessions))
+                endpoints.append(start_llama_server(model, tmp, args.threads, args.ctx, sizes.sessions,
+                                                    cache_prompt=False))
             for ep in endpoints:
                 ep.model_id = model_id_of(ep)
                 warm_up(ep)
