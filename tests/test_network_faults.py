@@ -9,7 +9,9 @@ nothing but liveness detection can end it in time:
 - the link set down (no FIN, no RST: a partition);
 - every packet from the head to stage 1 lost (stage 1 hears nothing);
 - every packet from stage 1 to the head lost (stage 1 hears the head, the
-  head hears nothing back: a half-open connection).
+  head hears nothing back: a half-open connection);
+- the link cut with no generation running (idle lanes on both sides);
+- a link flapping for half a minute under two clients.
 
 Each must give the client a clear error naming stage 1 within 2 s; stage 1
 must release the session and its slot within 5 s of the fault *while the
@@ -20,6 +22,7 @@ and nothing may be left held on either side.
 from __future__ import annotations
 
 import os
+import random
 import time
 from pathlib import Path
 
@@ -219,3 +222,47 @@ async def test_partition_while_idle(healed, net):
     assert "silent for 3 s" in pipe.stages[1].log()
     got = round(await _recovers(pipe, net, fds), 2)
     print(f"partition while idle: recover_s {got}")
+
+
+FLAP_S = 30.0
+
+
+async def test_flapping_link_under_load(healed, net):
+    """The link goes down and up at random (0.5 to 4 s down, 1 to 3 s up) for FLAP_S while two clients
+    generate without a pause: each call ends with a complete answer or a clear error (none hangs), and once the
+    link stays up nothing is held, no connection is left over on either side, and no descriptor."""
+    pipe = healed
+    fds = {k: _fds(d) for k, d in pipe.stages.items()}
+    rng = random.Random(7)
+    outcomes: list[str] = []
+    flapping = True
+
+    async def client(i: int) -> None:
+        while flapping:
+            try:
+                with trio.fail_after(30):  # reply_timeout: no call may hang past it
+                    got = await pipe.generate(prompt=f"{i}: {COUNT}", raw=True, max_tokens=24)
+                assert got["finish_reason"] == "length" and len(got["tokens"]) == 24, got
+                outcomes.append("complete")
+            except ControlError as exc:
+                clear = exc.code == "unavailable" or "stage 1" in str(exc)
+                assert clear, f"an unclear error during the flapping: {exc.code}: {exc}"
+                outcomes.append(exc.code)
+                await trio.sleep(0.1)
+            except trio.TooSlowError:
+                raise AssertionError("a generation hung through the flapping link") from None
+
+    async with trio.open_nursery() as nursery:
+        for i in range(LANES):
+            nursery.start_soon(client, i)
+        end = time.monotonic() + FLAP_S
+        while time.monotonic() < end:
+            await trio.sleep(rng.uniform(1.0, 3.0))
+            net.link_down(1)
+            await trio.sleep(rng.uniform(0.5, 4.0))
+            net.link_up(1)
+        flapping = False
+    assert "complete" in outcomes, outcomes
+    took = await _recovers(pipe, net, fds)
+    print(f"flapping link: {len(outcomes)} generations: {outcomes.count('complete')} complete, "
+          f"{len(outcomes) - outcomes.count('complete')} clear errors; recovered in {took:.2f} s")
