@@ -38,6 +38,7 @@ log = logging.getLogger("skippyd.stage")
 
 _conn_ids = itertools.count(1)
 CLEANUP_TIMEOUT_S = 5.0
+DOWNSTREAM_CHECK_S = 1.0  # how often an idle middle-stage lane checks its link to the next stage
 
 
 class UpstreamConnection:
@@ -59,6 +60,8 @@ class UpstreamConnection:
         self._down = down
         self.handlers = None  # made by serve, for the stage's role
         self.gone_silent = False  # the upstream's host stopped answering (see keep_alive): the log says so
+        self.down_dead: str | None = None  # why an idle connection was closed for its dead downstream link
+        self._idle: WaitWatch | None = None  # the read loop's first-byte deadline (a socket stream's)
 
     async def serve(self) -> None:
         """Until the connection ends; then release every session it owned, and close it."""
@@ -69,8 +72,10 @@ class UpstreamConnection:
         if self._down is not None and isinstance(self._down.stream, trio.SocketStream):
             keep_alive(self._down.stream, peer_timeout=peer_timeout)
         async with trio.open_nursery() as nursery:  # the tasks of what the connection opens
-            self.handlers = handlers_for(self.core, self.conn_id, self.out, nursery, down=self._down)
-            self._down = None
+            down, self._down = self._down, None
+            self.handlers = handlers_for(self.core, self.conn_id, self.out, nursery, down=down)
+            if down is not None and isinstance(self.stream, trio.SocketStream):
+                nursery.start_soon(self._watch_downstream, down)
             try:
                 await self._read_loop(nursery)
             finally:
@@ -93,7 +98,7 @@ class UpstreamConnection:
                 # per read); a frame once started must be complete within frame_timeout_s (plus its size at
                 # frame_min_rate): a peer that starts a frame and trickles it is dropped in seconds, with its
                 # sessions, not after the idle deadline
-                idle = WaitWatch(self.receive, cfg.idle_timeout_s)
+                idle = self._idle = WaitWatch(self.receive, cfg.idle_timeout_s)
                 nursery.start_soon(idle.run)
             n_embd = core.model.n_embd_inp
             dispatch = self.handlers.dispatch
@@ -108,7 +113,9 @@ class UpstreamConnection:
         except DownstreamError as exc:
             log.warning("stage %d: downstream failed: %s", core.index, exc)
         except ReadTimeout as exc:
-            if exc.mid_frame:
+            if self.down_dead is not None:
+                log.info("stage %d: closing idle upstream %s: %s", core.index, self.peer, self.down_dead)
+            elif exc.mid_frame:
                 log.warning("stage %d: upstream %s: %s; closing", core.index, self.peer, exc)
             else:
                 log.info("stage %d: upstream %s idle past the deadline; closing", core.index, self.peer)
@@ -127,6 +134,21 @@ class UpstreamConnection:
         finally:
             if idle is not None:
                 idle.close()
+
+    async def _watch_downstream(self, link: DownstreamLink) -> None:
+        """A middle stage's idle lane: once its link to the next stage is dead (that stage closed it, or its
+        host fell silent: see keep_alive), close the upstream connection too, so that the head drops the
+        lane (its pool prunes closed lanes) before a generation takes it and fails. Checked every second, and
+        only while the connection holds no session and the link owes nothing (a reply on its way reads as
+        readable, as a close does): a running generation learns of a dead link from the link itself."""
+        while True:
+            await trio.sleep(DOWNSTREAM_CHECK_S)
+            if self._idle is None or not link.settled or self.core.sessions.owned_by(self.conn_id):
+                continue
+            if not link.looks_alive():
+                self.down_dead = f"its link to stage {self.core.index + 1} at {link.address} is dead"
+                self._idle.expire(self.down_dead)
+                return
 
     async def release_all(self) -> None:
         """Release every session this connection owned; one whose release raises does not keep the others."""
