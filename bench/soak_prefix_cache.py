@@ -36,7 +36,7 @@ from bench.bench_prefix_cache import NEAR_TIE, Offline, first_difference, top2_m
 from skippyctl.client import open_control  # noqa: E402
 from skippyd.control import messages as m  # noqa: E402
 from skippyd.runtime.models import default_model_path  # noqa: E402
-from tests.procs import Pipeline, split_for_test  # noqa: E402
+from tests.procs import Pipeline, retarget, split_for_test  # noqa: E402
 
 BUDGETS_MB = (1, 2, 4, 16, 512)
 WORDS = ("ship harbour tide lighthouse wind storm pier cargo captain crew night beacon rock channel sail rope "
@@ -69,9 +69,10 @@ async def cache_rows(pipe: Pipeline) -> list[dict]:
 
 
 def start(topology: Path, work: Path, cache_mb: int) -> Pipeline:
+    """A pipeline of the split on ports of its own (the two pipelines run side by side)."""
     work.mkdir(parents=True, exist_ok=True)
-    return Pipeline(topology, work, extra=["--ctx", str(CTX), "--lanes", "2", "--prefix-cache-mb", str(cache_mb)]
-                    ).start()
+    return Pipeline(retarget(topology, work), work,
+                    extra=["--ctx", str(CTX), "--lanes", "2", "--prefix-cache-mb", str(cache_mb)]).start()
 
 
 def main() -> int:
