@@ -7,8 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Column, Table
 
-from skippyctl.client import ControlError, call_once
-from skippyctl.render import emit, entries, fail, human_bytes, listing
+from skippyctl.render import ask, emit, entries, human_bytes, listing
 from skippyd.control import messages as m
 
 app = typer.Typer(help="Inspect and empty the stages' prefix caches.", no_args_is_help=True)
@@ -42,20 +41,13 @@ def _cleared(rows: list[dict]) -> str:
     return "\n".join(lines) or "no stages here"
 
 
-def _call(ctx: typer.Context, make):
-    try:
-        return call_once(ctx.obj.url, ctx.obj.token_file, make)
-    except ControlError as exc:
-        fail(str(exc))
-
-
 @app.command("show")
 def show(ctx: typer.Context, json_mode: JSON = False) -> None:
     """Per stage: entries, tokens and bytes held, the budget, the hit rate."""
-    emit(_call(ctx, lambda i: m.CacheShow(id=i)), json_mode, _table)
+    emit(ask(ctx, lambda i: m.CacheShow(id=i)), json_mode, _table)
 
 
 @app.command("clear")
 def clear(ctx: typer.Context, json_mode: JSON = False) -> None:
     """Empty every stage's prefix cache (running sessions keep what they hold)."""
-    emit(_call(ctx, lambda i: m.CacheClear(id=i)), json_mode, _cleared)
+    emit(ask(ctx, lambda i: m.CacheClear(id=i)), json_mode, _cleared)

@@ -29,6 +29,8 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from skippyctl.client import ControlError, call_once
+
 # Exit codes: 1 = the operation failed, 2 = the request was invalid (as for usage errors).
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -102,6 +104,15 @@ def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
     raise typer.Exit(code)
+
+
+def ask(ctx: typer.Context, make) -> Any:
+    """One request to the daemon the command was pointed at (``make(id)`` builds it); its data, or exit with
+    the daemon's or the connection's error."""
+    try:
+        return call_once(ctx.obj.url, ctx.obj.token_file, make)
+    except ControlError as exc:
+        fail(str(exc))
 
 
 def stderr_console() -> Console:

@@ -7,8 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Column, Table
 
-from skippyctl.client import ControlError, call_once
-from skippyctl.render import emit, fail, listing
+from skippyctl.render import ask, emit, listing
 from skippyd.control import messages as m
 
 app = typer.Typer(help="Inspect and kill running generations (sessions).", no_args_is_help=True)
@@ -37,30 +36,23 @@ def _dash(value) -> str:
     return "-" if value is None else str(value)
 
 
-def _call(ctx: typer.Context, make):
-    try:
-        return call_once(ctx.obj.url, ctx.obj.token_file, make)
-    except ControlError as exc:
-        fail(str(exc))
-
-
 @app.command("list")
 def list_(ctx: typer.Context, json_mode: JSON = False) -> None:
     """List running sessions."""
-    emit(_call(ctx, lambda i: m.SessionsList(id=i)), json_mode, _table)
+    emit(ask(ctx, lambda i: m.SessionsList(id=i)), json_mode, _table)
 
 
 @app.command("show")
 def show(ctx: typer.Context, session_id: Annotated[int, typer.Argument(help="Session id.")],
          json_mode: JSON = False) -> None:
     """Show one session."""
-    emit(_call(ctx, lambda i: m.SessionShow(id=i, session_id=session_id)), json_mode, lambda r: _table([r]))
+    emit(ask(ctx, lambda i: m.SessionShow(id=i, session_id=session_id)), json_mode, lambda r: _table([r]))
 
 
 @app.command("kill")
 def kill(ctx: typer.Context, session_id: Annotated[int, typer.Argument(help="Session id.")],
          json_mode: JSON = False) -> None:
     """Cancel a running session; it is released on every stage."""
-    data = _call(ctx, lambda i: m.SessionKill(id=i, session_id=session_id, wait=True))
+    data = ask(ctx, lambda i: m.SessionKill(id=i, session_id=session_id, wait=True))
     emit(data, json_mode, lambda d: f"killed session {d['killed']}" + ("" if d["released"] else
                                                                               " (still releasing)"))
