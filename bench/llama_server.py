@@ -15,7 +15,6 @@ Only the ``llama-server`` target is built, statically linked, without the web UI
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import platform
 import shlex
@@ -28,12 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.reference import native_build  # noqa: E402  (native/build.py: the pin, the source, the CPU flags)
 from skippyd.runtime.pypi import cache_root, fetch_pinned  # noqa: E402
-
-# native/build.py holds the pin and the source extraction; loaded by path, it is not a package
-_spec = importlib.util.spec_from_file_location("skippy_native_build", ROOT / "native" / "build.py")
-native_build = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(native_build)
 
 # the reference's code-generation options plus what the server needs; the web UI would be fetched
 # from the network or built with npm, so it is left out (the API does not need it)
