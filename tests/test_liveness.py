@@ -226,3 +226,32 @@ async def test_control_client_that_reads_slowly_is_kept(autojump_clock):
             await conn(cm.Error(str(i), "slow"))
         nursery.cancel_scope.cancel()
     assert not conn.dropped and not ws.closed
+
+
+async def test_idle_lanes_of_a_dead_final_stage_are_replaced(splits, tmp_path):
+    """Stage 2 of 3 dies while no generation runs: stage 1 closes the idle lanes whose link to it died, the head
+    drops them from its pool (instead of handing one to the next generation), and once stage 2 is back the
+    next generation is served."""
+    pipe = Pipeline(retarget(splits[3], tmp_path), tmp_path, extra=["--lanes", "2", "--ctx", "1024"],
+                    config={"runtime.compute_lock": "off"})
+    await trio.to_thread.run_sync(pipe.start)
+    try:
+        reference = (await pipe.generate(**PROBE))["tokens"]
+        pipe.stages[2].kill()
+        with trio.fail_after(5):  # checked every second on stage 1, pruned every second on the head
+            while "is dead" not in pipe.head.log():
+                await trio.sleep(0.1)
+        assert "closing idle upstream" in pipe.stages[1].log() and "to stage 2 at" in pipe.stages[1].log()
+        await pipe.astart_stage(2)
+        with trio.fail_after(30):
+            while True:
+                try:
+                    got = await pipe.generate(**PROBE)
+                    break
+                except ControlError as exc:
+                    assert exc.code == "unavailable", exc  # stage 2 not yet back everywhere: retryable
+                    await trio.sleep(0.2)
+        assert got["tokens"] == reference
+        await pipe.wait_all_released()
+    finally:
+        await trio.to_thread.run_sync(pipe.stop)
