@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import TYPE_CHECKING
+from typing import Any
 
 import trio
 
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.wire.messages import CacheQuery, CacheReport, CacheStats, ErrorReply
-
-if TYPE_CHECKING:
-    from skippyd.head.node import HeadNode
 
 log = logging.getLogger("skippyd.head")
 
@@ -48,9 +45,9 @@ def clear_local(cache, stage: int) -> int:
     return dropped
 
 
-async def cache_report(node: HeadNode, *, clear: bool = False) -> list[CacheStats]:
-    """Every stage's :class:`CacheStats`, stage 0 first; with ``clear``, each cache is emptied before it
-    reports. Raises CacheReportError (see the module docstring)."""
+async def cache_report(node: Any, *, clear: bool = False) -> list[CacheStats]:
+    """Every stage's :class:`CacheStats`, stage 0 first (``node``: the HeadNode, which imports this module); with
+    ``clear``, each cache is emptied before it reports. Raises CacheReportError (see the module docstring)."""
     engine = node.engine
     if engine is None:
         raise CacheReportError(0, "the head is still loading its model")
@@ -62,7 +59,7 @@ async def cache_report(node: HeadNode, *, clear: bool = False) -> list[CacheStat
     return report + await query_pipeline(node, clear=clear, partial=report)
 
 
-async def query_pipeline(node: HeadNode, *, clear: bool, partial: list[CacheStats]) -> list[CacheStats]:
+async def query_pipeline(node: Any, *, clear: bool, partial: list[CacheStats]) -> list[CacheStats]:
     """Stages 1..N's stats, by a CacheQuery to stage 1 on a connection opened for it (the lanes' address,
     Hello and timeouts)."""
     pool = node.pool

@@ -78,8 +78,8 @@ class HeadNode:
                               auth=cfg.link_auth)  # the shared link secret, if any (stage/access.py)
                 self.pool = LanePool(s1.host, s1.port, hello, capacity=cfg.lanes, credit_limit=cfg.credit_limit,
                                      connect_timeout=cfg.connect_timeout_s, reply_timeout=cfg.reply_timeout_s,
-                                     wrap=cfg.link_shape.wrap)
-                self.watch = StageWatch(s1.host, s1.port, hello)
+                                     wrap=cfg.link_shape.wrap, peer_timeout=cfg.peer_timeout_s)
+                self.watch = StageWatch(s1.host, s1.port, hello, peer_timeout=cfg.peer_timeout_s)
                 if len(topo.stages) >= 3 and cfg.direct_return:
                     self.hub = TokenReturnHub(hello, handshake_timeout=cfg.handshake_timeout_s,
                                               allow=UpstreamAllow.for_stage(topo, 0, cfg.upstream_allow),
