@@ -95,7 +95,7 @@ class FakeCore:
         self.n_stages = n_stages
         self.is_final = index == n_stages - 1
         self.next_is_final = index == n_stages - 2
-        self.config = SimpleNamespace(write_timeout_s=5.0, idle_timeout_s=60.0, frame_timeout_s=5.0)
+        self.config = SimpleNamespace(write_timeout_s=5.0, idle_timeout_s=60.0, frame_timeout_s=5.0, peer_timeout_s=3.0)
         self.frame_min_rate = 1e6
         self.model = SimpleNamespace(n_embd_inp=N_EMBD)
         self.context = FakeContext()
@@ -128,6 +128,7 @@ class FakeDownstream:
     """A next stage that acks what is acked and answers the rest as a final stage would (token 7)."""
 
     address = "next:1"
+    stream = None  # no socket: no keepalive to set
 
     def __init__(self):
         self.sent: list = []  # (how, message)

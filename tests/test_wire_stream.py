@@ -53,11 +53,15 @@ from skippyd.wire.messages import (
     VerifyWindow,
 )
 from skippyd.wire.stream import (
+    DEFAULT_PEER_TIMEOUT,
+    KEEPALIVE_IDLE_S,
+    KEEPALIVE_INTERVAL_S,
     PreparedFrame,
     ReceiveBuffer,
     WaitWatch,
     frame_deadline_s,
     keep_alive,
+    keepalive_probes,
     read_frame,
     read_message,
     read_reply,
@@ -714,7 +718,9 @@ async def test_keep_alive_sets_the_probe_schedule():
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         assert (sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
                 sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
-                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)) == (30, 10, 3)
+                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)) == (
+            KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, keepalive_probes(DEFAULT_PEER_TIMEOUT))
+        assert KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * keepalive_probes(DEFAULT_PEER_TIMEOUT) <= DEFAULT_PEER_TIMEOUT
         await stream.aclose()
         keep_alive(stream)  # a closed socket: nothing to set, and no error
     finally:
