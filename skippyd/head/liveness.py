@@ -51,7 +51,7 @@ from skippyd.wire.stream import DEFAULT_PEER_TIMEOUT
 
 log = logging.getLogger("skippyd.head")
 
-INTERVAL_S = 0.5  # a request waiting longer than this gets stage 1 pinged
+INTERVAL_S = 0.3  # a request waiting longer than this gets stage 1 pinged (one small frame: cheap)
 PING_TIMEOUT_S = 1.0  # no answer within this: stage 1 is down (detection within INTERVAL_S + PING_TIMEOUT_S)
 BACKOFF_MIN_S = 0.25  # while down: first re-check after this, doubling ...
 BACKOFF_MAX_S = 2.0  # ... up to this
