@@ -1,0 +1,95 @@
+"""Drafting from the session's own context, the head's acceptance rule and the window sizing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from skippyd.head.drafting import NgramProposer, WindowSizer, accept, expected_tokens
+
+
+def test_proposes_what_followed_the_latest_earlier_occurrence_of_the_longest_ngram():
+    p = NgramProposer(min_n=2, max_n=3)
+    p.extend([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3])
+    # [1, 2, 3] occurred at the start (followed by 4 5); [2, 3] more recently (followed by 7 8): the longer wins
+    assert p.propose(2) == [4, 5]
+    p.extend([6])
+    assert p.propose(4) == []  # [3, 6] and [2, 3, 6] never occurred
+    assert p.propose(0) == []
+
+
+def test_a_proposal_that_runs_into_the_present_continues_the_repetition():
+    p = NgramProposer(min_n=2, max_n=2)
+    p.extend([5, 6, 5, 6])
+    assert p.propose(5) == [5, 6, 5, 6, 5]
+
+
+def test_the_index_matches_a_brute_force_search():
+    rng = random.Random(7)
+    p = NgramProposer(min_n=1, max_n=3)
+    toks: list[int] = []
+    for _ in range(400):
+        t = rng.randrange(6)
+        p.extend([t])
+        toks.append(t)
+        want: list[int] = []
+        for n in range(min(3, len(toks)), 0, -1):
+            gram = toks[-n:]
+            starts = [i for i in range(len(toks) - n) if toks[i:i + n] == gram]
+            if starts:
+                follow = list(toks[starts[-1] + n:])
+                while len(follow) < 4:
+                    follow.append(follow[len(follow) - (len(toks) - starts[-1] - n)])
+                want = follow[:4]
+                break
+        assert p.propose(4) == want, toks
+
+
+def test_accept_takes_drafts_while_they_equal_the_prediction_and_the_targets_next_token():
+    assert accept([7, 8, 9], [7, 8, 9, 10]) == (3, 10)  # all accepted, plus the token after them
+    assert accept([7, 8, 9], [7, 5, 9, 10]) == (1, 5)  # rejected at the 2nd: the target's own choice there
+    assert accept([7], [3, 4]) == (0, 3)
+    assert accept([], [3]) == (0, 3)  # a plain step
+    with pytest.raises(ValueError):
+        accept([1, 2], [1, 2])
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 8) == 1.0
+    assert expected_tokens(1.0, 8) == 9.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_the_sizer_drafts_wide_when_drafts_are_accepted_and_stops_when_they_are_not():
+    s = WindowSizer()
+    for _ in range(30):
+        s.window_done(drafted=8, accepted=8)
+    assert s.a > 0.95 and s.choose() >= 8
+    for _ in range(30):
+        s.window_done(drafted=4, accepted=0)
+    assert s.choose() == 0 and not s.drafting  # a window costs more than the one token it yields
+
+
+def test_a_cheap_window_makes_wider_drafts_pay():
+    """Over a slow link the trip dominates and a wider window costs little more than a step."""
+    s = WindowSizer(a0=0.6)
+    local = s.choose()
+    s.step_s = 0.040
+    for _ in range(40):
+        s.window_done(drafted=4, accepted=2, seconds=0.042)  # 4 drafts cost 5% more than a plain step
+    assert s.b < 0.05
+    assert s.choose() > local
+
+
+def test_shadow_acceptance_turns_drafting_back_on():
+    s = WindowSizer(a0=0.0)
+    assert s.choose() == 0
+    for _ in range(20):
+        s.plain_step(shadow_draft=42, produced=42, seconds=0.03)  # the proposer would have been right
+    assert s.choose() > 0
+    for _ in range(40):
+        s.plain_step(shadow_draft=1, produced=2)
+    assert s.choose() == 0
+    s.plain_step(shadow_draft=None, produced=2)  # no proposal: nothing learnt
+    assert s.choose() == 0
