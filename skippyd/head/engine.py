@@ -79,6 +79,9 @@ class GenerationResult:
     stage_stats: dict = attrs.field(factory=dict)
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens restored from the stages' prefix caches, not computed
+    # with sampling.logprobs: one TokenLogprobs per token of ``tokens`` (the final stage's, from the distribution
+    # it sampled from); None without
+    logprobs: list | None = None
 
     def to_json(self) -> dict:
         return {
