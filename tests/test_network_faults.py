@@ -200,7 +200,7 @@ async def _generation_within(pipe: Pipeline, timeout: float) -> dict:
             raise AssertionError(f"no generation succeeded within {timeout:g} s (the last one hung)") from None
 
 
-async def _stage1_held(pipe: Pipeline) -> tuple[int, int, int]:
+async def stage1_held(pipe: Pipeline) -> tuple[int, int, int]:
     """Stage 1's (live sessions, free slots, slots), asked on its management link."""
     d = pipe.stages[1]
     async with open_control(d.url, d.token_file) as client:
@@ -214,7 +214,7 @@ async def _stage1_releases(pipe: Pipeline, injected: float, what: str) -> float:
     live = free = slots = -1
     with trio.move_on_after(max(0.0, injected + RELEASE_S + 2 - time.monotonic())):
         while True:
-            live, free, slots = await _stage1_held(pipe)
+            live, free, slots = await stage1_held(pipe)
             if live == 0 and free == slots:
                 break
             await trio.sleep(0.05)
@@ -234,7 +234,7 @@ async def _fault_mid_generation(pipe: Pipeline, fault, what: str, *, when: str =
         else:
             s = await start_stream(pipe, nursery, **PREFILL)
             await wait_prefilling(pipe, 1, at_least=32)
-        assert (await _stage1_held(pipe))[0] == 1
+        assert (await stage1_held(pipe))[0] == 1
         # the fault takes effect as its command commits, at the command's end: the bounds count from there
         # (the command's own start-up, some 0.1-0.5 s on a loaded machine, is not the pipeline's time)
         started = time.monotonic()
@@ -270,7 +270,7 @@ def _fds(d: Daemon) -> int:
     return len(os.listdir(f"/proc/{d.proc.pid}/fd"))
 
 
-def _links(pipe: NetPipeline) -> tuple[int, int]:
+def links_to_stage1(pipe: NetPipeline) -> tuple[int, int]:
     """Connections to stage 1's port established on the head's side and on stage 1's (lanes and the watch)."""
     def count(k: int, side: str) -> int:
         out = pipe.net.hosts[k].run("ss", "-Htn", "state", "established", f"( {side} = :{pipe.port} )").stdout
@@ -284,7 +284,7 @@ async def _nothing_left(pipe: NetPipeline, fds_before: dict[int, int]) -> None:
     the head may be reopening)."""
     await pipe.wait_all_released(2.0)
     with trio.move_on_after(10):
-        while (links := _links(pipe))[0] != links[1] or links[1] > pipe.lanes + 1:
+        while (links := links_to_stage1(pipe))[0] != links[1] or links[1] > pipe.lanes + 1:
             await trio.sleep(0.2)
     assert links[0] == links[1] <= pipe.lanes + 1, \
         f"connections to stage 1: the head has {links[0]}, stage 1 {links[1]}"
@@ -468,7 +468,7 @@ async def test_resume_continues_after_the_heal(rhealed, net, down_s):
             assert not s.done.is_set(), f"the generation ended through the cut: {describe_error(s.error)}"
             assert (await _head_sessions(pipe))[0]["state"] == "resuming"
             if down_s > 3.0:
-                live, free, slots = await _stage1_held(pipe)
+                live, free, slots = await stage1_held(pipe)
                 assert live == 0 and free == slots, f"stage 1 holds {live} session(s) {down_s} s into the cut"
             healed_at = time.monotonic()
             net.heal()

@@ -84,6 +84,7 @@ class LanePool:
         self._ids = itertools.count(1)
         self._idle: list[Lane] = []
         self._slots = trio.Semaphore(capacity)
+        self._opening = 0  # lanes being opened now (by warm or a checkout): they count against the capacity
         self.refusal: str | None = None  # why new generations are refused (None: they are not)
         self.last_error: str | None = None
 
@@ -120,15 +121,25 @@ class LanePool:
                      "closing it", dead.lane_id, self.address, self.peer_timeout)
             await self._discard(dead)
 
+    async def _open_counted(self) -> DownstreamLink:
+        self._opening += 1
+        try:
+            return await self._open()
+        finally:
+            self._opening -= 1
+
     async def warm(self, n: int | None = None) -> None:
-        """Open lanes ahead of time (best effort: a failure is logged by _open)."""
+        """Open lanes ahead of time (best effort: a failure is logged by _open). The lanes that checkouts are
+        opening meanwhile count too: after a fault killed every lane, generations resuming open lanes of their
+        own while this reopens the pool's, and the pool must not end up with more lanes than its capacity
+        (each one a connection on both hosts)."""
         target = min(n or self.capacity, self.capacity)
-        while len(self.lanes) < target:
+        while len(self.lanes) + self._opening < target:
             try:
-                link = await self._open()
+                link = await self._open_counted()
             except DownstreamError:
                 return
-            if len(self.lanes) >= target:  # checkouts opened lanes of their own meanwhile
+            if len(self.lanes) + self._opening >= target:  # checkouts opened lanes of their own meanwhile
                 await link.aclose()
                 return
             lane = Lane(next(self._ids), link)
@@ -157,7 +168,7 @@ class LanePool:
                     lane.state = "busy"
                     return lane
                 await self._discard(lane)
-            link = await self._open()
+            link = await self._open_counted()
             lane = Lane(next(self._ids), link, state="busy")
             self.lanes[lane.lane_id] = lane
             return lane
@@ -170,7 +181,8 @@ class LanePool:
         lane.session_id = None
         lane.generations += 1
         try:
-            if lane.dirty or lane.link is None or not lane.link.settled or self.draining:
+            if lane.dirty or lane.link is None or not lane.link.settled or self.draining \
+                    or len(self.lanes) > self.capacity:  # (never, but an extra idle lane would stay forever)
                 await self._discard(lane)
             else:
                 lane.state = "idle"
