@@ -82,6 +82,7 @@ class Cut:
     when: str  # "decode" | "idle"
     lasted_s: float
     error_s: float | None = None  # mid-decode: fault -> the client's error
+    close_s: float | None = None  # ... -> the control connection closed after it
     error: str | None = None
     stage1_held_at_heal: int | None = None  # sessions stage 1 still held when the link came back
     recover_s: float | None = None  # heal -> a generation succeeded
@@ -159,6 +160,7 @@ async def one_cut(pipe: NetPipeline, net: netns.Network, rng: random.Random, ind
         if cut.when == "decode":
             if await s.wait_done(max(ERROR_S + 1, cut.lasted_s)):
                 cut.error_s = round(s.ended_at - injected, 2)
+                cut.close_s = round(s.closed_at - injected, 2)
                 cut.error = str(s.error) if s.error is not None else None
             if s.result is not None:
                 cut.violations.append("the generation finished through the fault")
@@ -204,7 +206,7 @@ async def soak(pipe: NetPipeline, net: netns.Network, n: int, seed: int, report:
         report.cuts.append(cut)
         mark = "!" if cut.violations else " "
         print(f"{mark} cut {i:3d}: {cut.kind:18s} {cut.when:6s} {cut.lasted_s:4.1f} s  error "
-              f"{'-' if cut.error_s is None else cut.error_s:>5}  recover {cut.recover_s}"
+              f"{'-' if cut.error_s is None else cut.error_s:>5} (closed {cut.close_s})  recover {cut.recover_s}"
               + (f"  {cut.violations}" if cut.violations else ""), flush=True)
         if i % SAMPLE_EVERY == 0 or i == n:
             if i == n:

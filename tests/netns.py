@@ -1,10 +1,13 @@
 """Hosts of their own for the tests: network namespaces joined by a veth pair, and faults on that link.
 
 Each host is a network namespace with its own stack. The hosts share one data
-link (a veth pair, 10.77.0.0/24: host k is 10.77.0.<k+1>), the only path between
-them, which a test cuts (``link_down``) or makes lose packets one way
-(``drop``: an nftables rule on the receiving host's input, so the packets
-leave their sender and never arrive). Each host also has a management link
+network (10.77.0.0/24: host k is 10.77.0.<k+1>), the only path between them: a
+veth pair for two hosts, a bridge in a namespace of its own (a switch) for
+more. A test cuts a host's link (``link_down``), makes packets between two
+hosts lose their way one way (``drop``: an nftables rule on the receiving
+host's input, so the packets leave their sender and never arrive) or both
+(``partition``: two hosts that no longer hear each other, each still hearing
+the others). Each host also has a management link
 to the test's own namespace (a veth pair on a /30 of 10.78.0.0/16) that no
 fault touches: the daemons' control channels listen there, so a test can
 ask a stage for its sessions while the data link is down.
@@ -90,14 +93,17 @@ class Host:
 
 
 class Network:
-    """Two hosts on one data link; :meth:`close` (or the context manager) removes everything it made."""
+    """`n` hosts on one data network; :meth:`close` (or the context manager) removes everything it made."""
 
-    def __init__(self):
+    def __init__(self, n: int = 2):
+        if n < 2:
+            raise ValueError("a network needs two hosts at least")
         self.tag = uuid.uuid4().hex[:5]
         self.hosts: list[Host] = []
+        self.switch: str | None = None  # the bridge's namespace (three hosts or more)
         self._dropping: set[int] = set()
         try:
-            self._build(2)
+            self._build(n)
         except BaseException:
             self.close()
             raise
@@ -120,8 +126,20 @@ class Network:
             host.run("ip", "addr", "add", f"{theirs}/30", "dev", f"skn{self.tag}{k}")
             host.run("ip", "link", "set", f"skn{self.tag}{k}", "up")
             host.run("ip", "link", "set", "lo", "up")
-        a, b = self.hosts
-        _run("ip", "link", "add", a.data_dev, "type", "veth", "peer", "name", b.data_dev)
+        if n == 2:
+            a, b = self.hosts
+            _run("ip", "link", "add", a.data_dev, "type", "veth", "peer", "name", b.data_dev)
+        else:  # each host's data link goes to a port of one bridge, in a namespace of its own
+            self.switch = f"sk{self.tag}sw"
+            _run("ip", "netns", "add", self.switch)
+            _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+            for k, host in enumerate(self.hosts):
+                port = f"skp{self.tag}{k}"
+                _run("ip", "link", "add", host.data_dev, "type", "veth", "peer", "name", port)
+                _run("ip", "link", "set", port, "netns", self.switch)
+                _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+                _run("ip", "-n", self.switch, "link", "set", port, "up")
         for host in self.hosts:
             _run("ip", "link", "set", host.data_dev, "netns", host.name)
             host.run("ip", "addr", "add", f"{host.address}/24", "dev", host.data_dev)
@@ -138,11 +156,14 @@ class Network:
         for host in self.hosts:
             _run("ip", "netns", "del", host.name, check=False)
             _run("ip", "link", "del", host.mgmt_dev, check=False)
+        if self.switch is not None:
+            _run("ip", "netns", "del", self.switch, check=False)
+            self.switch = None
         self.hosts = []
 
     # ---------------------------------------------------------------- faults
     def link_down(self, k: int = 1) -> None:
-        """Take host k's end of the data link down: nothing passes either way (no FIN, no RST)."""
+        """Take host k's end of its data link down: nothing passes either way (no FIN, no RST)."""
         h = self.hosts[k]
         h.run("ip", "link", "set", h.data_dev, "down")
 
@@ -165,6 +186,14 @@ class Network:
         self.arm(dst)
         self.hosts[dst].run("nft", "add", "rule", "inet", "skfault", "input", "ip", "saddr",
                             self.hosts[src].address, "drop")
+
+    def partition(self, a: int, b: int) -> None:
+        """Hosts `a` and `b` no longer hear each other (every packet between them lost, both ways); each still
+        hears every other host."""
+        self.arm(a)
+        self.arm(b)
+        self.drop(a, b)
+        self.drop(b, a)
 
     def heal(self) -> None:
         """Undo every fault: links up, drop rules gone."""

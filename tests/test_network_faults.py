@@ -46,7 +46,7 @@ from skippyd.control import messages as m
 from skippyd.topology import Topology
 from tests import netns
 from tests.procs import Daemon, Pipeline
-from tests.test_faults import COUNT, LONG, PROBE, Stream, describe_error, wait_prefilling
+from tests.test_faults import COUNT, LONG, MID_DECODE_PIECES, PROBE, Stream, describe_error, wait_prefilling
 
 pytestmark = pytest.mark.slow  # real daemon processes in network namespaces
 
@@ -66,9 +66,11 @@ PREFILL = dict(prompt=LONG + COUNT, raw=True, max_tokens=8)
 
 @attrs.define(eq=False)
 class TextStream(Stream):
-    """A streamed generation in the background, with the text its pieces carried."""
+    """A streamed generation in the background, with the text its pieces carried. ``ended_at``: when its last
+    message (the result or the error) arrived; ``closed_at``: when the control connection was closed after it."""
 
     text: str = ""
+    closed_at: float | None = None
 
 
 async def start_stream(pipe: Pipeline, nursery: trio.Nursery, **kw) -> TextStream:
@@ -82,13 +84,16 @@ async def start_stream(pipe: Pipeline, nursery: trio.Nursery, **kw) -> TextStrea
                         s.pieces += 1
                         s.text += reply.text
                     elif isinstance(reply, m.Error):
+                        s.ended_at = time.monotonic()
                         s.error, s.retryable = ControlError(reply.message, code=reply.code), reply.retryable
                     else:
+                        s.ended_at = time.monotonic()
                         s.result = reply.result
         except ControlError as exc:  # the head itself went away
             s.error = exc
         finally:
-            s.ended_at = time.monotonic()
+            s.closed_at = time.monotonic()
+            s.ended_at = s.ended_at or s.closed_at
             s.done.set()
 
     nursery.start_soon(run)
@@ -254,16 +259,20 @@ async def _fault_mid_generation(pipe: Pipeline, fault, what: str, *, when: str =
             assert s.pieces == 0, f"{what}: the fault came after the prefill"
         release_s = await _stage1_releases(pipe, injected, what)
     got = {"fault_cmd_s": round(injected - started, 2), "error_s": round(error_s, 2),
-           "release_s": round(release_s, 2), "error": str(s.error)}
+           "closed_s": round(s.closed_at - injected, 2), "release_s": round(release_s, 2), "error": str(s.error)}
     if when == "prefill":
         got["stage1_position_at_fault"] = position
     return got
 
 
-async def _stage1_sessions(pipe: Pipeline) -> list[dict]:
-    d = pipe.stages[1]
+async def _sessions(d: Daemon) -> list[dict]:
+    """The sessions a stage's daemon holds (on its management link)."""
     async with open_control(d.url, d.token_file) as client:
         return await client.call(m.SessionsList(id=client.new_id()))
+
+
+async def _stage1_sessions(pipe: Pipeline) -> list[dict]:
+    return await _sessions(pipe.stages[1])
 
 
 def _fds(d: Daemon) -> int:
@@ -529,3 +538,74 @@ async def test_host_gone_for_good(healed, net):
     assert _fds(pipe.head) <= fds + 1, f"the head's descriptors: {fds} before, {_fds(pipe.head)} after"
     print(f"host gone for good: {got}; {len(refusals)} new generations refused in {refusals} s; "
           f"status: stage 1 is DOWN: {down['error']}")
+
+
+# ---------------------------------------------------------------------------- three hosts
+THREE_PORT = 7413
+
+
+@pytest.fixture(scope="module")
+def net3():
+    if why := netns.unavailable(need_nft=True):
+        pytest.skip(why)
+    with netns.Network(3) as network:
+        yield network
+
+
+@pytest.fixture(scope="module")
+def pipe3(net3, splits, tmp_path_factory):
+    """A 3-stage split, each stage on a host of its own (head 10.77.0.1, stage 1 .2, stage 2 .3)."""
+    p = start_net_pipeline(net3, splits[3], tmp_path_factory.mktemp("net3"), port=THREE_PORT, flags=FLAGS,
+                           lanes=LANES)
+    try:
+        yield p
+    finally:
+        net3.heal()
+        p.stop()
+
+
+async def test_partition_between_stage_1_and_stage_2(pipe3, net3):
+    """Three hosts; stage 1 and stage 2 stop hearing each other mid-decode (each still hears the head): the
+    client's error names stage 2 within 2 s, both stages release the session within 5 s while the partition
+    lasts, and once it heals a generation succeeds within 3 s with nothing left held."""
+    pipe, net = pipe3, net3
+    net.heal()
+    await _generation_within(pipe, 30.0)
+    await pipe.wait_all_released(5.0)
+    fds = {k: _fds(d) for k, d in pipe.stages.items()}
+    net.arm(1)
+    net.arm(2)
+    try:
+        async with trio.open_nursery() as nursery:
+            s = await start_stream(pipe, nursery, prompt=COUNT, raw=True, max_tokens=400)
+            await s.wait_pieces(MID_DECODE_PIECES)
+            assert [v["live"] for v in (await pipe.stage_sessions()).values()] == [1, 1, 1]
+            net.partition(1, 2)
+            injected = time.monotonic()
+            assert await s.wait_done(ERROR_S + 1), "the client got nothing within 3 s"
+            error_s = s.ended_at - injected
+            assert s.result is None and s.error is not None
+            assert "stage 2" in str(s.error), describe_error(s.error, s.retryable)
+            assert error_s <= ERROR_S, f"the client's error came {error_s:.2f} s after the partition"
+            # (each stage's own sessions list: a status would probe the stage after it, cut off, for a second)
+            with trio.move_on_after(RELEASE_S + 2):
+                while held := {k: n for k in (1, 2) if (n := len(await _sessions(pipe.stages[k])))}:
+                    await trio.sleep(0.05)
+            release_s = time.monotonic() - injected
+            assert not held and release_s <= RELEASE_S, f"stages 1 and 2 still hold {held} {release_s:.1f} s on"
+            snap = await pipe.stage_sessions()
+            assert all(snap[k]["live"] == 0 and snap[k]["free"] == snap[k]["n_seq_max"] for k in (1, 2)), snap
+        healed_at = time.monotonic()
+        net.heal()
+        await _generation_within(pipe, RECOVER_S)
+        recover_s = time.monotonic() - healed_at
+        await pipe.wait_all_released(2.0)
+        with trio.move_on_after(10):
+            while any(_fds(d) > fds[k] + 1 for k, d in pipe.stages.items()):
+                await trio.sleep(0.2)
+        after = {k: _fds(d) for k, d in pipe.stages.items()}
+        assert all(after[k] <= fds[k] + 1 for k in after), f"descriptors before {fds}, after {after}"
+    finally:
+        net.heal()
+    print(f"partition stage 1 | stage 2 mid-decode: error_s {error_s:.2f}, release_s {release_s:.2f}, "
+          f"recover_s {recover_s:.2f}: {s.error}")
