@@ -9,7 +9,7 @@ deadline of 30 s). Each of the `-n` cuts picks at random:
 
 - the fault: the link down, every packet from the head to stage 1 lost, or
   every packet from stage 1 to the head lost;
-- when: mid-decode (a streamed generation, cut after 3 to 40 pieces) or idle
+- when (`--when`): mid-decode (a streamed generation, cut after 3 to 40 pieces) or idle
   (no generation running: only the idle lanes and the liveness connection);
 - how long it lasts: 0.5 to 6 s (past runtime.peer_timeout, 3 s, in about
   half the cuts).
@@ -148,8 +148,9 @@ async def recover(pipe: NetPipeline, timeout: float = 30.0) -> float | None:
     return None
 
 
-async def one_cut(pipe: NetPipeline, net: netns.Network, rng: random.Random, index: int) -> Cut:
-    cut = Cut(index, rng.choice(KINDS), rng.choice(("decode", "idle")), round(rng.uniform(0.5, 6.0), 2))
+async def one_cut(pipe: NetPipeline, net: netns.Network, rng: random.Random, index: int,
+                  whens: tuple[str, ...] = ("decode", "idle")) -> Cut:
+    cut = Cut(index, rng.choice(KINDS), rng.choice(whens), round(rng.uniform(0.5, 6.0), 2))
     arm(net, cut.kind)
     async with trio.open_nursery() as nursery:
         if cut.when == "decode":
@@ -195,16 +196,19 @@ async def settle(pipe: NetPipeline, timeout: float = 15.0) -> tuple[dict, tuple[
         await trio.sleep(0.2)
 
 
-async def soak(pipe: NetPipeline, net: netns.Network, n: int, seed: int, report: Report) -> None:
+async def soak(pipe: NetPipeline, net: netns.Network, n: int, seed: int, report: Report,
+               whens: tuple[str, ...] = ("decode", "idle")) -> None:
     rng = random.Random(seed)
     for _ in range(3):  # warm-up: the largest graphs, lanes in use
         await pipe.generate(prompt=COUNT, raw=True, max_tokens=64)
     await settle(pipe)
     report.samples.append(sample(pipe, 0))
     for i in range(1, n + 1):
-        cut = await one_cut(pipe, net, rng, i)
+        cut = await one_cut(pipe, net, rng, i, whens)
         report.cuts.append(cut)
         mark = "!" if cut.violations else " "
+        if cut.violations:
+            print(pipe.head.log()[-3000:])
         print(f"{mark} cut {i:3d}: {cut.kind:18s} {cut.when:6s} {cut.lasted_s:4.1f} s  error "
               f"{'-' if cut.error_s is None else cut.error_s:>5} (closed {cut.close_s})  recover {cut.recover_s}"
               + (f"  {cut.violations}" if cut.violations else ""), flush=True)
@@ -300,7 +304,8 @@ async def run(args) -> Report:
             net, split, work / "plain", port=STAGE_PORT, flags=FLAGS, lanes=LANES))}
         try:
             if args.cuts:
-                await soak(pipes["plain"], net, args.cuts, args.seed, report)
+                await soak(pipes["plain"], net, args.cuts, args.seed, report,
+                           ("decode", "idle") if args.when == "both" else (args.when,))
             if args.flap:
                 (work / "resume").mkdir()
                 pipes["resume"] = await trio.to_thread.run_sync(lambda: start_net_pipeline(
@@ -322,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-n", "--cuts", type=int, default=100)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--when", choices=("both", "decode", "idle"), default="both", help="the cuts' timing")
     p.add_argument("--flap", type=float, default=0.0, help="then flap the link this many seconds (4 clients)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)

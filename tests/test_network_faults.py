@@ -43,6 +43,7 @@ import trio
 
 from skippyctl.client import ControlError, open_control
 from skippyd.control import messages as m
+from skippyd.head.liveness import StageDown, StageWatch
 from skippyd.topology import Topology
 from tests import netns
 from tests.procs import Daemon, Pipeline
@@ -339,6 +340,48 @@ async def test_one_way_loss_mid_decode(healed, net, direction):
     got = await _fault_mid_generation(pipe, lambda: net.drop(src, dst), f"loss {direction}")
     got["recover_s"] = round(await _recovers(pipe, net, fds), 2)
     print(f"one-way loss {direction} mid-decode: {got}")
+
+
+class _ScriptedWatch(StageWatch):
+    """A watch whose pings stage 1 answers or not as the test says, at once or after the ping deadline: the
+    scheduling of the watch's checks on trio's clock, with no stage behind it (the netns tests above and
+    bench/soak_network_faults.py run the real thing)."""
+
+    def __init__(self):
+        super().__init__("stage1.invalid", 1, hello=None)
+        self.answers = True
+
+    async def _ping(self) -> str | None:
+        if self.answers:
+            return None
+        await trio.sleep(self.ping_timeout)
+        return f"no answer to a liveness ping within {self.ping_timeout:g} s"
+
+
+async def test_watch_watches_again_at_once_when_a_new_generation_finds_stage_1_up(autojump_clock):
+    """Stage 1 down for a while, so that the watch re-checks it with backoff (2 s of sleep between checks);
+    the link heals and a new generation's own check finds stage 1 up while the watch sleeps. A fault right
+    after must still fail the next wait within interval + ping_timeout (1.3 s), not once the sleep is over."""
+    watch = _ScriptedWatch()
+    bound = watch.interval + watch.ping_timeout
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watch.serve)
+        watch.answers = False
+        with pytest.raises(StageDown):
+            with watch.watching():
+                await trio.sleep(10)
+        await trio.sleep(8.0)  # checks at +0.25, +1.75, +4.75, +7.75 after the first, each failing after 1 s
+        assert watch.down
+        watch.answers = True
+        assert await watch.check()  # a new generation's, while the watch's task sleeps (until about +10.75)
+        watch.answers = False
+        started = trio.current_time()
+        with pytest.raises(StageDown):
+            with watch.watching():
+                await trio.sleep(10)
+        took = trio.current_time() - started
+        assert took <= bound + 0.01, f"the wait failed {took:.2f} s after the fault, not within {bound:g} s"
+        nursery.cancel_scope.cancel()
 
 
 async def test_partition_while_idle(healed, net):

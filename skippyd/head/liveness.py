@@ -17,7 +17,9 @@ interval cost no ping at all, and nothing polls. No answer within
 ``ping_timeout`` marks the stage down and fails every registered request
 (:class:`StageDown`, naming the stage); while it is down the same task
 pings with backoff until it answers again, and a new generation checks it
-at once (:meth:`check`) instead of waiting for the next try.
+at once (:meth:`check`) instead of waiting for the next try; whichever check
+finds it up again, the task watches the requests from then on (not once its
+backoff is over), so a fault soon after a recovery is found as fast as any.
 
 The watch connection is a lane like any other, so it leads through the
 whole pipeline, and a middle stage relays a Ping with a shorter deadline
@@ -187,6 +189,10 @@ class StageWatch:
                     # down: re-check with backoff (a new generation may check sooner, see check())
                     with trio.move_on_after(backoff):
                         await self._wait_woken()
+                    if not self.down:
+                        # another check found it up meanwhile (and woke this task): watch the requests again
+                        # now, not once the backoff is over, or a fault in between would go unnoticed till then
+                        continue
                     backoff = min(backoff * 2, BACKOFF_MAX_S)
                     await self._check()
                     continue
@@ -286,6 +292,7 @@ class StageWatch:
         if up != self.up:
             if up and self.up is False:
                 log.info("head: %s answers again", self.name)
+                self._wake.set()  # the task, waiting out its backoff while down
             elif not up:
                 log.warning("head: %s is down: %s", self.name, error)
             self.changed_at = time.time()
