@@ -38,7 +38,7 @@ from skippyd.head.liveness import StageWatch
 from skippyd.head.run import GenerationRun, HeadParts
 from skippyd.head.text_output import PieceCallback
 from skippyd.head.token_return import TokenReturnHub
-from skippyd.runtime import llama
+from skippyd.runtime import chat_template, llama
 from skippyd.sampling import InvalidSampling, SamplingParams
 from skippyd.stage.prefix_cache import PrefixCache
 from skippyd.stage.scheduler import Scheduler
@@ -63,6 +63,7 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    tools: tuple[dict, ...] = ()  # OpenAI function tools, for a chat template that presents them itself
 
 
 @attrs.define
@@ -180,7 +181,7 @@ class HeadEngine:
         if req.system and not any(m.get("role") == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": req.system})
         try:
-            text = self.model.apply_chat_template(messages, add_assistant=True)
+            text = chat_template.render_chat(self.model, messages, tools=req.tools or None)
         except llama.InvalidArgumentError as exc:
             raise GenerationError(f"{exc} (send a raw prompt instead)", status=400) from exc
         return self.model.tokenize(text, add_special=False, parse_special=True)
