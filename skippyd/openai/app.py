@@ -40,7 +40,7 @@ from skippyd.head.engine import (
     QueueTimeout,
 )
 from skippyd.head.piece_relay import ClientStalled, PieceRelay
-from skippyd.openai import schemas
+from skippyd.openai import schemas, tools
 from skippyd.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from skippyd.openai.metrics import Metrics
 from skippyd.runtime.llama import LlamaError
@@ -169,14 +169,17 @@ class _Chat:
         self.id = self.prefix + secrets.token_hex(12)
         self.model = model
         self.created = int(time.time())
+        self.tool_plan: tools.ToolPlan | None = None  # a chat offering tools: how its reply is read
 
     def _envelope(self, object_name: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "system_fingerprint": "skippy", "choices": choices, **extra}
 
     def whole(self, result: GenerationResult) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text, "refusal": None},
-                  "logprobs": None, "finish_reason": result.finish_reason}
+        message, finish = {"role": "assistant", "content": result.text, "refusal": None}, result.finish_reason
+        if self.tool_plan is not None:
+            message, finish = tools.message(self.tool_plan, result)
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         return self._envelope(self.object_name, [choice], usage=usage(result))
 
     def chunk(self, delta: dict, finish_reason: str | None = None, **extra) -> dict:
@@ -221,6 +224,10 @@ class _Completion(_Chat):
 
     def usage_chunk(self, result: GenerationResult) -> dict:
         return self._envelope(self.object_name, [], usage=usage(result))
+
+
+async def _hold(_text: str) -> None:
+    """A streamed piece kept back (a reply offering tools is sent once read)."""
 
 
 def usage(result: GenerationResult) -> dict:
@@ -375,10 +382,14 @@ class OpenAIApp:
         engine = self._ready_engine()
         try:
             greq = req.to_generation(engine.model.n_vocab, engine.context.n_ctx_seq)
+            plan = None
+            if isinstance(req, schemas.ChatCompletionRequest):  # its tools and tool history, checked here
+                greq, plan = tools.prepare(req, greq, engine.model)
         except schemas.BadParameter as exc:
             raise ApiError(400, str(exc), param=exc.param, code=exc.code) from exc
         greq = self._tokenized(engine, greq)
         shape = shape_type(self.model_id)
+        shape.tool_plan = plan
         if req.streaming:
             await self._stream(ex, engine, greq, shape, include_usage=req.include_usage)
         else:
@@ -469,6 +480,9 @@ class OpenAIApp:
             await begin()
             await ex.event({**shape.piece(text), **extra})
 
+        if shape.tool_plan is not None:  # the reply is read whole (a call or a message), then sent as deltas
+            on_piece = _hold
+
         try:
             result = await self._generate(ex, engine, greq, on_piece)
         except ApiError as exc:
@@ -478,7 +492,13 @@ class OpenAIApp:
             await ex.end()
             return
         await begin()
-        await ex.event({**shape.closing(result), **extra})
+        if shape.tool_plan is not None:
+            message, finish = tools.message(shape.tool_plan, result)
+            for delta in tools.deltas(message):
+                await ex.event({**shape.chunk(delta), **extra})
+            await ex.event({**shape.chunk({}, finish), **extra})
+        else:
+            await ex.event({**shape.closing(result), **extra})
         if include_usage:
             await ex.event(shape.usage_chunk(result))
         await ex.end(b"data: [DONE]\n\n")

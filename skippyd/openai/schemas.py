@@ -7,12 +7,14 @@ a number) and refuses unknown keys; then ``*.to_generation`` checks values
 Both raise :class:`BadParameter`, which carries the OpenAI ``param``.
 
 Accepted but ignored, because they change nothing here: ``user``, ``store``,
-``metadata``, ``service_tier``, ``parallel_tool_calls``, ``n=1``,
+``metadata``, ``service_tier``, ``n=1``,
 ``logprobs=false``, ``top_logprobs=0``, ``response_format={"type": "text"}``,
 ``echo=false``, ``best_of=1``. Unsupported values of those (``n=2``,
 ``logprobs=true``, ``response_format`` json) are 400s. Beyond OpenAI's
 parameters, llama.cpp server's ``top_k``, ``min_p`` and ``repeat_penalty``
-are accepted.
+are accepted. ``tools``, ``tool_choice``, ``parallel_tool_calls`` and the
+history's ``tool_calls`` and ``tool`` messages are checked and shown to the
+model by :mod:`skippyd.openai.tools`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from skippyd.head.engine import GenerationRequest
 from skippyd.sampling import InvalidSampling, SamplingParams
 
 MAX_STOPS = 16
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
 
@@ -64,6 +66,9 @@ class ChatMessage:
     role: str
     content: Any = None  # a string, or a list of {"type": "text", "text": ...} parts
     name: str | None = None
+    tool_calls: Any = None  # an assistant's calls (checked by skippyd.openai.tools)
+    tool_call_id: str | None = None  # the call a tool message answers
+    refusal: str | None = None  # an assistant's (OpenAI's clients send it back); not shown to the model
 
 
 @attrs.frozen(kw_only=True)
@@ -146,6 +151,8 @@ class ChatCompletionRequest(_Sampling):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None
+    tools: Any = None  # a list of function tools (checked by skippyd.openai.tools)
+    tool_choice: Any = None  # auto | none | required | {"type": "function", "function": {"name": ...}}
 
     def _max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
@@ -157,9 +164,14 @@ class ChatCompletionRequest(_Sampling):
         for i, msg in enumerate(self.messages):
             role = ROLES.get(msg.role)
             if role is None:
-                raise BadParameter(f"role {msg.role!r} is not supported (system, developer, user, assistant)",
-                                   f"messages[{i}].role", "unsupported_value")
-            out.append({"role": role, "content": _content(msg.content, role, f"messages[{i}].content")})
+                raise BadParameter(f"role {msg.role!r} is not supported (system, developer, user, assistant, "
+                                   f"tool)", f"messages[{i}].role", "unsupported_value")
+            one = {"role": role, "content": _content(msg.content, role, f"messages[{i}].content")}
+            if msg.tool_calls is not None and role == "assistant":
+                one["tool_calls"] = msg.tool_calls
+            if role == "tool":
+                one["tool_call_id"] = msg.tool_call_id
+            out.append(one)
         return tuple(out)
 
     def to_generation(self, n_vocab: int, n_ctx: int) -> GenerationRequest:
