@@ -95,8 +95,11 @@ def test_generic_format_prompt_and_schema(smol):
     jsonschema.Draft202012Validator.check_schema(schema)
     good = {"tool_call": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}}
     jsonschema.validate(good, schema)
+    jsonschema.validate({"zone": "UTC", "invented": 1}, SCHEMAS["get_time"])
     for bad in ({"response": "hi"}, {"tool_call": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
                 {"tool_call": {"name": "nope", "arguments": {}}},
+                # objects are closed to the properties they name (the schema itself leaves that open)
+                {"tool_call": {"name": "get_time", "arguments": {"zone": "UTC", "invented": 1}}},
                 {"tool_call": {"name": "book_table", "arguments": {"restaurant": "x", "people": 40,
                                                                     "vegetarian": True}}}):
         with pytest.raises(jsonschema.ValidationError):

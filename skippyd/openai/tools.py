@@ -59,7 +59,34 @@ class Function:
         return {"type": "function", "function": fn}
 
     def call_schema(self) -> dict:
-        return _object({"name": {"const": self.name}, "arguments": self.parameters})
+        return _object({"name": {"const": self.name}, "arguments": _closed(self.parameters)})
+
+
+_SUBSCHEMAS = ("items", "additionalItems", "not", "if", "then", "else", "contains")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # not allOf: its parts may name each other's properties
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def _closed(schema: Any) -> Any:
+    """``schema`` with its objects closed to the properties they name where it does not say otherwise (what
+    llama.cpp's schema converter does): a model stays on the arguments the function takes instead of inventing
+    more, and what it writes still validates against the original schema."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMAS:
+        if key in out:
+            out[key] = _closed(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _closed(v) for k, v in out[key].items()}
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out \
+            and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _object(properties: dict) -> dict:
