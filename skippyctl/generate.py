@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import trio
@@ -12,7 +13,7 @@ import typer
 from skippyctl.client import ControlError, open_control
 from skippyctl.render import EXIT_USAGE, fail, waiting_line
 from skippyd.control import messages as m
-from skippyd.sampling import SamplingParams
+from skippyd.sampling import InvalidSampling, SamplingParams
 
 _SAMPLING = SamplingParams()  # the defaults of every surface
 
@@ -29,15 +30,34 @@ def generate(
     seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed (reproducible runs).")] = _SAMPLING.seed,
     stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")] = None,
     json_mode: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
+    json_schema: Annotated[Path | None, typer.Option(
+        "--json-schema", help="Constrain the reply to JSON valid against the JSON schema in FILE.",
+        metavar="FILE")] = None,
+    json_object: Annotated[bool, typer.Option("--json-object", help="Constrain the reply to a JSON object.")] = False,
+    grammar: Annotated[Path | None, typer.Option(
+        "--grammar", help="Constrain the reply to the grammar in FILE (GBNF, or Lark as llguidance reads it).",
+        metavar="FILE")] = None,
+    logprobs: Annotated[int | None, typer.Option(
+        "--logprobs", min=0, max=20, help="Each token's logprob and its N most likely alternatives' (0-20).",
+        metavar="N")] = None,
 ) -> None:
     """Generate a reply; text streams to the terminal. Ctrl-C cancels it on the daemon."""
     g = ctx.obj
     printed = False  # whether streamed text is on the terminal (then errors start on a new line)
-    try:  # the message's own checks (e.g. float32 ranges), before anything is sent
+    files = {}
+    for flag, path in (("--json-schema", json_schema), ("--grammar", grammar)):
+        if path is not None:
+            try:
+                files[flag] = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                fail(f"{flag}: cannot read {path}: {exc}", EXIT_USAGE)
+    try:  # the message's own checks (e.g. float32 ranges, a schema or grammar that compiles), before anything is sent
         request = m.Generate(id="1", prompt=prompt, system=system, raw=raw, max_tokens=max_tokens,
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=list(stop or []),
-                             stream=not json_mode)
-    except m.Invalid as exc:
+                             stream=not json_mode, json_schema=files.get("--json-schema"), json_object=json_object,
+                             grammar=files.get("--grammar"), logprobs=logprobs)
+        request.sampling()
+    except (m.Invalid, InvalidSampling) as exc:
         fail(f"--{(exc.field or 'value').replace('_', '-')}: {exc}", EXIT_USAGE)
 
     async def go() -> dict:
@@ -70,10 +90,13 @@ def generate(
         sys.stderr.write("cancelled\n")
         raise typer.Exit(130) from None
     if json_mode:
-        keep = ("text", "tokens", "finish_reason", "usage", "timings", "session_id", "request_id")
-        sys.stdout.write(json.dumps({k: result[k] for k in keep}) + "\n")
+        keep = ("text", "tokens", "finish_reason", "usage", "timings", "session_id", "request_id", "logprobs")
+        sys.stdout.write(json.dumps({k: result[k] for k in keep if k in result}) + "\n")
     else:
         sys.stdout.write("\n")
+        for entry in result.get("logprobs") or ():  # token id, logprob, then the alternatives'
+            alternatives = " ".join(f"{t}:{_num(lp)}" for t, lp in entry["top"])
+            sys.stderr.write(f"{entry['token']}\t{_num(entry['logprob'])}\t{alternatives}\n")
         t = result["timings"]
         usage = result["usage"]
         # cached: prompt tokens the stages' prefix caches restored rather than computed
@@ -86,3 +109,7 @@ def generate(
         # killed on the daemon (skippyctl sessions kill, or a shutdown past its grace period)
         fail(f"the generation ended early: {result['finish_reason']}" +
              (f" ({result['error']})" if result.get("error") else ""))
+
+
+def _num(x: float | None) -> str:
+    return "-inf" if x is None else f"{x:.4f}"

@@ -144,7 +144,7 @@ def _as_logprobs(value: object) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not hasattr(value, "__index__") or not 0 <= value <= MAX_TOP_LOGPROBS:
-        raise InvalidSampling("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
+        raise InvalidSampling("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
     return int(value)
 
 

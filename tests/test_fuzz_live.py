@@ -555,17 +555,26 @@ PARAMS = {  # right types; values in range, at the edges and past them
     "n": st.integers(-1, 3), "top_k": EXTREME_INT, "min_p": st.floats(-1, 2), "repeat_penalty": st.floats(-1, 3),
     "user": st.text(max_size=10),
 }
+SCHEMA = st.one_of(  # good and bad schemas: the bad ones are 400s naming response_format.json_schema.schema
+    st.just({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+    st.fixed_dictionaries({"type": st.sampled_from(["object", "array", "string", "integer", "boolean", "nope"])}),
+    st.just({"enum": ["x", "y"]}), st.just({"type": "object", "if": {}}), JSON)
+RESPONSE_FORMAT = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "yaml"])}),
+    st.fixed_dictionaries({"type": st.just("json_schema"),
+                           "json_schema": st.fixed_dictionaries({"name": st.text(max_size=8), "schema": SCHEMA},
+                                                                optional={"strict": st.booleans()})}))
 CHAT_GOOD = st.fixed_dictionaries({"model": st.just(MODEL_ID), "messages": st.lists(MESSAGE, min_size=1, max_size=3)},
                                   optional={**PARAMS, "max_completion_tokens": EXTREME_INT,
-                                            "logprobs": st.booleans(), "top_logprobs": st.integers(0, 3),
-                                            "response_format": st.fixed_dictionaries({"type": st.sampled_from(
-                                                ["text", "json_object"])})})
+                                            "logprobs": st.booleans(), "top_logprobs": st.integers(-1, 22),
+                                            "response_format": RESPONSE_FORMAT})
 COMPLETION_GOOD = st.fixed_dictionaries({"model": st.just(MODEL_ID),
                                          "prompt": st.one_of(st.text(max_size=60),
                                                              st.lists(st.integers(-10, 60000), max_size=20),
                                                              st.lists(st.text(max_size=10), min_size=1, max_size=2))},
                                         optional={**PARAMS, "echo": st.booleans(), "best_of": st.integers(0, 3),
-                                                  "suffix": st.text(max_size=5)})
+                                                  "suffix": st.text(max_size=5), "logprobs": st.integers(-1, 22),
+                                                  "response_format": RESPONSE_FORMAT})
 
 
 @st.composite

@@ -52,7 +52,7 @@ def refusals(pipe: Pipeline) -> list[str]:
 CASES = {
     "fingerprint": (dict(fingerprint=bytes(range(32))),
                     "model fingerprint mismatch: peer 0001020304050607…, ours "),
-    "version": (dict(version=2), "protocol version mismatch: peer 2, ours 4"),
+    "version": (dict(version=2), "protocol version mismatch: peer 2, ours 5"),
     "layer-range": (dict(layer_end=1),
                     "non-adjacent stage: peer is stage 0 with layers [0, 1) of 4, expected stage 0 ending at layer 2"),
     "stage-index": (dict(stage_index=2, layer_start=1, layer_end=2),

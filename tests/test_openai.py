@@ -238,7 +238,7 @@ async def test_bad_requests_get_openai_errors_and_harm_nothing(api):
         (dict(ok, messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role", None),
         (dict(ok, messages=[]), 400, "messages", None),
         (dict(ok, n=2), 400, "n", None),
-        (dict(ok, logprobs=True), 400, "logprobs", None),
+        (dict(ok, logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
         (dict(ok, logit_bias={"not-a-token": 1}), 400, "logit_bias", None),
         (dict(ok, logit_bias={"99999999": 1}), 400, "logit_bias", None),
         (dict(ok, temperature=3.5), 400, "temperature", None),

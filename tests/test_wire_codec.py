@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from skippyd.sampling import CONSTRAINT_KINDS, MAX_TOP_LOGPROBS, Constraint
 from skippyd.wire import codec
 from skippyd.wire.codec import (
     MESSAGE_HEADER_SIZE,
@@ -52,6 +53,7 @@ from skippyd.wire.messages import (
     MessageKind,
     Ping,
     PredictedToken,
+    PredictedTokenLogprobs,
     PredictedTokens,
     PrefillChunk,
     PrefixRestored,
@@ -105,6 +107,9 @@ sampling_params = st.builds(
     logit_bias=st.lists(
         st.tuples(token_ids, st.floats(width=32, allow_nan=False)), max_size=12
     ),
+    # the generation extension: its text is not compiled on the wire (the final stage does), so any text
+    constraint=st.one_of(st.none(), st.builds(Constraint, st.sampled_from(CONSTRAINT_KINDS), st.text(max_size=40))),
+    logprobs=st.one_of(st.none(), st.integers(0, MAX_TOP_LOGPROBS)),
 )
 
 
@@ -144,6 +149,8 @@ replies = st.one_of(
     st.builds(Ack, ids, ids, stage_stats),
     st.builds(PredictedToken, ids, ids, token_ids, stage_stats),
     st.builds(PredictedTokens, ids, ids, token_arrays(0, 32), stage_stats),
+    st.builds(PredictedTokenLogprobs, ids, ids, token_ids, stage_stats, st.floats(width=32, allow_nan=False),
+              st.lists(st.tuples(token_ids, st.floats(width=32, allow_nan=False)), max_size=MAX_TOP_LOGPROBS)),
     st.builds(ErrorReply, ids, ids, st.sampled_from(ErrorCode), st.text(max_size=100), stage_stats),
     st.builds(PrefixRestored, ids, ids, st.integers(0, 2**32 - 1), stage_stats),
     st.builds(CacheReport, ids, ids, st.lists(cache_stats, max_size=6), stage_stats),

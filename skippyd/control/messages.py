@@ -18,7 +18,7 @@ from cattrs.strategies import configure_tagged_union
 
 from skippyd.convert import Invalid, converter, structure_errors
 from skippyd.convert import show as _show
-from skippyd.sampling import SamplingParams
+from skippyd.sampling import Constraint, InvalidSampling, SamplingParams
 
 _SAMPLING = SamplingParams()  # the defaults a request leaves out
 
@@ -68,12 +68,27 @@ class Generate:
     seed: int | None = _SAMPLING.seed
     stop: list[str] = attrs.field(factory=list)
     stream: bool = True
+    # what the output must match: a JSON schema (its JSON text), any JSON object, or a grammar (Lark as
+    # llguidance reads it, or GBNF); at most one of them
+    json_schema: str | None = None
+    json_object: bool = False
+    grammar: str | None = None
+    logprobs: int | None = None  # each token's logprob and this many alternatives' (0..20); None: none
 
     def sampling(self) -> SamplingParams:
-        """Raises InvalidSampling (what the checks above cannot see: a seed beyond 32 bits, say)."""
+        """Raises InvalidSampling (what the checks above cannot see: a seed beyond 32 bits, a schema or a grammar
+        that does not compile, say)."""
+        asked = [name for name, value in (("json_schema", self.json_schema), ("json_object", self.json_object or None),
+                                          ("grammar", self.grammar)) if value is not None]
+        if len(asked) > 1:
+            raise InvalidSampling(asked[1], f"cannot go with {asked[0]}: one constraint per generation")
+        constraint = (Constraint.json_schema(self.json_schema) if self.json_schema is not None
+                      else Constraint.json_object() if self.json_object
+                      else Constraint.grammar(self.grammar) if self.grammar is not None else None)
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               repeat_penalty=self.repeat_penalty, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, seed=self.seed)
+                              frequency_penalty=self.frequency_penalty, seed=self.seed, constraint=constraint,
+                              logprobs=self.logprobs)
 
 
 @attrs.frozen

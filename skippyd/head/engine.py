@@ -19,6 +19,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import secrets
 import time
 from collections import deque
@@ -97,7 +98,15 @@ class GenerationResult:
                         "elapsed_ms": round(self.elapsed_ms, 3)},
             "error": self.error,
             "stage_stats": self.stage_stats,
+            **({} if self.logprobs is None else {"logprobs": [
+                {"token": e.token, "logprob": _finite(e.logprob), "top": [[t, _finite(lp)] for t, lp in e.top]}
+                for e in self.logprobs]}),
         }
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no NaN nor infinity: null."""
+    return x if math.isfinite(x) else None
 
 
 @attrs.define
@@ -194,6 +203,8 @@ class HeadEngine:
         sampling = req.sampling
         try:
             sampling.validate(self.model.n_vocab)
+            if sampling.constraint is not None:
+                sampling.constraint.check()  # a schema or grammar that does not compile goes to no stage
         except InvalidSampling as exc:
             raise GenerationError(f"sampling parameters: {exc}", status=400) from exc
         if req.max_tokens < 1:
@@ -264,7 +275,8 @@ class HeadEngine:
             request_id=live.request_id, session_id=live.session_id, text=run.text.text, tokens=list(run.tokens),
             finish_reason=run.finish_reason or "error", prompt_tokens=len(run.prompt), ttft_ms=run.ttft_ms,
             decode_tokens_per_s=live.decode_rate() or 0.0, elapsed_ms=run.elapsed_ms(),
-            stage_stats=attrs.asdict(run.stats), error=run.error, cached_tokens=run.cached_tokens)
+            stage_stats=attrs.asdict(run.stats), error=run.error, cached_tokens=run.cached_tokens,
+            logprobs=None if run.logprobs is None else list(run.logprobs))
 
     def _record(self, run: GenerationRun) -> None:
         if run.finish_reason is None:

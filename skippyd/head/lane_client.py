@@ -38,6 +38,7 @@ from skippyd.head.lanes import Lane
 from skippyd.head.liveness import StageDown, StageWatch
 from skippyd.head.step_clock import StepClock
 from skippyd.head.token_return import LaneSpoke, ReturnLost, TokenReturnHub
+from skippyd.runtime.llama import TokenLogprobs
 from skippyd.sampling import SamplingParams
 from skippyd.stage.downstream import DownstreamError
 from skippyd.telemetry import span
@@ -50,6 +51,7 @@ from skippyd.wire.messages import (
     ErrorCode,
     ErrorReply,
     PredictedToken,
+    PredictedTokenLogprobs,
     PrefillChunk,
     RestorePrefix,
     StatsTotal,
@@ -130,6 +132,7 @@ class LaneClient:
         self.session_id = session_id
         self.request_id = request_id  # the engine's, as spans name it
         self.wire_request_id = wire_request_id  # this attempt's, on the wire
+        self.logprobs: TokenLogprobs | None = None  # the last prediction's (a session configured with logprobs)
         self.stats = stats  # every stage's reports for the generation, merged as they come
         self.clock = clock
         # direct return: the generation's decode steps so far that stage 1 acknowledged (see DirectLane)
@@ -266,6 +269,13 @@ class LaneClient:
         return kept
 
 
+def _logprobs_of(reply: PredictedToken) -> TokenLogprobs | None:
+    """The logprobs a prediction carries (a session configured with them), or None."""
+    if isinstance(reply, PredictedTokenLogprobs):
+        return TokenLogprobs(int(reply.token), reply.logprob, reply.top)
+    return None
+
+
 class RelayedLane(LaneClient):
     """Every prediction comes back on the lane, relayed by each stage in turn."""
 
@@ -290,6 +300,7 @@ class RelayedLane(LaneClient):
         if not isinstance(reply, PredictedToken):
             raise GenerationError(f"stage 1 answered {type(sent.msg).__name__} with {type(reply).__name__}")
         self.paths.relayed += 1
+        self.logprobs = _logprobs_of(reply)
         return int(reply.token)
 
 
@@ -394,6 +405,7 @@ class DirectLane(LaneClient):
             raise GenerationError(f"the token-return connection answered {type(msg).__name__} with "
                                   f"{type(item).__name__}")
         self.paths.direct += 1
+        self.logprobs = _logprobs_of(item)
         return int(item.token)
 
     async def _read_unasked(self, spoke: LaneSpoke) -> NoReturn:

@@ -104,7 +104,11 @@ class GenerationRun:
         self._stats = StatsTotal()  # every stage's reports for this generation, merged as they come
         self.lane: LaneClient | None = None
         self.session = None
-        self.sampler: llama.Sampler | None = None
+        self.sampler: llama.Sampler | llama.GuidedSampler | None = None
+        # each generated token's logprobs (sampling.logprobs set), in order; an on_piece holding a ``logprobs``
+        # list (a streaming client's) gets each appended too, before the token's text is pushed
+        self.logprobs: list[llama.TokenLogprobs] | None = [] if sampling.logprobs is not None else None
+        self._logprobs_sink: list | None = getattr(on_piece, "logprobs", None) if self.logprobs is not None else None
         self.acked_steps = 0  # direct return: a generation's first decode steps are acknowledged (DirectLane)
         self.batched = False  # the last compute was one llama_decode with other sessions' steps
         # this generation's prefill chunk, chosen once: a replay (resume) must chunk the prompt the same way,
@@ -127,8 +131,10 @@ class GenerationRun:
         self.live.seq = self.session.seq
         try:
             if head.pool is None:
-                if not self.sampling.is_plain_greedy:
-                    self.sampler = llama.Sampler(head.model, self.sampling)
+                if self.sampling.guided:  # a constraint compiles off the event loop
+                    self.sampler = await trio.to_thread.run_sync(llama.sampler_for, head.model, self.sampling)
+                else:
+                    self.sampler = llama.sampler_for(head.model, self.sampling)
                 self.live.state = "prefill"
                 token = await self._prefill(await self._restore())
                 self.live.state = "decode"
@@ -273,9 +279,15 @@ class GenerationRun:
                 live.first_token_at = now
                 self.ttft_ms = (now - self.started) * 1e3
             tokens.append(token)
+            if self.logprobs is not None:
+                self._keep_logprobs(token)
             live.generated = len(tokens)
             if not self.ignore_eos and is_eog(token):
                 tokens.pop()  # end-of-generation is not part of the answer
+                if self.logprobs is not None:
+                    self.logprobs.pop()
+                    if self._logprobs_sink is not None and self._logprobs_sink:
+                        self._logprobs_sink.pop()
                 live.generated -= 1  # (nor of the rate so far, while the session is released)
                 text.finish()
                 self.finish_reason = "stop"
@@ -296,6 +308,16 @@ class GenerationRun:
                 return
             token = await (self._predict_finish(in_flight) if in_flight is not None else self._step(token))
 
+    def _keep_logprobs(self, token: int) -> None:
+        """The logprobs of the token just appended: its prediction's (a lane's reply, or the head's own sampler
+        on a single stage)."""
+        got = self.lane.logprobs if self.lane is not None else getattr(self.sampler, "last", None)
+        if got is None or got.token != token:
+            got = llama.TokenLogprobs(token, float("nan"))  # not reported: never expected, kept in step
+        self.logprobs.append(got)
+        if self._logprobs_sink is not None:
+            self._logprobs_sink.append(got)
+
     async def _step(self, token: int) -> int:
         """One decode step, whole: its token's prediction."""
         if self.lane is None:
@@ -305,6 +327,8 @@ class GenerationRun:
             if self._prompt_unrecorded:  # (not before the first token: a record is not its client's wait)
                 self._prompt_unrecorded = False
                 await self._record()
+            if isinstance(self.sampler, llama.GuidedSampler):
+                self.sampler.advance(token)  # the constraint follows the tokens the sequence is given
             token = int(await self._compute(np.array([token], dtype=np.int32), self.position, want_token=True))
             if let_out is None:
                 await trio.lowlevel.checkpoint()  # the compute may not have been one (Scheduler.submit)

@@ -165,11 +165,25 @@ class _Chat:
 
     prefix, object_name = "chatcmpl-", "chat.completion"
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, token_piece: Callable[[int], bytes] | None = None):
         self.id = self.prefix + secrets.token_hex(12)
         self.model = model
         self.created = int(time.time())
+        self.token_piece = token_piece  # for logprobs: each token's text
+        self.text_offset = 0  # completions' logprobs: where the next token's text starts
         self.tool_plan: tools.ToolPlan | None = None  # a chat offering tools: how its reply is read
+
+    def logprobs(self, entries: list | None) -> dict | None:
+        """OpenAI's chat logprobs object for these tokens' TokenLogprobs (None: none were asked for)."""
+        if entries is None:
+            return None
+
+        def item(token: int, logprob: float) -> dict:
+            piece = self.token_piece(token)
+            return {"token": piece.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(piece)}
+
+        return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                            for e in entries], "refusal": None}
 
     def _envelope(self, object_name: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
@@ -179,22 +193,22 @@ class _Chat:
         message, finish = {"role": "assistant", "content": result.text, "refusal": None}, result.finish_reason
         if self.tool_plan is not None:
             message, finish = tools.message(self.tool_plan, result)
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "message": message, "logprobs": self.logprobs(result.logprobs), "finish_reason": finish}
         return self._envelope(self.object_name, [choice], usage=usage(result))
 
-    def chunk(self, delta: dict, finish_reason: str | None = None, **extra) -> dict:
+    def chunk(self, delta: dict, finish_reason: str | None = None, logprobs: list | None = None, **extra) -> dict:
         return self._envelope("chat.completion.chunk",
-                              [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-                              **extra)
+                              [{"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs),
+                                "finish_reason": finish_reason}], **extra)
 
     def opening(self) -> list[dict]:
         return [self.chunk({"role": "assistant", "content": ""})]
 
-    def piece(self, text: str) -> dict:
-        return self.chunk({"content": text})
+    def piece(self, text: str, logprobs: list | None = None) -> dict:
+        return self.chunk({"content": text}, logprobs=logprobs)
 
-    def closing(self, result: GenerationResult) -> dict:
-        return self.chunk({}, result.finish_reason)
+    def closing(self, result: GenerationResult, logprobs: list | None = None) -> dict:
+        return self.chunk({}, result.finish_reason, logprobs=logprobs)
 
     def usage_chunk(self, result: GenerationResult) -> dict:
         return self._envelope("chat.completion.chunk", [], usage=usage(result))
@@ -205,22 +219,38 @@ class _Completion(_Chat):
 
     prefix, object_name = "cmpl-", "text_completion"
 
+    def logprobs(self, entries: list | None) -> dict | None:
+        """The completions logprobs object (tokens, token_logprobs, top_logprobs, text_offset)."""
+        if entries is None:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            piece = self.token_piece(e.token).decode("utf-8", "replace")
+            out["tokens"].append(piece)
+            out["token_logprobs"].append(e.logprob)
+            out["top_logprobs"].append({self.token_piece(t).decode("utf-8", "replace"): lp for t, lp in e.top})
+            out["text_offset"].append(self.text_offset)
+            self.text_offset += len(piece)
+        return out
+
     def whole(self, result: GenerationResult) -> dict:
-        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        choice = {"index": 0, "text": result.text, "logprobs": self.logprobs(result.logprobs),
+                  "finish_reason": result.finish_reason}
         return self._envelope(self.object_name, [choice], usage=usage(result))
 
-    def _text_chunk(self, text: str, finish_reason: str | None) -> dict:
+    def _text_chunk(self, text: str, finish_reason: str | None, logprobs: list | None = None) -> dict:
         return self._envelope(self.object_name,
-                              [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+                              [{"index": 0, "text": text, "logprobs": self.logprobs(logprobs),
+                                "finish_reason": finish_reason}])
 
     def opening(self) -> list[dict]:
         return []
 
-    def piece(self, text: str) -> dict:
-        return self._text_chunk(text, None)
+    def piece(self, text: str, logprobs: list | None = None) -> dict:
+        return self._text_chunk(text, None, logprobs)
 
-    def closing(self, result: GenerationResult) -> dict:
-        return self._text_chunk("", result.finish_reason)
+    def closing(self, result: GenerationResult, logprobs: list | None = None) -> dict:
+        return self._text_chunk("", result.finish_reason, logprobs)
 
     def usage_chunk(self, result: GenerationResult) -> dict:
         return self._envelope(self.object_name, [], usage=usage(result))
@@ -388,7 +418,7 @@ class OpenAIApp:
         except schemas.BadParameter as exc:
             raise ApiError(400, str(exc), param=exc.param, code=exc.code) from exc
         greq = self._tokenized(engine, greq)
-        shape = shape_type(self.model_id)
+        shape = shape_type(self.model_id, engine.model.token_piece if greq.sampling.logprobs is not None else None)
         shape.tool_plan = plan
         if req.streaming:
             await self._stream(ex, engine, greq, shape, include_usage=req.include_usage)
@@ -412,7 +442,8 @@ class OpenAIApp:
         return attrs.evolve(greq, prompt_tokens=tuple(int(t) for t in tokens))
 
     async def _generate(self, ex: Exchange, engine, greq: GenerationRequest,
-                        on_piece: Callable[[str], Awaitable[None]] | None) -> GenerationResult:
+                        on_piece: Callable[[str], Awaitable[None]] | None,
+                        logprobs_sink: list | None = None) -> GenerationResult:
         """Run one generation; the client going away cancels it (and the engine frees the session). With
         `on_piece`, the pieces are sent by a task of their own (see PieceRelay), all before this returns."""
         result: GenerationResult | None = None
@@ -433,6 +464,8 @@ class OpenAIApp:
                 nursery.start_soon(watch)
                 relay = PieceRelay(lambda text, _pieces: on_piece(text)) if on_piece is not None else None
                 if relay is not None:
+                    if logprobs_sink is not None:
+                        relay.logprobs = logprobs_sink  # the run appends each token's logprobs (GenerationRun)
                     nursery.start_soon(relay_pieces)
                 try:
                     try:
@@ -476,15 +509,26 @@ class OpenAIApp:
                 for chunk in shape.opening():
                     await ex.event({**chunk, **extra})
 
+        # with logprobs: each token's, appended by the run as it comes; each event takes those not sent yet
+        sink = [] if greq.sampling.logprobs is not None else None
+        sent = 0
+
+        def unsent() -> list | None:
+            nonlocal sent
+            if sink is None:
+                return None
+            new, sent = sink[sent:], len(sink)
+            return new
+
         async def on_piece(text: str) -> None:
             await begin()
-            await ex.event({**shape.piece(text), **extra})
+            await ex.event({**shape.piece(text, unsent()), **extra})
 
         if shape.tool_plan is not None:  # the reply is read whole (a call or a message), then sent as deltas
             on_piece = _hold
 
         try:
-            result = await self._generate(ex, engine, greq, on_piece)
+            result = await self._generate(ex, engine, greq, on_piece, sink)
         except ApiError as exc:
             if ex.status is None:
                 raise  # nothing sent yet: an honest status code
@@ -496,9 +540,9 @@ class OpenAIApp:
             message, finish = tools.message(shape.tool_plan, result)
             for delta in tools.deltas(message):
                 await ex.event({**shape.chunk(delta), **extra})
-            await ex.event({**shape.chunk({}, finish), **extra})
+            await ex.event({**shape.chunk({}, finish, logprobs=unsent() or None), **extra})
         else:
-            await ex.event({**shape.closing(result), **extra})
+            await ex.event({**shape.closing(result, unsent() or None), **extra})
         if include_usage:
             await ex.event(shape.usage_chunk(result))
         await ex.end(b"data: [DONE]\n\n")

@@ -8,13 +8,16 @@ Both raise :class:`BadParameter`, which carries the OpenAI ``param``.
 
 Accepted but ignored, because they change nothing here: ``user``, ``store``,
 ``metadata``, ``service_tier``, ``n=1``,
-``logprobs=false``, ``top_logprobs=0``, ``response_format={"type": "text"}``,
-``echo=false``, ``best_of=1``. Unsupported values of those (``n=2``,
-``logprobs=true``, ``response_format`` json) are 400s. Beyond OpenAI's
-parameters, llama.cpp server's ``top_k``, ``min_p`` and ``repeat_penalty``
-are accepted. ``tools``, ``tool_choice``, ``parallel_tool_calls`` and the
-history's ``tool_calls`` and ``tool`` messages are checked and shown to the
-model by :mod:`skippyd.openai.tools`.
+``response_format={"type": "text"}``, ``echo=false``, ``best_of=1``.
+Unsupported values of those (``n=2``, ``echo=true``) are 400s.
+``response_format`` ``json_object`` / ``json_schema`` constrain the output on
+the final stage (:class:`~skippyd.sampling.Constraint`; completions take it
+too, as llama.cpp's server does); a schema that is invalid or uses what the
+matcher does not support is a 400 naming ``response_format.json_schema.schema``.
+Beyond OpenAI's parameters, llama.cpp server's ``top_k``, ``min_p`` and
+``repeat_penalty`` are accepted. ``tools``, ``tool_choice``,
+``parallel_tool_calls`` and the history's ``tool_calls`` and ``tool``
+messages are checked and shown to the model by :mod:`skippyd.openai.tools`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
 from skippyd.head.engine import GenerationRequest
-from skippyd.sampling import InvalidSampling, SamplingParams
+from skippyd.sampling import MAX_TOP_LOGPROBS, Constraint, InvalidSampling, SamplingParams
 
 MAX_STOPS = 16
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -57,8 +60,44 @@ class StreamOptions:
 
 
 @attrs.frozen
+class JsonSchemaFormat:
+    name: str
+    schema: Any = None  # a JSON schema (an object; true/false allowed by JSON Schema); absent: any JSON
+    description: str | None = None
+    strict: bool | None = None
+
+
+@attrs.frozen
 class ResponseFormat:
     type: str
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The constraint this format puts on the output (None: plain text); BadParameter naming the field."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Constraint.json_object()
+        if self.type != "json_schema":
+            raise BadParameter(f"response_format type {self.type!r} is not supported (text, json_object, "
+                               f"json_schema)", "response_format.type", "unsupported_value")
+        if self.json_schema is None:
+            raise BadParameter("response_format json_schema needs its json_schema object",
+                               "response_format.json_schema", "missing_required_parameter")
+        schema = self.json_schema.schema
+        if schema is None:
+            return Constraint.json_object()
+        if not isinstance(schema, (dict, bool)):
+            raise BadParameter(f"expected an object, got {_json_type(schema)}", "response_format.json_schema.schema",
+                               "invalid_type")
+        try:
+            return Constraint.json_schema(schema)
+        except InvalidSampling as exc:
+            raise BadParameter(f"invalid JSON schema: {exc}", "response_format.json_schema.schema") from exc
+
+
+def _constraint_of(fmt: ResponseFormat | None) -> Constraint | None:
+    return None if fmt is None else fmt.constraint()
 
 
 @attrs.frozen
@@ -101,7 +140,8 @@ class _Sampling:
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _common(self, n_vocab: int, max_tokens: int | None, default_max_tokens: int) -> dict:
+    def _common(self, n_vocab: int, max_tokens: int | None, default_max_tokens: int, *,
+                constraint: Constraint | None = None, logprobs: int | None = None) -> dict:
         if self.n not in (None, 1):
             raise BadParameter("only n=1 is supported", "n", "unsupported_value")
         if self.stream_options is not None and not self.stream:
@@ -129,7 +169,8 @@ class _Sampling:
                 temperature=temperature, top_p=top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
                 repeat_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty,
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-                seed=seed, logit_bias=_logit_bias(self.logit_bias, n_vocab))
+                seed=seed, logit_bias=_logit_bias(self.logit_bias, n_vocab), constraint=constraint,
+                logprobs=logprobs)
             sampling.validate(n_vocab)  # what travels as float32 / int32 must still be in range there
         except InvalidSampling as exc:
             raise BadParameter(str(exc), exc.field) from exc
@@ -175,16 +216,15 @@ class ChatCompletionRequest(_Sampling):
         return tuple(out)
 
     def to_generation(self, n_vocab: int, n_ctx: int) -> GenerationRequest:
-        if self.logprobs:
-            raise BadParameter("logprobs are not supported", "logprobs", "unsupported_value")
-        if self.top_logprobs:
-            raise BadParameter("top_logprobs are not supported", "top_logprobs", "unsupported_value")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise BadParameter(f"response_format {self.response_format.type!r} is not supported (only 'text')",
-                               "response_format.type", "unsupported_value")
+        if self.top_logprobs is not None:
+            _in_range(self.top_logprobs, 0, MAX_TOP_LOGPROBS, "top_logprobs")
+            if not self.logprobs:
+                raise BadParameter("top_logprobs needs logprobs set to true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        constraint = _constraint_of(self.response_format)
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         # chat has no default limit: the engine stops at the end of the context
-        params = self._common(n_vocab, max_tokens, n_ctx)
+        params = self._common(n_vocab, max_tokens, n_ctx, constraint=constraint, logprobs=logprobs)
         return GenerationRequest(messages=self.chat_messages(), **params)
 
 
@@ -195,17 +235,18 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     logprobs: int | None = None
     suffix: str | None = None
+    response_format: ResponseFormat | None = None  # llama.cpp server's, as on chat
 
     def to_generation(self, n_vocab: int, n_ctx: int) -> GenerationRequest:
         if self.echo:
             raise BadParameter("echo is not supported", "echo", "unsupported_value")
         if self.best_of not in (None, 1):
             raise BadParameter("only best_of=1 is supported", "best_of", "unsupported_value")
-        if self.logprobs:
-            raise BadParameter("logprobs are not supported", "logprobs", "unsupported_value")
+        _in_range(self.logprobs, 0, MAX_TOP_LOGPROBS, "logprobs")
         if self.suffix:
             raise BadParameter("suffix is not supported", "suffix", "unsupported_value")
-        params = self._common(n_vocab, self.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+        params = self._common(n_vocab, self.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
+                              constraint=_constraint_of(self.response_format), logprobs=self.logprobs)
         prompt = self.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
@@ -315,7 +356,7 @@ def _json_shape(hint: Any, json_type: type, what: str):
     return hook
 
 
-for _cls in (StreamOptions, ResponseFormat, ChatMessage):  # before the containers that hold them
+for _cls in (StreamOptions, JsonSchemaFormat, ResponseFormat, ChatMessage):  # before the containers that hold them
     converter.register_structure_hook(_cls, _json_shape(_cls, dict, "an object"))
 for _type, _hook in ((list[ChatMessage], _json_shape(list[ChatMessage], list, "an array")),
                      (dict[str, float], _json_shape(dict[str, float], dict, "an object")),

@@ -11,7 +11,9 @@ process inside llama.cpp instead of returning an error.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import math
 import os
 import threading
 import weakref
@@ -21,7 +23,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from skippyd.sampling import InvalidSampling, SamplingParams
+from skippyd.sampling import Constraint, InvalidConstraint, InvalidSampling, SamplingParams
 
 try:
     from skippyd._native._skippy_llama import ffi, lib
@@ -257,6 +259,41 @@ class Model(_NativeObject):
     def is_eog(self, token: int) -> bool:
         return bool(lib.llama_vocab_is_eog(self._live("is_eog") and self._vocab, int(token)))
 
+    def lltokenizer(self):
+        """llguidance's view of this model's vocabulary (each token's bytes, the special tokens, the
+        end-of-generation tokens), made once per model (~0.1 s) and shared by its matchers."""
+        tokenizer = getattr(self, "_lltokenizer", None)
+        if tokenizer is None:
+            import llguidance
+
+            vocab = self._live("constraint tokenizer") and self._vocab
+            tokens, special = [], []
+            for t in range(self.n_vocab):
+                shown = self.token_piece(t, special=True)
+                if shown and not self.token_piece(t):  # a control token: its text only when special
+                    special.append(t)
+                tokens.append(shown)
+            eog = [t for t in range(self.n_vocab) if lib.llama_vocab_is_eog(vocab, t)] or [self.eos]
+            model = self
+
+            class _Vocab:  # what llguidance's TokenizerWrapper reads
+                eos_token_id = eog[0]
+                bos_token_id = self.bos if self.bos >= 0 else None
+                special_token_ids = special
+
+                def __init__(self):
+                    self.tokens = tokens
+
+                def __call__(self, text):
+                    if isinstance(text, bytes):
+                        text = text.decode("utf-8", "replace")
+                    return model.tokenize(text, add_special=False, parse_special=False).tolist()
+
+            tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab()), n_vocab=self.n_vocab,
+                                               eos_token=eog)
+            self._lltokenizer = tokenizer
+        return tokenizer
+
     def _check_token(self, token: int, op: str) -> None:
         self._live(op)
         if not 0 <= int(token) < self.n_vocab:
@@ -383,6 +420,167 @@ class Sampler:
             self.close()
         except Exception:
             pass
+
+
+def sampler_for(model: Model, params: SamplingParams) -> Sampler | GuidedSampler | None:
+    """What the stage that samples uses for a generation: None (the argmax, in native code), a llama.cpp
+    chain, or (a constraint, or logprobs) a :class:`GuidedSampler`."""
+    if params.guided:
+        return GuidedSampler(model, params)
+    return None if params.is_plain_greedy else Sampler(model, params)
+
+
+class _TokenDataArray(ctypes.Structure):  # llama_token_data_array
+    _fields_ = [("data", ctypes.c_void_p), ("size", ctypes.c_size_t), ("selected", ctypes.c_int64),
+                ("sorted", ctypes.c_bool)]
+
+
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
+_sampler_apply = None
+
+
+def _llama_sampler_apply():
+    """llama_sampler_apply(chain, llama_token_data_array *), through ctypes from the libllama the extension
+    loaded (cffi's declarations do not have it; the process holds one copy of the library)."""
+    global _sampler_apply
+    if _sampler_apply is None:
+        libllama = ctypes.CDLL(str(Path(__file__).resolve().parent.parent / "_native" / "libllama.so"))
+        fn = libllama.llama_sampler_apply
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.POINTER(_TokenDataArray)], None
+        _sampler_apply = fn
+    return _sampler_apply
+
+
+@attrs.frozen
+class TokenLogprobs:
+    """A sampled token's log-probability and its most likely alternatives ``(token, logprob)``, most likely
+    first, under the distribution it was sampled from."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class GuidedSampler:
+    """A generation sampled in Python on the final stage: the row's logits are read in place, the
+    constraint's token mask (llguidance) applied, the token picked by the session's llama.cpp chain (or the
+    argmax) and its logprobs kept (``last``). The matcher follows the tokens the sequence is given
+    (:meth:`advance`, with each decode step's token: a replay after a resume feeds it the same way). Once the
+    constraint is complete only the end of generation is allowed; once nothing can follow, it is forced.
+
+    Logprobs come from the distribution sampled from: the chain's, after its biases, penalties, filters and
+    temperature (tokens it filtered out have none); for greedy decoding, the softmax of the (masked) logits.
+    """
+
+    def __init__(self, model: Model, params: SamplingParams):
+        try:
+            params.validate(model.n_vocab)
+        except InvalidSampling as exc:
+            raise InvalidArgumentError("sampling parameters", str(exc)) from None
+        self.params = params
+        self.n_vocab = model.n_vocab
+        self.top_n = params.logprobs
+        self.last: TokenLogprobs | None = None
+        self.chain = Sampler(model, params) if params.needs_chain else None
+        self.matcher = None
+        self._eog = np.array([t for t in range(model.n_vocab) if model.is_eog(t)] or [model.eos], dtype=np.int32)
+        if params.constraint is not None:
+            self.matcher = _matcher(model, params.constraint)
+            self._mask = np.zeros((model.n_vocab + 31) // 32, dtype=np.int32)
+
+    def accept(self, tokens: Iterable[int]) -> None:
+        """Feed the prompt to the chain's penalties (the constraint starts after it)."""
+        if self.chain is not None:
+            self.chain.accept(tokens)
+
+    def allowed(self) -> np.ndarray | None:
+        """The token ids the constraint allows next (None: any)."""
+        m = self.matcher
+        if m is None:
+            return None
+        if m.is_error() or m.is_stopped():
+            return self._eog
+        m.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        bits = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[: self.n_vocab]
+        ids = np.flatnonzero(bits).astype(np.int32)
+        return ids if len(ids) else self._eog
+
+    def sample(self, logits: np.ndarray) -> int:
+        """The next token from one row's logits (float32 [n_vocab], read only)."""
+        ids = self.allowed()
+        cand_logits = logits if ids is None else logits[ids]
+        if self.chain is None:
+            i = int(np.argmax(cand_logits))
+            token = i if ids is None else int(ids[i])
+            if self.top_n is not None:
+                self.last = self._logprobs(token, ids, cand_logits.astype(np.float64), None)
+        else:
+            cand = np.empty(len(cand_logits), dtype=_TOKEN_DATA)
+            cand["id"] = np.arange(self.n_vocab, dtype=np.int32) if ids is None else ids
+            cand["logit"] = cand_logits
+            cand["p"] = 0.0
+            arr = _TokenDataArray(cand.ctypes.data, len(cand), -1, False)
+            chain = self.chain._live()
+            _llama_sampler_apply()(int(ffi.cast("uintptr_t", chain)), ctypes.byref(arr))
+            if not 0 <= arr.selected < arr.size:
+                raise LlamaError("sample", "the sampler chain selected no token")
+            kept = np.frombuffer((ctypes.c_char * (arr.size * _TOKEN_DATA.itemsize)).from_address(arr.data),
+                                 dtype=_TOKEN_DATA).copy()  # the chain may point data elsewhere (its own buffer)
+            token = int(kept["id"][arr.selected])
+            lib.llama_sampler_accept(chain, token)
+            if self.top_n is not None:
+                if self.params.temperature > 0:  # the dist sampler's probabilities
+                    with np.errstate(divide="ignore"):
+                        self.last = self._logprobs(token, kept["id"], None, np.log(kept["p"].astype(np.float64)))
+                else:  # greedy after biases / penalties: the softmax of the logits it chose from
+                    self.last = self._logprobs(token, kept["id"], kept["logit"].astype(np.float64), None)
+        return token
+
+    def advance(self, token: int) -> None:
+        """The sequence goes on with ``token`` (the one sampled last): the constraint's matcher takes it. A token
+        the constraint does not allow puts the matcher in error, after which only the end is allowed."""
+        if self.matcher is not None and not self.matcher.is_stopped():
+            self.matcher.consume_token(int(token))
+
+    def _logprobs(self, token: int, ids: np.ndarray | None, logits: np.ndarray | None,
+                  logp: np.ndarray | None) -> TokenLogprobs:
+        if logp is None:
+            finite = logits[np.isfinite(logits)]
+            top = finite.max() if len(finite) else 0.0
+            logp = logits - (top + math.log(np.exp(finite - top).sum() or 1.0))
+        ids = np.arange(len(logp), dtype=np.int32) if ids is None else ids
+        where = np.flatnonzero(ids == token)
+        own = float(logp[where[0]]) if len(where) else -math.inf
+        n = min(self.top_n, len(logp))
+        best = np.argpartition(-logp, n - 1)[:n] if n else np.empty(0, dtype=np.int64)
+        best = best[np.argsort(-logp[best], kind="stable")]
+        return TokenLogprobs(token, own, tuple((int(ids[i]), float(logp[i])) for i in best
+                                               if np.isfinite(logp[i])))
+
+    def reset(self) -> None:
+        if self.chain is not None:
+            self.chain.reset()
+        if self.matcher is not None:
+            self.matcher.reset()
+
+    def close(self) -> None:
+        if self.chain is not None:
+            self.chain.close()
+
+
+def _matcher(model: Model, constraint: Constraint):
+    """llguidance's matcher of ``constraint`` over the model's vocabulary; InvalidArgumentError naming the
+    problem if it does not compile."""
+    import llguidance
+
+    try:
+        grammar = constraint.compiled()
+    except InvalidConstraint as exc:
+        raise InvalidArgumentError("constraint", str(exc)) from None
+    matcher = llguidance.LLMatcher(model.lltokenizer(), grammar, log_level=0)
+    if matcher.is_error():
+        raise InvalidArgumentError("constraint", f"{constraint.kind}: {matcher.get_error()}")
+    return matcher
 
 
 # --------------------------------------------------------------------------- contexts
@@ -740,9 +938,22 @@ class Context(_NativeObject):
             raise LlamaError(op, f"no logits for row {row}")
         return np.frombuffer(ffi.buffer(p, self.model.n_vocab * 4), dtype=np.float32).copy()
 
-    def sample(self, samplers: Mapping[int, Sampler | None]) -> dict[int, int]:
-        """One token per sequence from the last decode; `None` means plain greedy (argmax in C)."""
+    def _logits_row(self, row: int, op: str) -> np.ndarray:
+        """A row's logits in place (float32 [n_vocab], valid until the next decode): a guided sampler's input."""
+        p = lib.llama_get_logits_ith(self._live(op), row)
+        if p == ffi.NULL:
+            raise LlamaError(op, f"no logits for row {row}")
+        return np.frombuffer(ffi.buffer(p, self.model.n_vocab * 4), dtype=np.float32)
+
+    def sample(self, samplers: Mapping[int, Sampler | GuidedSampler | None]) -> dict[int, int]:
+        """One token per sequence from the last decode; `None` means plain greedy (argmax in C); a
+        GuidedSampler samples its sequence's row in Python."""
         op = "sample"
+        guided = {s: g for s, g in samplers.items() if isinstance(g, GuidedSampler)}
+        if guided:
+            picked = {s: g.sample(self._logits_row(self._output_row(s, op), op)) for s, g in guided.items()}
+            rest = {s: g for s, g in samplers.items() if s not in guided}
+            return {**picked, **(self.sample(rest) if rest else {})}
         seqs = list(samplers)
         n = len(seqs)
         rows = np.array([self._output_row(s, op) for s in seqs], dtype=np.int32)
@@ -757,10 +968,12 @@ class Context(_NativeObject):
             raise LlamaError(op, "logits missing for a sampled row")
         return dict(zip(seqs, out.tolist()))
 
-    def sample_row(self, seq: int, sampler: Sampler | None) -> int:
+    def sample_row(self, seq: int, sampler: Sampler | GuidedSampler | None) -> int:
         """:meth:`sample` of one sequence: the same token, with no arrays built for it (the per-token call
         of a session decoding alone)."""
         op = "sample"
+        if isinstance(sampler, GuidedSampler):
+            return sampler.sample(self._logits_row(self._output_row(seq, op), op))
         self._row1[0] = self._output_row(seq, op)
         self._smpl1[0] = ffi.NULL if sampler is None else sampler._live()
         if lib.skippy_sample_rows(self._live(op), self._smpl1, self._row1, 1, self._token1) != 0:

@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 import trio
 
-from skippyd.runtime.llama import Context, Sampler
+from skippyd.runtime.llama import Context, GuidedSampler, Sampler
 from skippyd.stage.host_lock import HostComputeLock
 from skippyd.stage.threads import ThreadChooser
 from skippyd.telemetry import span
@@ -48,7 +48,7 @@ class Job:
     pos_start: int
     tokens: np.ndarray | None  # first stage
     embd: np.ndarray | None  # later stages
-    sampler: Sampler | None = None  # final stage: None = greedy
+    sampler: Sampler | GuidedSampler | None = None  # final stage: None = greedy; guided: sampled in Python
     want_token: bool = False  # final stage: sample after this job (the last prefill chunk or a decode step)
     n: int = 0
     result: object = None

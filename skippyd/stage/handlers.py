@@ -57,6 +57,7 @@ from skippyd.wire.messages import (
     ErrorReply,
     Ping,
     PredictedToken,
+    PredictedTokenLogprobs,
     PrefillChunk,
     PrefixRestored,
     Reply,
@@ -299,6 +300,8 @@ class StageHandlers:
                 raise RequestFailed(ErrorCode.MISSING_ACTIVATION, "this stage needs the hidden states")
             job = Job(session.seq, msg.pos_start, tokens=None, embd=msg.activation)
         job.sampler = session.sampler
+        if type(msg) is DecodeStep and isinstance(job.sampler, llama.GuidedSampler):
+            job.sampler.advance(msg.token)  # the constraint follows the tokens the sequence is given
         job.want_token = want_token
         job.out = out
         try:
@@ -374,8 +377,10 @@ class FinalStage(StageHandlers):
             session.sampler.close()
             session.sampler = None
         try:
-            if not msg.sampling.is_plain_greedy:
-                session.sampler = llama.Sampler(self.core.model, msg.sampling)
+            if msg.sampling.guided:  # a constraint compiles (and the vocabulary's first matcher is made) off the loop
+                session.sampler = await trio.to_thread.run_sync(llama.sampler_for, self.core.model, msg.sampling)
+            else:
+                session.sampler = llama.sampler_for(self.core.model, msg.sampling)
         except llama.InvalidArgumentError as exc:  # the head checks them: a peer of another make sent these
             raise RequestFailed(ErrorCode.BAD_VALUE, str(exc)) from exc
         await self.reply(Ack(msg.request_id, msg.session_id, stats=self._own_stats()))
@@ -407,10 +412,17 @@ class FinalStage(StageHandlers):
     def _prediction(self, msg, job: Job) -> PredictedToken:
         # the final stage's reply to every token: its ids were decoded from a frame (u64 by its format) and the
         # token is the sampler's (a vocabulary id), so attrs' checks are spared
+        sampler = job.sampler
+        if isinstance(sampler, llama.GuidedSampler) and sampler.top_n is not None and sampler.last is not None:
+            last = sampler.last
+            return PredictedTokenLogprobs(msg.request_id, msg.session_id, int(job.result), self._own_stats(job),
+                                          last.logprob, last.top)
         return TRUSTED[PredictedToken](msg.request_id, msg.session_id, int(job.result), self._own_stats(job))
 
     def _prepare_on_lane(self, session: StageSession, msg: DecodeStep) -> PreparedFrame | None:
-        # the token and the compute's times are the compute's to fill in
+        # the token and the compute's times are the compute's to fill in; a guided session's are sampled in Python
+        if isinstance(session.sampler, llama.GuidedSampler):
+            return None
         frame = frame_bytes(TRUSTED[PredictedToken](msg.request_id, msg.session_id, 0,
                                                     StageStats.single(self.core.index)))
         return PreparedFrame.for_stream(self.out, frame, 0, REPLY_COMPUTE_US_AT)
@@ -420,6 +432,8 @@ class FinalStage(StageHandlers):
         await self.reply(self._prediction(msg, job), job.out)
 
     def _prepare_on_return(self, session: StageSession, msg: DecodeStep) -> PreparedFrame | None:
+        if isinstance(session.sampler, llama.GuidedSampler):
+            return None
         frame = frame_bytes(TRUSTED[PredictedToken](msg.request_id, msg.session_id, 0,
                                                     StageStats.single(self.core.index)))
         return self.core.token_return.prepare(frame, REPLY_COMPUTE_US_AT)

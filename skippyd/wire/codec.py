@@ -19,9 +19,12 @@ Message body (kinds 0x10–0x18)::
             20  u32 token_count
             24  u32 activation_bytes (0, or token_count * n_embd * 4)
             28  u16 bias_count       (logit-bias entries; 0 without SAMPLING)
-            30  u16 reserved = 0
+            30  u16 ext_len          (CONFIGURE_GENERATION: the generation extension's bytes; else 0)
     32      sampling block (36 bytes, iff Flags.SAMPLING)
             bias_count * (i32 token, f32 bias)
+            ext_len bytes: u8 constraint kind (0 none, 1 json_schema, 2 json_object, 3 grammar),
+                           u8 logprobs (alternatives per token, 0..20; 0xFF: none), u16 reserved = 0,
+                           the constraint's text (UTF-8, the rest); absent (ext_len 0) when neither
             token_count * i32 tokens
             activation_bytes of f32, row-major (token_count, n_embd)
 
@@ -30,12 +33,13 @@ Reply body (kinds 0x20–0x25)::
      0  u64 request_id
      8  u64 session_id
     16  u32 count        (tokens that follow; ERROR: message bytes; PREFIX_RESTORED: 1;
-                          CACHE_REPORT: records)
+                          CACHE_REPORT: records; PREDICTED_TOKEN_LOGPROBS: 1 + alternatives)
     20  u16 code         (ErrorCode for ERROR, else 0)
     22  u16 reserved = 0
     24  stats: u64 compute_us, compute_us_max, queue_us, forward_write_us,
                downstream_wait_us, bytes_sent; u32 stage_count, slowest_stage
     80  count * i32 tokens | count bytes of UTF-8 | u32 restored
+        | count * (i32 token, f32 logprob): the sampled token, then its alternatives
         | count * 80-byte cache records (u32 stage_index, u32 reserved = 0,
           u64 budget_bytes, bytes_held, entries, tokens_held, lookups, hits,
           restored_tokens, recorded_tokens, evictions)
@@ -59,6 +63,7 @@ from typing import NamedTuple, TypeAlias
 
 import numpy as np
 
+from skippyd.sampling import CONSTRAINT_KINDS, Constraint
 from skippyd.wire.errors import ProtocolError
 from skippyd.wire.messages import (
     DEFAULT_LIMITS,
@@ -70,6 +75,7 @@ from skippyd.wire.messages import (
     MAX_POSITION,
     MAX_REASON_BYTES,
     MAX_TOKENS,
+    MAX_TOP_LOGPROBS,
     PROTOCOL_VERSION,
     TRUSTED,
     Ack,
@@ -90,6 +96,7 @@ from skippyd.wire.messages import (
     MessageKind,
     Ping,
     PredictedToken,
+    PredictedTokenLogprobs,
     PredictedTokens,
     PrefillChunk,
     PrefixRestored,
@@ -148,6 +155,12 @@ _PREFIX = struct.Struct("<2sBBI")
 _MSG_HEADER = struct.Struct("<QQiIIHH")
 _SAMPLING = struct.Struct("<fifffffiI")  # ..., penalty_last_n i32, seed u32
 _BIAS = struct.Struct("<if")
+_EXT_HEAD = struct.Struct("<BBH")  # constraint kind, logprobs (0xFF: none), reserved
+_LOGPROB = struct.Struct("<if")  # token, logprob
+_CONSTRAINT_CODES = {kind: i + 1 for i, kind in enumerate(CONSTRAINT_KINDS)}  # 0: no constraint
+_CONSTRAINT_KINDS = {i: kind for kind, i in _CONSTRAINT_CODES.items()}
+_NO_LOGPROBS = 0xFF
+MAX_EXT_BYTES = 0xFFFF
 _REPLY_HEADER = struct.Struct("<QQIHH" "QQQQQQII")
 _HELLO = struct.Struct("<4sHBB32sIIIIIHH")
 _HELLO_VERSION = struct.Struct("<4sH")
@@ -227,7 +240,8 @@ class MessageHeader(NamedTuple):
     token_count: int
     activation_bytes: int
     bias_count: int
-    tail_len: int  # sampling block + logit bias + tokens
+    tail_len: int  # sampling block + logit bias + generation extension + tokens
+    ext_len: int = 0  # CONFIGURE_GENERATION's generation extension
 
 
 def _kind_name(kind: int) -> str:
@@ -259,7 +273,7 @@ def encode_message(msg: Message) -> list[Buffer]:
     tokens = None
     activation = None
     sampling = b""
-    bias_count = 0
+    bias_count = ext_len = 0
     match msg:
         case PrefillChunk():
             flags = _FINAL_FLAG if msg.final else 0
@@ -272,7 +286,9 @@ def encode_message(msg: Message) -> list[Buffer]:
         case ConfigureGeneration():
             flags = Flags.SAMPLING | (Flags.DIRECT_RETURN if msg.direct_return else 0)
             sampling = _encode_sampling(msg.sampling)
-            bias_count = len(msg.sampling.logit_bias)
+            ext = _encode_extension(msg.sampling)
+            sampling += ext
+            bias_count, ext_len = len(msg.sampling.logit_bias), len(ext)
         case TrimSession():
             pos_start = msg.pos_start
         case RestorePrefix():
@@ -296,7 +312,7 @@ def encode_message(msg: Message) -> list[Buffer]:
         act_len = act.nbytes
     body_len = MESSAGE_HEADER_SIZE + len(sampling) + len(token_bytes) + act_len
     head = _prefix(msg.kind, flags, body_len) + _MSG_HEADER.pack(
-        msg.request_id, session_id, pos_start, n_tokens, act_len, bias_count, 0
+        msg.request_id, session_id, pos_start, n_tokens, act_len, bias_count, ext_len
     )
     if act_view is None:
         return [head + sampling + token_bytes]
@@ -320,6 +336,18 @@ def _encode_sampling(p: SamplingParams) -> bytes:
     return block + b"".join(_BIAS.pack(t, b) for t, b in p.logit_bias)
 
 
+def _encode_extension(p: SamplingParams) -> bytes:
+    """The generation extension: empty for a session with neither a constraint nor logprobs."""
+    if p.constraint is None and p.logprobs is None:
+        return b""
+    kind = 0 if p.constraint is None else _CONSTRAINT_CODES[p.constraint.kind]
+    text = b"" if p.constraint is None else p.constraint.text.encode("utf-8")
+    ext = _EXT_HEAD.pack(kind, _NO_LOGPROBS if p.logprobs is None else p.logprobs, 0) + text
+    if len(ext) > MAX_EXT_BYTES:
+        raise ValueError(f"the constraint's text is {len(text)} bytes, at most {MAX_EXT_BYTES - _EXT_HEAD.size}")
+    return ext
+
+
 def encode_reply(reply: Reply) -> list[Buffer]:
     """Frame a reply as one buffer (in a list, like :func:`encode_message`)."""
     code = 0
@@ -327,6 +355,9 @@ def encode_reply(reply: Reply) -> list[Buffer]:
         case Ack():
             tail = b""
             count = 0
+        case PredictedTokenLogprobs():
+            tail = _LOGPROB.pack(reply.token, reply.logprob) + b"".join(_LOGPROB.pack(t, lp) for t, lp in reply.top)
+            count = 1 + len(reply.top)
         case PredictedToken():
             tail = struct.pack("<i", reply.token)
             count = 1
@@ -466,7 +497,7 @@ def error_reply_for(exc: ProtocolError, stats: StageStats | None = None) -> Erro
 def _max_message_body(kind: int, limits: Limits, n_embd: int) -> int:
     row = 4 * n_embd
     if kind == MessageKind.CONFIGURE_GENERATION:
-        return MESSAGE_HEADER_SIZE + SAMPLING_SIZE + _BIAS.size * limits.max_logit_bias
+        return MESSAGE_HEADER_SIZE + SAMPLING_SIZE + _BIAS.size * limits.max_logit_bias + MAX_EXT_BYTES
     if kind == MessageKind.DECODE:
         return MESSAGE_HEADER_SIZE + 4 + min(row, limits.max_activation_bytes)
     if kind in (MessageKind.PREFILL, MessageKind.VERIFY_WINDOW):
@@ -490,6 +521,8 @@ def _body_bounds(kind: int, limits: Limits, n_embd: int | None) -> tuple[int, in
         return REPLY_HEADER_SIZE + 4, REPLY_HEADER_SIZE + 4
     if kind == ReplyKind.PREDICTED_TOKENS:
         return REPLY_HEADER_SIZE, REPLY_HEADER_SIZE + 4 * limits.max_tokens
+    if kind == ReplyKind.PREDICTED_TOKEN_LOGPROBS:
+        return REPLY_HEADER_SIZE + _LOGPROB.size, REPLY_HEADER_SIZE + _LOGPROB.size * (1 + MAX_TOP_LOGPROBS)
     if kind == ReplyKind.ERROR:
         return REPLY_HEADER_SIZE, REPLY_HEADER_SIZE + limits.max_error_message
     if kind == ReplyKind.PREFIX_RESTORED:
@@ -550,14 +583,16 @@ def parse_prefix(
 def parse_message_header(prefix: FramePrefix, data: Buffer, limits: Limits, n_embd: int) -> MessageHeader:
     """Validate a message's fixed 32-byte header against the prefix and limits."""
     _need(data, MESSAGE_HEADER_SIZE, "message header")
-    request_id, session_id, pos_start, n_tokens, act_bytes, bias_count, reserved = _MSG_HEADER.unpack_from(data)
+    request_id, session_id, pos_start, n_tokens, act_bytes, bias_count, ext_len = _MSG_HEADER.unpack_from(data)
     kind = _MESSAGE_KIND[prefix.kind]  # a dict, not MessageKind(...): this runs for every frame
 
     def fail(code: ErrorCode, text: str) -> ProtocolError:
         return ProtocolError(code, f"{kind.name}: {text}", request_id=request_id, session_id=session_id)
 
-    if reserved:
+    if ext_len and kind != MessageKind.CONFIGURE_GENERATION:
         raise fail(ErrorCode.BAD_VALUE, "reserved header field is not zero")
+    if 0 < ext_len < _EXT_HEAD.size:
+        raise fail(ErrorCode.LENGTH_MISMATCH, f"generation extension of {ext_len} bytes, at least {_EXT_HEAD.size}")
     max_tokens = MAX_TOKENS if kind == MessageKind.RESTORE_PREFIX else limits.max_tokens
     if n_tokens > max_tokens:
         raise fail(ErrorCode.LIMIT_EXCEEDED, f"{n_tokens} tokens, at most {max_tokens}")
@@ -586,12 +621,12 @@ def parse_message_header(prefix: FramePrefix, data: Buffer, limits: Limits, n_em
         raise fail(ErrorCode.BAD_VALUE, f"positions {pos_start}+{n_tokens} overflow int32")
     if kind in _NO_SESSION and session_id:
         raise fail(ErrorCode.BAD_VALUE, "session_id must be 0")
-    tail_len = (SAMPLING_SIZE + _BIAS.size * bias_count if sampling else 0) + 4 * n_tokens
+    tail_len = (SAMPLING_SIZE + _BIAS.size * bias_count if sampling else 0) + ext_len + 4 * n_tokens
     expected = MESSAGE_HEADER_SIZE + tail_len + act_bytes
     if expected != prefix.body_len:
         raise fail(ErrorCode.LENGTH_MISMATCH, f"body of {prefix.body_len} bytes, header says {expected}")
     return MessageHeader(
-        kind, prefix.flags, request_id, session_id, pos_start, n_tokens, act_bytes, bias_count, tail_len
+        kind, prefix.flags, request_id, session_id, pos_start, n_tokens, act_bytes, bias_count, tail_len, ext_len
     )
 
 
@@ -614,7 +649,7 @@ def decode_message(header: MessageHeader, tail: Buffer, activation: Buffer | Non
             return ConfigureGeneration(
                 header.request_id,
                 header.session_id,
-                _decode_sampling(tail, header.bias_count),
+                _decode_sampling(tail, header.bias_count, header.ext_len),
                 direct_return=bool(header.flags & _DIRECT_RETURN_FLAG),
             )
         if kind == MessageKind.TRIM_SESSION:
@@ -652,9 +687,11 @@ def decode_message(header: MessageHeader, tail: Buffer, activation: Buffer | Non
         ) from exc
 
 
-def _decode_sampling(tail: Buffer, bias_count: int) -> SamplingParams:
+def _decode_sampling(tail: Buffer, bias_count: int, ext_len: int = 0) -> SamplingParams:
     (temperature, top_k, top_p, min_p, repeat, presence, frequency, last_n, seed) = _SAMPLING.unpack_from(tail)
-    bias = tuple(_BIAS.iter_unpack(memoryview(tail)[SAMPLING_SIZE : SAMPLING_SIZE + _BIAS.size * bias_count]))
+    ext_at = SAMPLING_SIZE + _BIAS.size * bias_count
+    bias = tuple(_BIAS.iter_unpack(memoryview(tail)[SAMPLING_SIZE:ext_at]))
+    constraint, logprobs = _decode_extension(memoryview(tail)[ext_at : ext_at + ext_len])
     return SamplingParams(
         temperature=temperature,
         top_k=top_k,
@@ -666,7 +703,30 @@ def _decode_sampling(tail: Buffer, bias_count: int) -> SamplingParams:
         penalty_last_n=last_n,
         seed=seed,
         logit_bias=bias,
+        constraint=constraint,
+        logprobs=logprobs,
     )
+
+
+def _decode_extension(ext: memoryview) -> tuple[Constraint | None, int | None]:
+    if not len(ext):
+        return None, None
+    code, logprobs, reserved = _EXT_HEAD.unpack_from(ext)
+    if reserved:
+        raise ProtocolError(ErrorCode.BAD_VALUE, "generation extension: reserved field is not zero")
+    if logprobs != _NO_LOGPROBS and logprobs > MAX_TOP_LOGPROBS:
+        raise ProtocolError(ErrorCode.BAD_VALUE, f"generation extension: {logprobs} logprobs, at most "
+                            f"{MAX_TOP_LOGPROBS}")
+    text = bytes(ext[_EXT_HEAD.size:]).decode("utf-8")  # a UnicodeDecodeError is a ValueError: BAD_VALUE
+    if code == 0:
+        if text:
+            raise ProtocolError(ErrorCode.BAD_VALUE, "generation extension: text without a constraint")
+        constraint = None
+    elif code in _CONSTRAINT_KINDS:
+        constraint = Constraint(_CONSTRAINT_KINDS[code], text)  # compiled where it is used: the final stage
+    else:
+        raise ProtocolError(ErrorCode.BAD_VALUE, f"generation extension: unknown constraint kind {code}")
+    return constraint, None if logprobs == _NO_LOGPROBS else logprobs
 
 
 def _need(body: Buffer, size: int, what: str) -> None:
@@ -682,9 +742,11 @@ def decode_reply(prefix: FramePrefix, body: Buffer) -> Reply:
     ids = {"request_id": request_id, "session_id": session_id}
     if reserved or (code and kind != ReplyKind.ERROR):
         raise ProtocolError(ErrorCode.BAD_VALUE, f"{kind.name}: reserved field or code set", **ids)
-    unit = 1 if kind == ReplyKind.ERROR else CACHE_RECORD_SIZE if kind == ReplyKind.CACHE_REPORT else 4
+    unit = (1 if kind == ReplyKind.ERROR else CACHE_RECORD_SIZE if kind == ReplyKind.CACHE_REPORT
+            else _LOGPROB.size if kind == ReplyKind.PREDICTED_TOKEN_LOGPROBS else 4)
     if (kind == ReplyKind.ACK and count != 0 or kind == ReplyKind.PREDICTED_TOKEN and count != 1
-            or kind == ReplyKind.PREFIX_RESTORED and count != 1):
+            or kind == ReplyKind.PREFIX_RESTORED and count != 1
+            or kind == ReplyKind.PREDICTED_TOKEN_LOGPROBS and not 1 <= count <= 1 + MAX_TOP_LOGPROBS):
         raise ProtocolError(ErrorCode.BAD_VALUE, f"{kind.name}: count {count}", **ids)
     if kind == ReplyKind.CACHE_REPORT and count > MAX_CACHE_REPORT_STAGES:
         raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, f"{kind.name}: {count} records, at most "
@@ -701,6 +763,10 @@ def decode_reply(prefix: FramePrefix, body: Buffer) -> Reply:
         if kind == ReplyKind.PREDICTED_TOKEN:
             (token,) = _TOKEN.unpack_from(body, REPLY_HEADER_SIZE)
             return trusted(PredictedToken, request_id, session_id, token, stage_stats)
+        if kind == ReplyKind.PREDICTED_TOKEN_LOGPROBS:
+            entries = list(_LOGPROB.iter_unpack(memoryview(body)[REPLY_HEADER_SIZE:]))
+            (token, logprob), top = entries[0], tuple(entries[1:])
+            return PredictedTokenLogprobs(request_id, session_id, token, stage_stats, logprob, top)
         if kind == ReplyKind.PREDICTED_TOKENS:
             tokens = np.frombuffer(body, dtype="<i4", count=count, offset=REPLY_HEADER_SIZE)
             return PredictedTokens(request_id, session_id, tokens, stage_stats)

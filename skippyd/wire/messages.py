@@ -27,7 +27,7 @@ from typing import ClassVar, TypeAlias, TypeVar
 import attrs
 import numpy as np
 
-from skippyd.sampling import MAX_LOGIT_BIAS, RANDOM_SEED, SamplingParams
+from skippyd.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, RANDOM_SEED, SamplingParams
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -64,6 +64,7 @@ __all__ = [
     "MessageKind",
     "Ping",
     "PredictedToken",
+    "PredictedTokenLogprobs",
     "PredictedTokens",
     "PrefillChunk",
     "PrefixRestored",
@@ -82,8 +83,9 @@ __all__ = [
 
 # 2: DIRECT_RETURN on DecodeStep (no lane reply from the final stage); 3: on a DecodeStep to a middle stage
 # too (no lane reply on success, an Error on the lane on failure); 4: the prefix cache's RestorePrefix and
-# CacheQuery (flag CLEAR), answered by PrefixRestored and CacheReport
-PROTOCOL_VERSION = 4
+# CacheQuery (flag CLEAR), answered by PrefixRestored and CacheReport; 5: ConfigureGeneration's generation
+# extension (a constraint on the output, the logprobs wanted), answered per token by PredictedTokenLogprobs
+PROTOCOL_VERSION = 5
 
 # Hard limits of the protocol (the same in every version). A receiver may be configured tighter
 # (see Limits), never looser.
@@ -134,6 +136,7 @@ class ReplyKind(enum.IntEnum):
     ERROR = 0x23
     PREFIX_RESTORED = 0x24
     CACHE_REPORT = 0x25
+    PREDICTED_TOKEN_LOGPROBS = 0x26
 
 
 class Flags(enum.IntFlag):
@@ -631,6 +634,25 @@ class PredictedToken:
     stats: StageStats = NO_STATS
 
 
+def _top_logprobs(inst, attribute, value) -> None:
+    if len(value) > MAX_TOP_LOGPROBS:
+        raise ValueError(f"{len(value)} alternatives, at most {MAX_TOP_LOGPROBS}")
+    for token, _ in value:
+        _i32(inst, attribute, token)
+
+
+@attrs.frozen
+class PredictedTokenLogprobs(PredictedToken):
+    """A PredictedToken of a session configured with logprobs: the token's log-probability under the
+    distribution the final stage sampled it from, and its most likely alternatives ``(token, logprob)``,
+    most likely first (as many as the session asked for; fewer where fewer tokens could be sampled)."""
+
+    kind: ClassVar[ReplyKind] = ReplyKind.PREDICTED_TOKEN_LOGPROBS
+    logprob: float = attrs.field(default=0.0, converter=float)
+    top: tuple[tuple[int, float], ...] = attrs.field(
+        default=(), converter=lambda v: tuple((int(t), float(lp)) for t, lp in v), validator=_top_logprobs)
+
+
 @attrs.frozen
 class PredictedTokens:
     kind: ClassVar[ReplyKind] = ReplyKind.PREDICTED_TOKENS
@@ -725,7 +747,8 @@ class CacheReport:
     stats: StageStats = NO_STATS
 
 
-Reply: TypeAlias = Ack | PredictedToken | PredictedTokens | ErrorReply | PrefixRestored | CacheReport
+Reply: TypeAlias = (Ack | PredictedToken | PredictedTokenLogprobs | PredictedTokens | ErrorReply | PrefixRestored
+                    | CacheReport)
 
 
 def with_stats(reply: Reply, stats: StageStats) -> Reply:
