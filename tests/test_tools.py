@@ -324,3 +324,30 @@ def test_request_type_unchanged_for_plain_chats(smol):
     greq, plan = prepared(smol)
     assert plan is None and isinstance(greq, GenerationRequest) and greq.tools == ()
     assert greq.messages == ({"role": "user", "content": "hi"},)
+
+
+@pytest.mark.slow
+def test_native_template_forced_call_through_a_daemon(tmp_path_factory, small_tokenizer_fields):
+    """A (tiny, random) model whose template knows tools: the tools go to its template, the forced call is
+    constrained to <tool_call>{json}</tool_call> on the stage that samples and parsed back into tool_calls."""
+    from tests.procs import SingleStage
+
+    path = _with_template(tmp_path_factory, small_tokenizer_fields, "hermes-daemon", HERMES)
+    port = free_ports(1)[0]
+    unit = {"type": "function", "function": {"name": "set_unit", "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"]}}}
+    pipe = SingleStage(path, tmp_path_factory.mktemp("hermes-daemon-run"),
+                       extra=["--openai", f"127.0.0.1:{port}", "--ctx", "1024"])
+    try:
+        a = Api(pipe, port)
+        _wait_healthy(a)
+        for choice in ("required", {"type": "function", "function": {"name": "set_unit"}}):
+            got = a.client.chat.completions.create(model=path.stem, tools=[unit], tool_choice=choice, max_tokens=64,
+                                                   messages=[{"role": "user", "content": "Use celsius."}],
+                                                   temperature=0)
+            (call,) = got.choices[0].message.tool_calls
+            assert got.choices[0].finish_reason == "tool_calls" and call.function.name == "set_unit"
+            jsonschema.validate(json.loads(call.function.arguments), unit["function"]["parameters"])
+    finally:
+        codes = pipe.stop()
+    assert all(c == 0 for c in codes.values()), codes

@@ -42,6 +42,7 @@ from skippyd.sampling import Constraint, InvalidSampling
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 MAX_TOOLS = 128
 ARGUMENT_PIECE = 24  # characters of a call's arguments per streamed chunk
+_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -229,8 +230,9 @@ class ToolPlan:
         if self.native:
             if not self.hermes or self.mode == "auto":
                 return None
+            compact = {**calls, "x-guidance": _COMPACT_JSON}  # no free whitespace (as Constraint.json_schema)
             return Constraint.grammar('start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json '
-                                      + json.dumps(calls, ensure_ascii=False))
+                                      + json.dumps(compact, ensure_ascii=False))
         if self.parallel:
             wanted = _object({"tool_calls": {"type": "array", "items": calls, "minItems": 1}})
         else:
