@@ -597,7 +597,7 @@ def _bounded_http(body, chat: bool):
     for key in ("max_tokens", "max_completion_tokens"):
         if type(body.get(key)) is int and body[key] > 4:
             body[key] = 4
-    if "max_tokens" not in body and "max_completion_tokens" not in body:
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:  # absent or null: no limit
         body["max_tokens"] = 3
     return body
 
