@@ -311,14 +311,20 @@ async def run(args) -> Report:
                 pipes["resume"] = await trio.to_thread.run_sync(lambda: start_net_pipeline(
                     net, split, work / "resume", port=RESUME_PORT, flags=RESUME_FLAGS, lanes=RESUME_LANES))
                 await flapping(pipes, net, args.flap, report)
+        except Exception as exc:  # a check of the flapping (a hung call...): reported with the rest
+            report.violations.append(f"{type(exc).__name__}: {exc!r}"[:2000])
+        finally:
+            net.heal()
             for name, pipe in pipes.items():
                 for k, d in pipe.stages.items():
                     if d.proc.poll() is not None:
                         report.violations.append(f"{name} stage {k} died")
-        finally:
-            net.heal()
-            for pipe in pipes.values():
                 pipe.stop()
+            if report.violations and args.logs:  # the daemons' logs, before the work directory goes
+                args.logs.mkdir(parents=True, exist_ok=True)
+                for name, pipe in pipes.items():
+                    for k, d in pipe.stages.items():
+                        (args.logs / f"{name}-stage{k}.log").write_text(d.log())
     report.wall_s = time.monotonic() - started
     return report
 
@@ -330,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--when", choices=("both", "decode", "idle"), default="both", help="the cuts' timing")
     p.add_argument("--flap", type=float, default=0.0, help="then flap the link this many seconds (4 clients)")
     p.add_argument("--json", type=Path)
+    p.add_argument("--logs", type=Path, help="after a violation, copy the daemons' logs into this directory")
     args = p.parse_args(argv)
     if why := netns.unavailable(need_nft=True):
         print(f"cannot run: {why}", file=sys.stderr)

@@ -435,11 +435,16 @@ async def flap(pipe: NetPipeline, net: netns.Network, seconds: float, *, clients
     reference = {p: (await pipe.generate(prompt=p, raw=True, max_tokens=max_tokens))["tokens"] for p in prompts}
     replays_before = pipe.head.log().count("resuming (replay ")
 
+    end = time.monotonic() + seconds
+
     async def client(i: int) -> None:
         while flapping:
+            # no call may hang past the reply deadline (30 s); with --resume, past the flapping and then the
+            # resume window (30 s), each fault of the flapping may interrupt a replay again
+            limit = 30 + 5 if not resume else max(0.0, end - time.monotonic()) + 30 + 10
             async with trio.open_nursery() as nursery:
                 s = await start_stream(pipe, nursery, prompt=prompts[i], raw=True, max_tokens=max_tokens)
-                if not await s.wait_done(30 + 5):  # reply_timeout: no call may hang past it
+                if not await s.wait_done(limit):
                     raise AssertionError(f"client {i}: a generation hung through the flapping link")
             if s.result is not None:
                 got = s.result
@@ -464,7 +469,6 @@ async def flap(pipe: NetPipeline, net: netns.Network, seconds: float, *, clients
     async with trio.open_nursery() as nursery:
         for i in range(clients):
             nursery.start_soon(client, i)
-        end = time.monotonic() + seconds
         try:
             while time.monotonic() < end:
                 await trio.sleep(rng.uniform(1.0, 3.0))

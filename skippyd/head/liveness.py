@@ -136,6 +136,7 @@ class StageWatch:
         self._wake = trio.Event()
         self._idle = False  # the task waits for a first request (no deadline to keep)
         self._checked = trio.Event()  # set (and replaced) after every check
+        self._answered = trio.Event()  # set (and replaced) when a check finds stage 1 up after it was down
         self._lock = trio.Lock()  # one ping at a time on the watch connection
         self._suspected = False
         self._ids = itertools.count(1)
@@ -176,6 +177,11 @@ class StageWatch:
         else:
             await self._check()
         return self.up is True
+
+    async def wait_answering(self) -> None:
+        """While stage 1 is down: until a check (this watch's own, or anyone's) finds it up again."""
+        if self.down:
+            await self._answered.wait()
 
     # ---------------------------------------------------------------- the task
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -293,6 +299,8 @@ class StageWatch:
             if up and self.up is False:
                 log.info("head: %s answers again", self.name)
                 self._wake.set()  # the task, waiting out its backoff while down
+                self._answered.set()  # generations waiting to resume
+                self._answered = trio.Event()
             elif not up:
                 log.warning("head: %s is down: %s", self.name, error)
             self.changed_at = time.time()

@@ -9,7 +9,9 @@ replayed predictions are not emitted again: a stream only pauses.
 
 The window runs from the first failure: every retry within it (stage 1 back,
 the rest of the pipeline perhaps not yet, or a slot still held by the lost
-lane) must end before it does.
+lane) must end before it does. While stage 1 is down a retry waits for the
+liveness watch to find it up (or for its own backoff, at most a second, and a
+check of its own), so a replay begins as soon as the link is back.
 """
 
 from __future__ import annotations
@@ -57,7 +59,14 @@ class ResumePolicy:
             if trio.current_time() + self._backoff > self.deadline:
                 raise GenerationError(f"{exc} (the pipeline was not back within the {self.window:g} s "
                                       f"resume window)", retryable=True, status=exc.status) from exc
-            await trio.sleep(self._backoff)
+            watch = self.watch
+            if watch is not None and watch.down:
+                # the watch re-checks too: wake as soon as any check finds stage 1 up, so that the replay starts
+                # at once (a link that comes back for a few seconds at a time leaves no time to lose)
+                with trio.move_on_after(self._backoff):
+                    await watch.wait_answering()
+            else:
+                await trio.sleep(self._backoff)
             self._backoff = min(self._backoff * 2, RESUME_BACKOFF_MAX_S)
             # a hung stage 1 would hold a new lane's handshake for the whole connect timeout: ping it first
             if self.watch is None or await self.watch.check():
