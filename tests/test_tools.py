@@ -198,6 +198,60 @@ def test_stream_deltas_assemble_like_the_official_client():
     assert sum(1 for d in chunks if "tool_calls" in d) > 4  # the arguments came in pieces
 
 
+def _assembled(deltas: list[dict], finish: str):
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    state = ChatCompletionStreamState()
+    chunks = [{"role": "assistant", "content": ""}, *deltas, {}]
+    for i, delta in enumerate(chunks):
+        state.handle_chunk(openai.types.chat.ChatCompletionChunk.model_validate({
+            "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": MODEL_ID,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish if i == len(chunks) - 1 else None}]}))
+    return state.get_final_completion().choices[0]
+
+
+@pytest.mark.parametrize("text", [
+    '{"response": "Hello there!"}',
+    '{"response": "a \\"quoted\\" word,\\nnew line, \\u00e9t\\u00e9 \\ud83d\\ude00 and \\\\ back"}',
+    '{"tool_call": {"name": "get_time", "arguments": {"zone": "Europe/Paris"}}}',
+    '{"tool_call": {"name": "book_table", "arguments": {"restaurant": "Chez \\"M\\" {x}", "people": 4, '
+    '"vegetarian": true}}}',
+    '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_weather", "arguments": '
+    '{"city": "Rome", "unit": "celsius"}}]}',
+])
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_generic_reply_streams_as_it_is_written(text, step):
+    plan = tools.ToolPlan(tools.parse_tools(TOOLS), "auto", True, native=False)
+    stream = tools.ReplyStream(plan)
+    sent = []
+    for at in range(0, len(text), step):
+        sent += stream.feed(text[at:at + step])
+    before_end = len(sent)
+    rest, finish = stream.finish(_result(text))
+    whole, whole_finish = tools.message(plan, _result(text))
+    got = _assembled(sent + rest, finish)
+    assert finish == whole_finish
+    assert (got.message.content or None) == whole["content"]
+    calls = whole.get("tool_calls", [])
+    assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls or ()] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    for c in calls:
+        json.loads(c["function"]["arguments"])
+    assert before_end >= (3 if calls else 2)  # most of it went out while the model was writing
+    assert not rest or len(rest) <= 1
+
+
+def test_a_native_reply_is_sent_once_complete():
+    plan = tools.ToolPlan(tools.parse_tools(TOOLS), "auto", False, native=True, hermes=True)
+    stream = tools.ReplyStream(plan)
+    text = 'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    assert stream.feed(text) == []
+    rest, finish = stream.finish(_result(text))
+    got = _assembled(rest, finish)
+    assert finish == "tool_calls" and got.message.content == "Sure."
+    assert got.message.tool_calls[0].function.arguments == '{"zone": "UTC"}'
+
+
 # ---------------------------------------------------------------- the real pipeline
 @pytest.fixture(scope="module")
 def api(default_model_path, tmp_path_factory):
@@ -291,6 +345,9 @@ async def test_streamed_round_trip(api):
     first = next(c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls)
     assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
     assert first.function.name == "get_time" and first.function.arguments == ""
+    pieces = [c.choices[0].delta.tool_calls[0].function.arguments for c in chunks
+              if c.choices and c.choices[0].delta.tool_calls and c.choices[0].delta.tool_calls[0].id is None]
+    assert len(pieces) >= 2 and json.loads("".join(pieces))  # the arguments as the model wrote them, in pieces
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
 
     call = done.choices[0].message.tool_calls[0]
@@ -306,7 +363,10 @@ async def test_streamed_round_trip(api):
 
 @pytest.mark.slow
 async def test_bad_tools_are_400s_before_any_generation(api):
+    await run(api.client.chat.completions.create, model=MODEL_ID, messages=[{"role": "user", "content": "hi"}],
+              max_tokens=2)  # so that the generation counters exist
     before = api.metrics()
+    assert any(k[0] == "skippy_generations_total" for k in before)
     bad = [dict(tools=[{"type": "function", "function": {"name": "no spaces"}}]),
            dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]),
            dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_time"}})]

@@ -256,10 +256,6 @@ class _Completion(_Chat):
         return self._envelope(self.object_name, [], usage=usage(result))
 
 
-async def _hold(_text: str) -> None:
-    """A streamed piece kept back (a reply offering tools is sent once read)."""
-
-
 def usage(result: GenerationResult) -> dict:
     completion = len(result.tokens)
     # cached_tokens: prompt tokens the stages' prefix caches restored rather than computed
@@ -524,8 +520,13 @@ class OpenAIApp:
             await begin()
             await ex.event({**shape.piece(text, unsent()), **extra})
 
-        if shape.tool_plan is not None:  # the reply is read whole (a call or a message), then sent as deltas
-            on_piece = _hold
+        reply = tools.ReplyStream(shape.tool_plan) if shape.tool_plan is not None else None
+        if reply is not None:  # a reply offering tools: its text and calls sent as deltas as they are read
+
+            async def on_piece(text: str) -> None:
+                for delta in reply.feed(text):
+                    await begin()
+                    await ex.event({**shape.chunk(delta), **extra})
 
         try:
             result = await self._generate(ex, engine, greq, on_piece, sink)
@@ -536,9 +537,9 @@ class OpenAIApp:
             await ex.end()
             return
         await begin()
-        if shape.tool_plan is not None:
-            message, finish = tools.message(shape.tool_plan, result)
-            for delta in tools.deltas(message):
+        if reply is not None:
+            rest, finish = reply.finish(result)
+            for delta in rest:
                 await ex.event({**shape.chunk(delta), **extra})
             await ex.event({**shape.chunk({}, finish, logprobs=unsent() or None), **extra})
         else:

@@ -249,11 +249,14 @@ class ToolPlan:
             return text, []
         content, calls = found
         known = {f.name for f in self.functions}
+        raw = [] if self.native else [args for _name, args, _end in _generic_raw_calls(text)]
         out = []
-        for call in calls:
+        for i, call in enumerate(calls):
             if not isinstance(call, dict) or call.get("name") not in known:
                 return text, []
             args = call.get("arguments", call.get("parameters", {}))
+            if len(raw) == len(calls):  # the arguments as the model wrote them (what a stream sent)
+                args = raw[i]
             out.append({"id": "call_" + secrets.token_hex(12), "type": "function",
                         "function": {"name": call["name"],
                                      "arguments": args if isinstance(args, str) else
@@ -288,6 +291,133 @@ class ToolPlan:
             return None
         content = _HERMES_CALL.sub("", text).strip()
         return content or None, calls
+
+
+_GENERIC_CALL = re.compile(r'\{"name": "([a-zA-Z0-9_-]{1,64})", "arguments": ')
+_CALL_OPENINGS = ('{"tool_call": ', '{"tool_calls": [')
+_RESPONSE_OPENING = '{"response": "'
+
+
+def _json_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array opening at ``start`` ends (exclusive); None while it is incomplete."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _generic_raw_calls(text: str) -> list[tuple[str, str, bool]]:
+    """The calls of a generic-format reply so far, in order: (name, the arguments' text so far, complete)."""
+    if not text.startswith(_CALL_OPENINGS):
+        return []
+    out, at = [], 0
+    while True:
+        m = _GENERIC_CALL.search(text, at)
+        if m is None:
+            return out
+        start = m.end()
+        end = _json_end(text, start) if start < len(text) and text[start] in "{[" else None
+        if end is None:
+            out.append((m.group(1), text[start:], False))
+            return out
+        out.append((m.group(1), text[start:end], True))
+        at = end
+
+
+_OPEN_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*(\\(?:u[0-9a-fA-F]{0,3})?)$")  # \ or \uXY at the end, unfinished
+_HIGH_SURROGATE = re.compile(r"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2})$")  # half a pair at the end
+
+
+def _partial_string(raw: str) -> str:
+    """The decoded text of a JSON string's body so far (``raw`` stops anywhere, its closing quote excluded):
+    an escape not complete yet, or the first half of a surrogate pair, waits for the rest."""
+    for pattern in (_OPEN_ESCAPE, _HIGH_SURROGATE):
+        m = pattern.search(raw)
+        if m:
+            raw = raw[:m.start(1)]
+    try:
+        return json.loads('"' + raw + '"')
+    except ValueError:
+        return ""
+
+
+class ReplyStream:
+    """A tool-offering reply streamed as the model writes it: in the generic format, the ``response`` text and
+    each call's id, name and arguments as they come; in a native one (text and calls mixed freely), the whole
+    message once it is complete. The ids match those of the finished message."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.text = ""
+        self.content_sent = ""
+        self.calls: list[tuple[str, str]] = []  # (id, arguments sent) of each call announced
+        self.streaming = not plan.native
+
+    def feed(self, piece: str) -> list[dict]:
+        self.text += piece
+        if not self.streaming:
+            return []
+        text = self.text
+        if not text.startswith(_CALL_OPENINGS) and not text.startswith(_RESPONSE_OPENING):
+            if not any(o.startswith(text) for o in (*_CALL_OPENINGS, _RESPONSE_OPENING)):
+                self.streaming = False  # not the format asked for: the whole reply at the end
+            return []
+        if text.startswith(_RESPONSE_OPENING):
+            body = text[len(_RESPONSE_OPENING):]
+            close = _json_end('{"r": "' + body, 0)  # where the string (and its object) ends, once it does
+            shown = _partial_string(body if close is None else body[:close - 7 - 2])
+            return self._content(shown)
+        out = []
+        for index, (name, args, _done) in enumerate(_generic_raw_calls(text)):
+            if index == len(self.calls):
+                self.calls.append(("call_" + secrets.token_hex(12), ""))
+                out.append({"tool_calls": [{"index": index, "id": self.calls[index][0], "type": "function",
+                                            "function": {"name": name, "arguments": ""}}]})
+            call_id, sent = self.calls[index]
+            if len(args) > len(sent):
+                out.append({"tool_calls": [{"index": index, "function": {"arguments": args[len(sent):]}}]})
+                self.calls[index] = (call_id, args)
+        return out
+
+    def _content(self, shown: str) -> list[dict]:
+        if not shown.startswith(self.content_sent) or len(shown) == len(self.content_sent):
+            return []
+        new, self.content_sent = shown[len(self.content_sent):], shown
+        return [{"content": new}]
+
+    def finish(self, result: GenerationResult) -> tuple[list[dict], str]:
+        """What is left to send of the finished reply, and its finish_reason."""
+        msg, finish = message(self.plan, result)
+        if not self.streaming:
+            return deltas(msg), finish
+        out = []
+        if msg.get("content"):
+            out += self._content(msg["content"])
+        for index, call in enumerate(msg.get("tool_calls", ())):
+            args = call["function"]["arguments"]
+            if index < len(self.calls):
+                call_id, sent = self.calls[index]
+                if args.startswith(sent) and len(args) > len(sent):
+                    out.append({"tool_calls": [{"index": index, "function": {"arguments": args[len(sent):]}}]})
+            else:
+                out += [{"tool_calls": [{**d["tool_calls"][0], "index": index}]}
+                        for d in deltas({"tool_calls": [call]})]
+        return out, finish
 
 
 def prepare(req, greq: GenerationRequest, model) -> tuple[GenerationRequest, ToolPlan | None]:
