@@ -513,7 +513,7 @@ class GuidedSampler:
             i = int(np.argmax(cand_logits))
             token = i if ids is None else int(ids[i])
             if self.top_n is not None:
-                self.last = self._logprobs(token, ids, cand_logits.astype(np.float64), None)
+                self.last = self._logprobs(token, i, ids, cand_logits, normalized=False)
         else:
             cand = np.empty(len(cand_logits), dtype=_TOKEN_DATA)
             cand["id"] = np.arange(self.n_vocab, dtype=np.int32) if ids is None else ids
@@ -524,16 +524,19 @@ class GuidedSampler:
             _llama_sampler_apply()(int(ffi.cast("uintptr_t", chain)), ctypes.byref(arr))
             if not 0 <= arr.selected < arr.size:
                 raise LlamaError("sample", "the sampler chain selected no token")
-            kept = np.frombuffer((ctypes.c_char * (arr.size * _TOKEN_DATA.itemsize)).from_address(arr.data),
-                                 dtype=_TOKEN_DATA).copy()  # the chain may point data elsewhere (its own buffer)
+            if arr.data == cand.ctypes.data:
+                kept = cand[: arr.size]
+            else:  # the chain pointed data at a buffer of its own: read there (before its next use)
+                kept = np.frombuffer((ctypes.c_char * (arr.size * _TOKEN_DATA.itemsize)).from_address(arr.data),
+                                     dtype=_TOKEN_DATA)
             token = int(kept["id"][arr.selected])
             lib.llama_sampler_accept(chain, token)
             if self.top_n is not None:
                 if self.params.temperature > 0:  # the dist sampler's probabilities
                     with np.errstate(divide="ignore"):
-                        self.last = self._logprobs(token, kept["id"], None, np.log(kept["p"].astype(np.float64)))
+                        self.last = self._logprobs(token, arr.selected, kept["id"], np.log(kept["p"]), normalized=True)
                 else:  # greedy after biases / penalties: the softmax of the logits it chose from
-                    self.last = self._logprobs(token, kept["id"], kept["logit"].astype(np.float64), None)
+                    self.last = self._logprobs(token, arr.selected, kept["id"], kept["logit"], normalized=False)
         return token
 
     def advance(self, token: int) -> None:
@@ -542,20 +545,22 @@ class GuidedSampler:
         if self.matcher is not None and not self.matcher.is_stopped():
             self.matcher.consume_token(int(token))
 
-    def _logprobs(self, token: int, ids: np.ndarray | None, logits: np.ndarray | None,
-                  logp: np.ndarray | None) -> TokenLogprobs:
-        if logp is None:
-            finite = logits[np.isfinite(logits)]
-            top = finite.max() if len(finite) else 0.0
-            logp = logits - (top + math.log(np.exp(finite - top).sum() or 1.0))
-        ids = np.arange(len(logp), dtype=np.int32) if ids is None else ids
-        where = np.flatnonzero(ids == token)
-        own = float(logp[where[0]]) if len(where) else -math.inf
-        n = min(self.top_n, len(logp))
-        best = np.argpartition(-logp, n - 1)[:n] if n else np.empty(0, dtype=np.int64)
-        best = best[np.argsort(-logp[best], kind="stable")]
-        return TokenLogprobs(token, own, tuple((int(ids[i]), float(logp[i])) for i in best
-                                               if np.isfinite(logp[i])))
+    def _logprobs(self, token: int, index: int, ids: np.ndarray | None, scores: np.ndarray, *,
+                  normalized: bool) -> TokenLogprobs:
+        """``token`` (at ``index`` of the candidates ``ids``, None: the whole vocabulary) and the ``top_n`` best
+        candidates, from ``scores``: log-probabilities already, or logits to normalize (log-softmax). A few
+        passes over the vocabulary, no more: this runs for every token."""
+        offset = 0.0
+        if not normalized:
+            top = float(scores.max())
+            if math.isfinite(top):
+                offset = top + math.log(float(np.exp(scores - top).sum(dtype=np.float64)))
+        n = min(self.top_n, len(scores))
+        best = np.argpartition(scores, len(scores) - n)[len(scores) - n:] if n else np.empty(0, dtype=np.int64)
+        best = best[np.argsort(-scores[best], kind="stable")]
+        token_of = (lambda i: int(i)) if ids is None else (lambda i: int(ids[i]))
+        alternatives = tuple((token_of(i), float(scores[i]) - offset) for i in best if np.isfinite(scores[i]))
+        return TokenLogprobs(token, float(scores[index]) - offset, alternatives)
 
     def reset(self) -> None:
         if self.chain is not None:
