@@ -16,7 +16,9 @@ import openai
 import pydantic
 import pytest
 import trio
+from typer.testing import CliRunner
 
+from skippyctl.app import app
 from skippyctl.client import ControlError, open_control
 from skippyd.control import messages as m
 from skippyd.openai import schemas
@@ -24,7 +26,7 @@ from skippyd.runtime import llama
 from skippyd.sampling import Constraint, InvalidConstraint, InvalidSampling, SamplingParams
 from skippyd.wire.codec import decode_frame, frame_bytes
 from skippyd.wire.messages import ConfigureGeneration, PredictedToken, PredictedTokenLogprobs
-from tests.procs import Pipeline, free_ports, split_for_test
+from tests.procs import Pipeline, SingleStage, free_ports, split_for_test
 
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
 CTX = 2048
@@ -337,3 +339,41 @@ async def test_control_channel_grammar_and_schema(api):
         with pytest.raises(ControlError) as info:
             await client.call(m.Generate(id=client.new_id(), prompt="x", grammar="start: missing", stream=False))
         assert "missing" in str(info.value) and info.value.code == "bad_request", info.value
+
+
+@pytest.mark.slow
+def test_skippyctl_flags_on_a_single_stage(default_model_path, tmp_path):
+    """skippyctl generate --json-schema / --grammar / --logprobs, against `skippyd --model` (the head samples,
+    through the same guided sampler as a final stage)."""
+    schema_file = tmp_path / "person.json"
+    schema_file.write_text(json.dumps(PERSON))
+    grammar_file = tmp_path / "yesno.gbnf"
+    grammar_file.write_text('root ::= ("yes" | "no") "!"\n')
+    bad_grammar = tmp_path / "bad.lark"
+    bad_grammar.write_text("start: nowhere\n")
+    single = SingleStage(default_model_path, tmp_path, ["--ctx", str(CTX)])
+    try:
+        daemon = single.head
+
+        def ctl(*args: str):
+            return CliRunner().invoke(app, ["--url", daemon.url, "--token-file", str(daemon.token_file), "generate",
+                                            *args])
+
+        got = ctl("--prompt", "Describe a person.", "--json-schema", str(schema_file), "--logprobs", "2", "--json",
+                  "-n", "200")
+        assert got.exit_code == 0, (got.stdout, got.stderr)
+        result = json.loads(got.stdout)
+        jsonschema.validate(json.loads(result["text"]), PERSON)
+        assert result["finish_reason"] == "stop"
+        assert [e["token"] for e in result["logprobs"]] == result["tokens"]
+        assert all(e["top"][0][0] == e["token"] and len(e["top"]) <= 2 for e in result["logprobs"])
+        got = ctl("--prompt", "Is water wet?", "--grammar", str(grammar_file), "--json")
+        assert got.exit_code == 0 and json.loads(got.stdout)["text"] in ("yes!", "no!"), (got.stdout, got.stderr)
+        for args, needle in ((("--grammar", str(bad_grammar)), "nowhere"),
+                             (("--json-schema", str(tmp_path / "missing.json")), "cannot read"),
+                             (("--json-object", "--grammar", str(grammar_file)), "one constraint")):
+            got = ctl("--prompt", "x", *args)
+            assert got.exit_code == 2 and got.stderr.startswith("error: ") and needle in got.stderr, got.stderr
+            assert "Traceback" not in got.stderr + got.stdout
+    finally:
+        single.stop()
