@@ -18,6 +18,10 @@ Two ways to show tools, chosen by the model's chat template:
   replies and its ``tool`` results user messages ``{"tool_response": …}``.
   (llama.cpp's server does the same.)
 
+Streamed, a generic reply goes out as it is written (the response's text, or
+each call's id and name, then its arguments in pieces); a native one once it
+is complete, since its text and calls mix freely.
+
 ``tool_choice`` ``none`` sends no tools. Every check happens here, before any
 stage is touched: a bad tool name, a ``parameters`` that is not a JSON schema
 (or one the constraint cannot follow), a ``tool_choice`` naming no tool are
