@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
+import jsonschema
 import numpy as np
 import openai
 import pytest
@@ -177,3 +179,42 @@ async def test_openai_logprobs_whole_and_streamed(pipe):
                                                            "seed": 5, "extra_body": {"top_k": 4}})
     for c in got.choices[0].logprobs.content:
         assert len(c.top_logprobs) <= 4 and c.token in [t.token for t in c.top_logprobs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("direct_return", [True, False], ids=["direct-return", "relayed"])
+async def test_three_stages_carry_logprobs_and_constraints(default_model_path, tmp_path, full, direct_return):
+    """With a middle stage: predictions with logprobs come by direct return or relayed through it, the same;
+    a constrained session beside an unconstrained one (decoded together) keeps to its schema."""
+    model, ctx = full
+    split_for_test(default_model_path, 3, tmp_path)
+    pipe = await trio.to_thread.run_sync(Pipeline(tmp_path / "topology.toml", tmp_path,
+                                                   extra=["--ctx", str(CTX), "--lanes", "2"],
+                                                   config={"runtime.direct_return": direct_return}).start)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    try:
+        async with open_control(pipe.head.url, pipe.head.token_file) as client:
+            prompt = RAW_PROMPTS[0]
+            result = await client.call(m.Generate(id=client.new_id(), prompt=prompt, raw=True, max_tokens=8,
+                                                  logprobs=2, stream=False))
+            reference = _reference(model, ctx, _raw_tokens(model, prompt), result["tokens"])
+            for token, entry, want in zip(result["tokens"], result["logprobs"], reference):
+                assert entry["token"] == token == entry["top"][0][0]
+                assert abs(entry["logprob"] - want[token]) < 1e-3
+        results = {}
+
+        async def one(name: str, **kw) -> None:
+            async with open_control(pipe.head.url, pipe.head.token_file) as client:
+                results[name] = await client.call(m.Generate(id=client.new_id(), stream=False, **kw))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: one("constrained", prompt="Describe a person.", max_tokens=120,
+                                           json_schema=json.dumps(schema), temperature=0.7, seed=4))
+            nursery.start_soon(lambda: one("plain", prompt="Name three colours.", max_tokens=40))
+        if results["constrained"]["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(results["constrained"]["text"]), schema)
+        assert results["plain"]["finish_reason"] in ("stop", "length") and "logprobs" not in results["plain"]
+    finally:
+        codes = await trio.to_thread.run_sync(pipe.stop)
+    assert all(c == 0 for c in codes.values()), codes
