@@ -102,9 +102,16 @@ class Constraint:
                 if not self.text.strip():
                     raise InvalidConstraint("grammar", "is empty")
                 grammar = llguidance.grammar_from("grammar", self.text)
+            error = llguidance.LLMatcher.validate_grammar(grammar)
+        except InvalidConstraint:
+            raise
         except ValueError as exc:
             raise InvalidConstraint(self.kind, _one_line(str(exc))) from None
-        error = llguidance.LLMatcher.validate_grammar(grammar)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # a panic in llguidance's Rust is a BaseException: the input's fault
+            raise InvalidConstraint(self.kind, f"does not compile ({type(exc).__name__}: {_one_line(str(exc))})") \
+                from None
         if error:
             what = "schema" if self.kind == "json_schema" else "grammar"
             raise InvalidConstraint(self.kind, f"{what} not supported: {_one_line(error)}")

@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 
 from skippyctl.client import ControlError, open_control
 from skippyd.control import messages as m
+from skippyd.sampling import Constraint
 from skippyd.wire.codec import (
     MESSAGE_KINDS,
     PREFIX_SIZE,
@@ -294,6 +295,11 @@ def _messages(n_embd: int) -> list[bytes]:
         Ping(7),
         RestorePrefix(8, 78, np.arange(40, dtype=np.int32)),
         CacheQuery(9, clear=False),
+        # the generation extension: a constraint the final stage compiles (mutated: bad UTF-8, a schema or grammar
+        # that does not compile, a length that lies) and logprobs
+        ConfigureGeneration(10, 79, SamplingParams(constraint=Constraint.json_schema(
+            {"type": "object", "properties": {"a": {"type": "integer"}}}), logprobs=2)),
+        ConfigureGeneration(11, 80, SamplingParams(constraint=Constraint.grammar('root ::= "yes" | "no"'))),
     )]
 
 
@@ -310,8 +316,9 @@ def test_stage_mutated_frames_after_handshake(live, canary, data):
         prelude, how = frames[0], "field"
     if how == "field":
         # offsets: prefix kind 2, flags 3, body_len 4; header request_id 8, session_id 16, pos 24, token_count 28,
-        # activation_bytes 32, bias_count 36
-        offset, size = data.draw(st.sampled_from([(2, 1), (3, 1), (4, 4), (24, 4), (28, 4), (32, 4), (36, 2)]))
+        # activation_bytes 32, bias_count 36, ext_len 38
+        offset, size = data.draw(st.sampled_from([(2, 1), (3, 1), (4, 4), (24, 4), (28, 4), (32, 4), (36, 2),
+                                                  (38, 2)]))
         value = data.draw(st.integers(0, 2 ** (8 * size) - 1))
         frame[offset:offset + size] = value.to_bytes(size, "little")
     elif how == "truncate":

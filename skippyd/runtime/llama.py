@@ -580,9 +580,13 @@ def _matcher(model: Model, constraint: Constraint):
 
     try:
         grammar = constraint.compiled()
+        matcher = llguidance.LLMatcher(model.lltokenizer(), grammar, log_level=0)
     except InvalidConstraint as exc:
         raise InvalidArgumentError("constraint", str(exc)) from None
-    matcher = llguidance.LLMatcher(model.lltokenizer(), grammar, log_level=0)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # a panic in llguidance's Rust is a BaseException: a bad input, not a dead stage
+        raise InvalidArgumentError("constraint", f"{constraint.kind}: {type(exc).__name__}: {exc}") from None
     if matcher.is_error():
         raise InvalidArgumentError("constraint", f"{constraint.kind}: {matcher.get_error()}")
     return matcher
