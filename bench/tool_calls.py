@@ -24,8 +24,8 @@ import jsonschema
 import openai
 
 from skippyd.runtime.models import fetch_default_model
+from tests.openai_api import Api, wait_healthy
 from tests.procs import Pipeline, free_ports, split_for_test
-from tests.test_openai import Api, _wait_healthy
 from tests.test_tools import TOOLS
 
 EXTRA = [
@@ -104,7 +104,7 @@ def main() -> int:
     summary = {}
     try:
         api = Api(pipe, port)
-        _wait_healthy(api)
+        wait_healthy(api)
         client: openai.OpenAI = api.client
         for mode in ("required", "named"):
             ok, seconds, tokens = 0, 0.0, 0

@@ -9,8 +9,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.procs import Pipeline, free_ports, split_for_test
-from tests.test_openai import Api, _wait_healthy, run
+from tests.openai_api import run, serving
 
 instructor = pytest.importorskip("instructor")
 langchain_openai = pytest.importorskip("langchain_openai")
@@ -35,18 +34,8 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def api(default_model_path, tmp_path_factory):
-    work = tmp_path_factory.mktemp("clients")
-    split_for_test(default_model_path, 2, work)
-    port = free_ports(1)[0]
-    pipe = Pipeline(work / "topology.toml", work,
-                    extra=["--openai", f"127.0.0.1:{port}", "--ctx", "2048", "--lanes", "2"]).start()
-    try:
-        a = Api(pipe, port)
-        _wait_healthy(a)
+    with serving(default_model_path, tmp_path_factory.mktemp("clients"), ctx=2048) as a:
         yield a
-    finally:
-        codes = pipe.stop()
-    assert all(c == 0 for c in codes.values()), codes
 
 
 def _chat(api):

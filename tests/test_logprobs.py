@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import jsonschema
 import numpy as np
-import openai
 import pytest
 import trio
 
@@ -17,7 +15,8 @@ from skippyctl.client import open_control
 from skippyd.control import messages as m
 from skippyd.runtime import llama
 from skippyd.sampling import Constraint, SamplingParams
-from tests.procs import Pipeline, free_ports, split_for_test
+from tests.openai_api import run, serving
+from tests.procs import Pipeline, split_for_test
 
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
 CTX = 1024
@@ -94,30 +93,10 @@ def test_guided_sampler_logprobs(full):
 # ---------------------------------------------------------------- a real 2-stage pipeline
 @pytest.fixture(scope="module")
 def pipe(default_model_path, tmp_path_factory):
-    work = tmp_path_factory.mktemp("logprobs")
-    split_for_test(default_model_path, 2, work)
-    port = free_ports(1)[0]
-    p = Pipeline(work / "topology.toml", work,
-                 extra=["--openai", f"127.0.0.1:{port}", "--ctx", str(CTX), "--lanes", "2"]).start()
-    p.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                p.client.models.list()
-                break
-            except openai.APIConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        yield p
-    finally:
-        codes = p.stop()
-    assert all(c == 0 for c in codes.values()), codes
+    with serving(default_model_path, tmp_path_factory.mktemp("logprobs"), ctx=CTX) as api:
+        api.pipe.client = api.client
+        yield api.pipe
 
-
-def run(fn, *args, **kw):
-    return trio.to_thread.run_sync(lambda: fn(*args, **kw))
 
 
 @pytest.mark.slow

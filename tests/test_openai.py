@@ -8,7 +8,6 @@ it); the client is sync, so the trio tests run its calls in a thread.
 from __future__ import annotations
 
 import json
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,12 +22,8 @@ from skippyd.head.admission import AdmissionGate
 from skippyd.head.engine import GenerationError, GenerationResult
 from skippyd.openai.app import OpenAIApp
 from skippyd.runtime.llama import Model
-from tests.procs import Pipeline, free_ports, split_for_test
-
-try:  # the HTTP client the installed openai release is built on
-    import httpx2
-except ImportError:  # openai 1.x
-    import httpx as httpx2
+from tests.openai_api import httpx2, run, serving
+from tests.procs import Pipeline
 
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"  # the topology's model_name: the source file without .gguf
 CTX = 512
@@ -38,54 +33,10 @@ STORY = "Once upon a time, in a small village by the sea,"
 
 
 # ---------------------------------------------------------------- fixtures
-class Api:
-    def __init__(self, pipe: Pipeline, port: int):
-        self.pipe = pipe
-        self.base = f"http://127.0.0.1:{port}"
-        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def http(self) -> httpx2.Client:
-        return httpx2.Client(base_url=self.base, timeout=60)
-
-    def metrics(self) -> dict[tuple[str, tuple], float]:
-        with self.http() as h:
-            text = h.get("/metrics").text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
-
-
 @pytest.fixture(scope="module")
 def api(default_model_path, tmp_path_factory):
-    work = tmp_path_factory.mktemp("openai2")
-    split_for_test(default_model_path, 2, work)
-    port = free_ports(1)[0]
-    pipe = Pipeline(work / "topology.toml", work,
-                    extra=["--openai", f"127.0.0.1:{port}", "--ctx", str(CTX), "--lanes", "2"]).start()
-    try:
-        a = Api(pipe, port)
-        _wait_healthy(a)
+    with serving(default_model_path, tmp_path_factory.mktemp("openai2"), ctx=CTX) as a:
         yield a
-    finally:
-        codes = pipe.stop()
-    assert all(c == 0 for c in codes.values()), codes
-
-
-def _wait_healthy(api: Api, timeout: float = 20.0) -> None:
-    """READY comes once the control channel is up; the HTTP listener follows it by milliseconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with api.http() as h:
-                if h.get("/health").status_code == 200:
-                    return
-        except httpx2.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"/health not 200 after {timeout}s:\n{api.pipe.head.log()}")
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +44,6 @@ def vocab(default_model_path):
     model = Model(default_model_path)
     yield model
     model.close()
-
-
-def run(fn, *args, **kw):
-    """A sync (openai client) call from a trio test, in a worker thread."""
-    return trio.to_thread.run_sync(lambda: fn(*args, **kw))
 
 
 async def control(pipe: Pipeline, msg_type, **kw):

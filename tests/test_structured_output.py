@@ -8,14 +8,12 @@ official ``openai`` client and the control channel."""
 from __future__ import annotations
 
 import json
-import time
 
 import jsonschema
 import numpy as np
 import openai
 import pydantic
 import pytest
-import trio
 from typer.testing import CliRunner
 
 from skippyctl.app import app
@@ -26,7 +24,8 @@ from skippyd.runtime import llama
 from skippyd.sampling import Constraint, InvalidConstraint, InvalidSampling, SamplingParams
 from skippyd.wire.codec import decode_frame, frame_bytes
 from skippyd.wire.messages import ConfigureGeneration, PredictedToken, PredictedTokenLogprobs
-from tests.procs import Pipeline, SingleStage, free_ports, split_for_test
+from tests.openai_api import run, serving
+from tests.procs import SingleStage
 
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
 CTX = 2048
@@ -209,39 +208,11 @@ def test_control_generate_carries_the_constraint():
 
 
 # ---------------------------------------------------------------- a real 2-stage pipeline
-class Api:
-    def __init__(self, pipe: Pipeline, port: int):
-        self.pipe = pipe
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                                    timeout=300)
-
-
 @pytest.fixture(scope="module")
 def api(default_model_path, tmp_path_factory):
-    work = tmp_path_factory.mktemp("structured")
-    split_for_test(default_model_path, 2, work)
-    port = free_ports(1)[0]
-    pipe = Pipeline(work / "topology.toml", work,
-                    extra=["--openai", f"127.0.0.1:{port}", "--ctx", str(CTX), "--lanes", "2"]).start()
-    try:
-        a = Api(pipe, port)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                a.client.models.list()
-                break
-            except openai.APIConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+    with serving(default_model_path, tmp_path_factory.mktemp("structured"), ctx=CTX, timeout=300) as a:
         yield a
-    finally:
-        codes = pipe.stop()
-    assert all(c == 0 for c in codes.values()), codes
 
-
-def run(fn, *args, **kw):
-    return trio.to_thread.run_sync(lambda: fn(*args, **kw))
 
 
 def _schema_format(schema: dict, name: str = "answer") -> dict:

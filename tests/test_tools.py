@@ -14,9 +14,9 @@ from skippyd.head.engine import GenerationRequest, GenerationResult
 from skippyd.openai import tools
 from skippyd.openai.schemas import BadParameter, ChatCompletionRequest, converter
 from skippyd.runtime.llama import Model
-from tests.procs import Pipeline, free_ports, split_for_test
+from tests.openai_api import Api, run, serving, wait_healthy
+from tests.procs import free_ports
 from tests.test_chat_template import HERMES, _with_template
-from tests.test_openai import Api, _wait_healthy, run
 
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
 WEATHER = {"type": "function", "function": {
@@ -255,18 +255,8 @@ def test_a_native_reply_is_sent_once_complete():
 # ---------------------------------------------------------------- the real pipeline
 @pytest.fixture(scope="module")
 def api(default_model_path, tmp_path_factory):
-    work = tmp_path_factory.mktemp("tools")
-    split_for_test(default_model_path, 2, work)
-    port = free_ports(1)[0]
-    pipe = Pipeline(work / "topology.toml", work,
-                    extra=["--openai", f"127.0.0.1:{port}", "--ctx", "2048", "--lanes", "2"]).start()
-    try:
-        a = Api(pipe, port)
-        _wait_healthy(a)
+    with serving(default_model_path, tmp_path_factory.mktemp("tools"), ctx=2048) as a:
         yield a
-    finally:
-        codes = pipe.stop()
-    assert all(c == 0 for c in codes.values()), codes
 
 
 PROMPTS = [
@@ -400,7 +390,7 @@ def test_native_template_forced_call_through_a_daemon(tmp_path_factory, small_to
                        extra=["--openai", f"127.0.0.1:{port}", "--ctx", "1024"])
     try:
         a = Api(pipe, port)
-        _wait_healthy(a)
+        wait_healthy(a)
         for choice in ("required", {"type": "function", "function": {"name": "set_unit"}}):
             got = a.client.chat.completions.create(model=path.stem, tools=[unit], tool_choice=choice, max_tokens=64,
                                                    messages=[{"role": "user", "content": "Use celsius."}],
