@@ -15,7 +15,9 @@ liveness detection can end it in time:
 - a link flapping under four clients, without and with ``--resume``;
 - a link cut and healed under a ``--resume`` generation, which continues;
 - a link cut for good (the host gone): the head says stage 1 is down and
-  refuses new generations at once, holding nothing.
+  refuses new generations at once, holding nothing;
+- three hosts (head, stage 1, stage 2 of a 3-stage split), stage 1 and stage
+  2 partitioned from each other: the error names stage 2, both release.
 
 Each must give the client a clear error naming stage 1 within 2 s; stage 1
 must release the session and its slot within 5 s of the fault *while the
