@@ -3,6 +3,7 @@ the validity of constrained replies over 20 prompts and schemas.
 
     .venv/bin/python bench/bench_constrained.py [--rounds 5] [--json out.json]
     .venv/bin/python bench/bench_constrained.py --validity-only
+    .venv/bin/python bench/bench_constrained.py --beside-only [--rounds 5]
 
 One 2-stage pipeline of skippyd processes on loopback (the default model, ``--threads`` compute threads each).
 
@@ -11,7 +12,12 @@ a. Speed, through the control channel, in interleaved rounds: the same prompt (a
    each generation runs to ``--tokens`` tokens or its end. Decode rate: the daemon's decode_tokens_per_s
    (tokens after the first over the time from the first to the last). Reported: medians (min-max) and the
    constrained / unconstrained ratio.
-b. Validity, through the OpenAI endpoint with the official client: 20 prompts, each with its schema (nested
+b. Beside another session (``--beside``): a plain streamed generation (the victim) while a second session
+   decodes next to it, in interleaved rounds: a plain neighbour, or a constrained one whose schema is new each
+   round (so that its compile on the final stage falls inside the victim's decode). Reported: the victim's
+   decode rate and its longest gap between two streamed pieces, median over the rounds, constrained against
+   plain neighbour: a constraint must not stall the sessions beside it.
+c. Validity, through the OpenAI endpoint with the official client: 20 prompts, each with its schema (nested
    objects, arrays, enums, required fields), temperature 0.7, max_tokens 300. A reply that finishes must parse
    and validate (jsonschema); the count that finish is reported.
 """
@@ -39,6 +45,7 @@ from tests.procs import Pipeline, free_ports, split_for_test
 
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
 SPEED_PROMPT = "Describe a fictional employee as JSON: name, age, department, skills and address."
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # a raw prompt the model continues for as long as it is let
 SPEED_SCHEMA = {
     "type": "object",
     "properties": {
@@ -125,6 +132,52 @@ async def _speed(pipe: Pipeline, rounds: int, tokens: int) -> dict:
     return out
 
 
+async def _victim(pipe: Pipeline, tokens: int) -> dict:
+    """A plain streamed generation: its decode rate and the longest gap between its pieces (after the first)."""
+    arrivals = []
+    async with open_control(pipe.head.url, pipe.head.token_file) as client:
+        async for reply in client.replies(m.Generate(id=client.new_id(), prompt=COUNTING, raw=True,
+                                                     max_tokens=tokens, stream=True)):
+            if isinstance(reply, m.Piece):
+                arrivals.append(time.perf_counter())
+            elif isinstance(reply, m.Result):
+                rate = reply.result["timings"]["decode_tokens_per_s"]
+            else:
+                raise RuntimeError(f"the victim failed: {reply}")
+    gaps = [b - a for a, b in zip(arrivals[1:], arrivals[2:])]
+    return {"tok_s": rate, "max_gap_ms": 1e3 * max(gaps)}
+
+
+async def _victim_into(got: dict, pipe: Pipeline, tokens: int) -> None:
+    got.update(await _victim(pipe, tokens))
+
+
+async def _beside(pipe: Pipeline, rounds: int, tokens: int) -> dict:
+    rows: dict[str, list[dict]] = {"plain neighbour": [], "constrained neighbour": []}
+    async with open_control(pipe.head.url, pipe.head.token_file) as client:
+        for r in range(rounds + 1):  # round 0 warms up
+            for kind in rows:
+                extra = {}
+                if kind == "constrained neighbour":  # a schema not seen before: compiled during the victim's run
+                    schema = dict(SPEED_SCHEMA, properties=dict(SPEED_SCHEMA["properties"], **{f"note{r}": S}))
+                    extra = {"json_schema": json.dumps(schema)}
+                got: dict = {}
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_victim_into, got, pipe, tokens)
+                    await trio.sleep(0.3)  # the victim decoding
+                    await client.call(m.Generate(id=client.new_id(), prompt=SPEED_PROMPT, max_tokens=tokens // 2,
+                                                 stream=False, **extra))
+                if r:
+                    rows[kind].append(got)
+    out = {}
+    for kind, runs in rows.items():
+        out[kind] = {"tok_s": [x["tok_s"] for x in runs], "max_gap_ms": [x["max_gap_ms"] for x in runs]}
+    plain, constrained = out["plain neighbour"], out["constrained neighbour"]
+    out["ratio"] = {"tok_s": statistics.median(constrained["tok_s"]) / statistics.median(plain["tok_s"]),
+                    "max_gap_ms": statistics.median(constrained["max_gap_ms"]) / statistics.median(plain["max_gap_ms"])}
+    return out
+
+
 def _validity(base_url: str) -> dict:
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
     rows = []
@@ -159,6 +212,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--validity-only", action="store_true")
     ap.add_argument("--speed-only", action="store_true")
+    ap.add_argument("--beside-only", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-constrained-"))
@@ -175,12 +229,20 @@ def main() -> None:
                 break
             except openai.APIConnectionError:
                 time.sleep(0.1)
-        if not args.validity_only:
+        if args.beside_only:
+            report["beside"] = beside = trio.run(_beside, pipe, args.rounds, args.tokens)
+            print("a plain streamed generation beside another session, median (min-max):")
+            for kind in ("plain neighbour", "constrained neighbour"):
+                row = beside[kind]
+                print(f"  {kind:22s} decode tok/s {_median(row['tok_s'])}  longest gap ms {_median(row['max_gap_ms'])}")
+            print(f"  constrained / plain neighbour: decode x{beside['ratio']['tok_s']:.3f}, "
+                  f"longest gap x{beside['ratio']['max_gap_ms']:.3f}")
+        elif not args.validity_only:
             report["speed"] = speed = trio.run(_speed, pipe, args.rounds, args.tokens)
             print("decode tok/s, median (min-max), and against unconstrained:")
             for kind, row in speed.items():
                 print(f"  {kind:14s} {_median(row['tok_s'])}  x{row['ratio']:.3f}  tokens {row['tokens']}")
-        if not args.speed_only:
+        if not (args.speed_only or args.beside_only):
             print("validity: 20 prompts and schemas, temperature 0.7, max_tokens 300")
             report["validity"] = v = _validity(f"http://127.0.0.1:{port}/v1")
             print(f"  finished {v['finished']}/20, valid {v['valid']}, invalid {v['invalid']}")
