@@ -259,6 +259,15 @@ class Model(_NativeObject):
     def is_eog(self, token: int) -> bool:
         return bool(lib.llama_vocab_is_eog(self._live("is_eog") and self._vocab, int(token)))
 
+    def eog_tokens(self) -> np.ndarray:
+        """The vocabulary's end-of-generation tokens (the EOS at least), found once per model."""
+        eog = getattr(self, "_eog_tokens", None)
+        if eog is None:
+            vocab = self._live("eog tokens") and self._vocab
+            found = [t for t in range(self.n_vocab) if lib.llama_vocab_is_eog(vocab, t)] or [self.eos]
+            eog = self._eog_tokens = np.array(found, dtype=np.int32)
+        return eog
+
     def lltokenizer(self):
         """llguidance's view of this model's vocabulary (each token's bytes, the special tokens, the
         end-of-generation tokens), made once per model (~0.1 s) and shared by its matchers."""
@@ -266,14 +275,14 @@ class Model(_NativeObject):
         if tokenizer is None:
             import llguidance
 
-            vocab = self._live("constraint tokenizer") and self._vocab
+            self._live("constraint tokenizer")
             tokens, special = [], []
             for t in range(self.n_vocab):
                 shown = self.token_piece(t, special=True)
                 if shown and not self.token_piece(t):  # a control token: its text only when special
                     special.append(t)
                 tokens.append(shown)
-            eog = [t for t in range(self.n_vocab) if lib.llama_vocab_is_eog(vocab, t)] or [self.eos]
+            eog = self.eog_tokens().tolist()
             model = self
 
             class _Vocab:  # what llguidance's TokenizerWrapper reads
@@ -359,14 +368,19 @@ def _check_gguf_file(path: Path) -> None:
 # --------------------------------------------------------------------------- sampling
 
 
+def _validate(model: Model, params: SamplingParams) -> None:
+    try:
+        params.validate(model.n_vocab)
+    except InvalidSampling as exc:
+        raise InvalidArgumentError("sampling parameters", str(exc)) from None
+
+
 class Sampler:
     """A llama.cpp sampler chain for one generation; it remembers accepted tokens (penalties)."""
 
-    def __init__(self, model: Model, params: SamplingParams):
-        try:
-            params.validate(model.n_vocab)
-        except InvalidSampling as exc:
-            raise InvalidArgumentError("sampling parameters", str(exc)) from None
+    def __init__(self, model: Model, params: SamplingParams, *, validated: bool = False):
+        if not validated:
+            _validate(model, params)
         self.params = params
         cparams = lib.llama_sampler_chain_default_params()
         cparams.no_perf = True
@@ -473,17 +487,14 @@ class GuidedSampler:
     """
 
     def __init__(self, model: Model, params: SamplingParams):
-        try:
-            params.validate(model.n_vocab)
-        except InvalidSampling as exc:
-            raise InvalidArgumentError("sampling parameters", str(exc)) from None
+        _validate(model, params)
         self.params = params
         self.n_vocab = model.n_vocab
         self.top_n = params.logprobs
         self.last: TokenLogprobs | None = None
-        self.chain = Sampler(model, params) if params.needs_chain else None
+        self.chain = Sampler(model, params, validated=True) if params.needs_chain else None
         self.matcher = None
-        self._eog = np.array([t for t in range(model.n_vocab) if model.is_eog(t)] or [model.eos], dtype=np.int32)
+        self._eog = model.eog_tokens()
         if params.constraint is not None:
             self.matcher = _matcher(model, params.constraint)
             self._mask = np.zeros((model.n_vocab + 31) // 32, dtype=np.int32)
