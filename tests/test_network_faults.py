@@ -32,11 +32,13 @@ daemon's memory and descriptors sampled.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -135,6 +137,17 @@ def start_net_pipeline(net: netns.Network, split: Path, work: Path, *, port: int
     return p
 
 
+@contextlib.contextmanager
+def net_pipeline(net: netns.Network, split: Path, work: Path, **kw) -> Iterator[NetPipeline]:
+    """:func:`start_net_pipeline` for as long as the block runs; the links healed and the stages stopped after."""
+    p = start_net_pipeline(net, split, work, **kw)
+    try:
+        yield p
+    finally:
+        net.heal()
+        p.stop()
+
+
 @pytest.fixture(scope="module")
 def net():
     why = netns.unavailable()
@@ -146,25 +159,17 @@ def net():
 
 @pytest.fixture(scope="module")
 def pipe(net, splits, tmp_path_factory):
-    p = start_net_pipeline(net, splits[2], tmp_path_factory.mktemp("netpipe"), port=STAGE_PORT, flags=FLAGS,
-                           lanes=LANES)
-    try:
+    with net_pipeline(net, splits[2], tmp_path_factory.mktemp("netpipe"), port=STAGE_PORT, flags=FLAGS,
+                      lanes=LANES) as p:
         yield p
-    finally:
-        net.heal()
-        p.stop()
 
 
 @pytest.fixture(scope="module")
 def rpipe(net, splits, tmp_path_factory):
     """The same on stage 1's port 7412, with --resume (a 30 s window)."""
-    p = start_net_pipeline(net, splits[2], tmp_path_factory.mktemp("netresume"), port=RESUME_PORT,
-                           flags=RESUME_FLAGS, lanes=RESUME_LANES)
-    try:
+    with net_pipeline(net, splits[2], tmp_path_factory.mktemp("netresume"), port=RESUME_PORT, flags=RESUME_FLAGS,
+                      lanes=RESUME_LANES) as p:
         yield p
-    finally:
-        net.heal()
-        p.stop()
 
 
 async def _serving(pipe: NetPipeline, net: netns.Network):
@@ -619,13 +624,9 @@ def net3():
 @pytest.fixture(scope="module")
 def pipe3(net3, splits, tmp_path_factory):
     """A 3-stage split, each stage on a host of its own (head 10.77.0.1, stage 1 .2, stage 2 .3)."""
-    p = start_net_pipeline(net3, splits[3], tmp_path_factory.mktemp("net3"), port=THREE_PORT, flags=FLAGS,
-                           lanes=LANES)
-    try:
+    with net_pipeline(net3, splits[3], tmp_path_factory.mktemp("net3"), port=THREE_PORT, flags=FLAGS,
+                      lanes=LANES) as p:
         yield p
-    finally:
-        net3.heal()
-        p.stop()
 
 
 async def test_partition_between_stage_1_and_stage_2(pipe3, net3):
