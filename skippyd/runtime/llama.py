@@ -713,6 +713,7 @@ class Context(_NativeObject):
         self._row1, self._smpl1, self._token1 = (ffi.new("int32_t[1]"), ffi.new("struct llama_sampler *[1]"),
                                                  ffi.new("llama_token[1]"))
         self._out_rows: dict[int, int] = {}
+        self._window_rows: dict[int, list[int]] = {}  # the last decode's verify windows: each one's rows
         self._n_last = 0
         model._contexts.add(self)
 
@@ -761,11 +762,13 @@ class Context(_NativeObject):
 
     # -- compute
     def decode(self, pos: np.ndarray, seq: np.ndarray, *, tokens: np.ndarray | None = None,
-               embd: np.ndarray | None = None) -> None:
+               embd: np.ndarray | None = None, windows: Iterable[int] = ()) -> None:
         """Run one batch. Rows may belong to several sequences, each with explicit positions.
 
         Read the result with :meth:`hidden` (non-final stage) or :meth:`logits`
-        / :meth:`sample` (final stage) before the next decode.
+        / :meth:`sample` (final stage) before the next decode. On a final stage every row of the sequences
+        in ``windows`` (verify windows) outputs logits, read with :meth:`sample_window`; other sequences'
+        last row only.
         """
         op = "decode"
         ptr = self._live(op)
@@ -779,15 +782,29 @@ class Context(_NativeObject):
         if seq.shape != (n,):
             raise InvalidArgumentError(op, f"seq has shape {seq.shape}, expected ({n},)")
         self._check_rows(op, _bounds(seq), _bounds(pos), tokens, embd)
-        # which rows produce output: all on a hidden stage, the last row of each sequence otherwise
+        # which rows produce output: all on a hidden stage, the last row of each sequence otherwise (every row
+        # of a verify window's)
         last_rows: dict[int, int] = {}
-        for row, s in enumerate(seq.tolist()):
+        seq_list = seq.tolist()
+        for row, s in enumerate(seq_list):
             last_rows[s] = row
+        window_rows: dict[int, list[int]] = {}
+        if windows:
+            for s in windows:
+                s = int(s)
+                if s not in last_rows:
+                    raise InvalidArgumentError(op, f"verify window sequence {s} has no row in the batch")
+                window_rows[s] = []
+            for row, s in enumerate(seq_list):
+                if s in window_rows:
+                    window_rows[s].append(row)
         if self.hidden_output:
             out = np.ones(n, dtype=np.int8)
         else:
             out = np.zeros(n, dtype=np.int8)
             out[list(last_rows.values())] = 1
+            for rows in window_rows.values():
+                out[rows] = 1
         pos_c = ffi.from_buffer("llama_pos[]", pos)
         seq_c = ffi.from_buffer("llama_seq_id[]", seq)
         out_c = ffi.from_buffer("int8_t[]", out)
@@ -805,12 +822,14 @@ class Context(_NativeObject):
         if rc != 0:
             raise LlamaError(op, "batch has no room for this input kind")
         self._out_rows = {}
+        self._window_rows = {}
         self._n_last = 0
         self._computing()
         rc = lib.llama_decode(ptr, self._pbatch[0])
         self._computed()
         _check_decode(op, rc)
         self._out_rows = last_rows
+        self._window_rows = window_rows
         self._n_last = n
 
     def decode_row(self, pos: int, seq: int, *, token: int | None = None, embd: np.ndarray | None = None) -> None:
@@ -825,6 +844,7 @@ class Context(_NativeObject):
         else:
             embd_c, token = ffi.from_buffer("float[]", self._hidden_input(op, embd, 1)), 0
         self._out_rows = {}
+        self._window_rows = {}
         self._n_last = 0
         self._computing()
         rc = lib.skippy_decode_row(ptr, self._pbatch, token, embd_c, self.n_embd_inp, pos, seq)
@@ -899,6 +919,7 @@ class Context(_NativeObject):
             raise
         finally:
             self._out_rows = {}
+            self._window_rows = {}
             self._n_last = 0
 
     def _sent_row(self, op: str, rc: int, seq: int) -> None:
@@ -999,6 +1020,45 @@ class Context(_NativeObject):
         if lib.skippy_sample_rows(self._live(op), self._smpl1, self._row1, 1, self._token1) != 0:
             raise LlamaError(op, "logits missing for a sampled row")
         return self._token1[0]
+
+    def sample_window(self, seq: int, sampler: Sampler | GuidedSampler | None, tokens: Sequence[int]) -> list[int]:
+        """The verify window ``tokens`` (the current token, then the drafts) of ``seq``, decoded in the last
+        decode (``windows``): row i's token is sampled as :meth:`sample_row` samples a decode step's; while it
+        equals the draft after it (``tokens[i + 1]``) the next row is sampled, else sampling stops. Returns
+        the tokens sampled (the drafts accepted, then the next token: at most ``len(tokens)``).
+
+        The sampler takes exactly what the same tokens decoded one step at a time would have given it: a
+        llama.cpp chain accepts each token it samples (its RNG and penalties go on as step by step); a guided
+        sampler samples each row's logits, and its constraint takes each accepted draft before the next
+        row (the window's first token it takes before the compute, as a decode step's)."""
+        op = "sample window"
+        self._live(op)
+        if self.hidden_output:
+            raise InvalidArgumentError(op, "this stage outputs hidden states, not logits")
+        rows = self._window_rows.get(int(seq))
+        if rows is None:
+            raise InvalidArgumentError(op, f"sequence {seq} was not a verify window in the last decode")
+        if len(tokens) != len(rows):
+            raise InvalidArgumentError(op, f"{len(tokens)} tokens for a window of {len(rows)} rows")
+        guided = isinstance(sampler, GuidedSampler)
+        if not guided:
+            self._smpl1[0] = ffi.NULL if sampler is None else sampler._live()
+        out: list[int] = []
+        last = len(rows) - 1
+        for i, row in enumerate(rows):
+            if guided:
+                token = sampler.sample(self._logits_row(row, op))
+            else:
+                self._row1[0] = row
+                if lib.skippy_sample_rows(self._ptr, self._smpl1, self._row1, 1, self._token1) != 0:
+                    raise LlamaError(op, f"logits missing for row {row}")
+                token = int(self._token1[0])
+            out.append(token)
+            if i == last or token != int(tokens[i + 1]):
+                break
+            if guided:
+                sampler.advance(token)  # an accepted draft: the sequence goes on with it
+        return out
 
     def _output_row(self, seq: int, op: str) -> int:
         if self.hidden_output:

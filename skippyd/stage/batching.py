@@ -37,10 +37,16 @@ GATHER_GROUP_S = 0.0005  # a later stage with decode groups: the head sends a gr
 
 
 class Work(Protocol):
-    """What the policy reads of a queued job: its sequence, and its tokens (1: a decode step)."""
+    """What the policy reads of a queued job: its sequence, and its tokens (1: a decode step); a job may also
+    have a true ``window`` attribute (a verify window: a decoding session's step of several tokens)."""
 
     seq: int
     n: int
+
+
+def _decoding(job: Work) -> bool:
+    """A decode step or a verify window (a session decoding), not a prefill chunk."""
+    return job.n == 1 or getattr(job, "window", False)
 
 
 W = TypeVar("W", bound=Work)
@@ -128,23 +134,25 @@ class BatchPolicy:
 
     def take(self, queued: Sequence[W]) -> list[W]:
         """The next batch from `queued` (which it leaves as it is), in sequence order (llama.cpp decodes
-        rows that way faster): decode steps first (all of them; at the head with groups, a group's worth),
-        then prefill chunks, smallest first, while they fit (only one if there is no decode step); one job
-        per sequence."""
+        rows that way faster): decode steps and verify windows first (all of them, windows while they fit;
+        at the head with groups, a group's worth), then prefill chunks, smallest first, while they fit (only
+        one if there is no decode step or window); one job per sequence."""
         budget = self.max_batch_tokens
         batch: list[W] = []
         seqs: set[int] = set()
         steps_left = len(queued)
         if self._forms_groups:  # this group; the rest go next
             steps_left = self._group_size(decode_steps(queued))
-        for job in sorted(queued, key=lambda j: j.n):
+        chunks_only = True  # no decode step or window taken yet
+        for job in sorted(queued, key=lambda j: (not _decoding(j), j.n)):
             if job.seq in seqs or job.n > budget:
                 continue
-            if job.n == 1:
+            if _decoding(job):
                 if steps_left == 0:
                     continue
                 steps_left -= 1
-            if batch and job.n > 1 and batch[0].n > 1:
+                chunks_only = False
+            elif batch and chunks_only:
                 continue  # a batch of prefill chunks only takes one
             batch.append(job)
             seqs.add(job.seq)
@@ -157,5 +165,5 @@ class BatchPolicy:
 
 
 def decode_steps(queued: Iterable[Work]) -> set[int]:
-    """The sequences with a decode step (one token) among `queued`."""
-    return {j.seq for j in queued if j.n == 1}
+    """The sequences with a decode step (one token) or a verify window among `queued`."""
+    return {j.seq for j in queued if _decoding(j)}

@@ -50,6 +50,10 @@ class Job:
     embd: np.ndarray | None  # later stages
     sampler: Sampler | GuidedSampler | None = None  # final stage: None = greedy; guided: sampled in Python
     want_token: bool = False  # final stage: sample after this job (the last prefill chunk or a decode step)
+    # a verify window (the current token, then drafts): every row computed in one batch; on a final stage with
+    # want_token, its rows are sampled while they confirm the drafts (``window_tokens``): result = list[int]
+    window: bool = False
+    window_tokens: np.ndarray | None = None
     n: int = 0
     result: object = None
     error: BaseException | None = None
@@ -188,7 +192,7 @@ class Execution:
         the compute that follows (``compute_row``, or ``compute``) releases. Prefill chunks, decode steps
         measured slower than INLINE_MAX_US or not measured yet, and any batch that would have to wait for the
         host lock go to the worker thread."""
-        if len(batch) > INLINE_MAX_SEQS or any(j.n != 1 for j in batch):
+        if len(batch) > INLINE_MAX_SEQS or any(j.n != 1 or j.window for j in batch):
             return False
         if not 0 < self.decode_native_us < INLINE_MAX_US:
             return False
@@ -291,7 +295,9 @@ class Execution:
         ctx = self.ctx
         holding = locked
         try:
-            row = batch[0] if len(batch) == 1 and batch[0].n == 1 else None  # a lone decode step: decode_row
+            # a lone decode step: decode_row (never a verify window, whose rows all output logits)
+            row = batch[0] if len(batch) == 1 and batch[0].n == 1 and not batch[0].window else None
+            windows = [j.seq for j in batch if j.window]
             n_tokens = 1
             if row is None:
                 pos = np.concatenate([np.arange(j.pos_start, j.pos_start + j.n, dtype=np.int32) for j in batch])
@@ -310,7 +316,7 @@ class Execution:
             native = time.perf_counter()
             native_cpu = time.thread_time()
             if row is None:
-                ctx.decode(pos, seq, **inputs)
+                ctx.decode(pos, seq, windows=windows, **inputs)
             else:
                 ctx.decode_row(row.pos_start, row.seq, **inputs)
         finally:
@@ -331,9 +337,12 @@ class Execution:
                 first += j.n
             self._native_us, self._native_cpu_us = int(native * 1e6), int(native_cpu * 1e6)
             return out
-        wanted = {j.seq: j.sampler for j in batch if j.want_token}
+        wanted = {j.seq: j.sampler for j in batch if j.want_token and not j.window}
         started, started_cpu = time.perf_counter(), time.thread_time()
-        tokens = ctx.sample(wanted) if wanted else {}
+        tokens: dict[int, object] = ctx.sample(wanted) if wanted else {}
+        for j in batch:
+            if j.window and j.want_token:
+                tokens[j.seq] = ctx.sample_window(j.seq, j.sampler, j.window_tokens)
         self._native_us = int((native + time.perf_counter() - started) * 1e6)
         self._native_cpu_us = int((native_cpu + time.thread_time() - started_cpu) * 1e6)
         return [tokens.get(j.seq) for j in batch]
@@ -364,8 +373,9 @@ class Execution:
             self.hot_path.loop_native_cpu_s += self._native_cpu_us / 1e6
         self.stats.compute_s += now - started
         compute_us = int((now - started) * 1e6)
-        decoded = {j.seq for j in batch if j.n == 1}
-        if len(decoded) == len(batch):  # decode steps only (one job per sequence): its time decides inline_turn
+        decoded = {j.seq for j in batch if j.n == 1 or j.window}  # decoding sessions: their steps and windows
+        if len(decoded) == len(batch) and not any(j.window for j in batch):
+            # decode steps only (one job per sequence): its time decides inline_turn
             self.decode_native_us = self._native_us
         if decoded:
             self._on_decoded(decoded)

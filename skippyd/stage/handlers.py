@@ -35,6 +35,7 @@ import logging
 import time
 
 import attrs
+import numpy as np
 import trio
 
 from skippyd.runtime import llama
@@ -58,6 +59,7 @@ from skippyd.wire.messages import (
     Ping,
     PredictedToken,
     PredictedTokenLogprobs,
+    PredictedTokens,
     PrefillChunk,
     PrefixRestored,
     Reply,
@@ -221,7 +223,24 @@ class StageHandlers:
         self.core.scheduler.hot_path.note(time.perf_counter() - started - waited_us / 1e6, job.native_us, cpu_s)
 
     async def on_verify_window(self, msg: VerifyWindow) -> None:
-        raise RequestFailed(ErrorCode.INTERNAL, "verify windows (speculative decoding) are not supported yet")
+        """A verify window (speculative decoding): the current token and its drafts, computed as one batch at
+        the authoritative ``pos_start`` (a stage that holds more positions trims first, as for a decode step),
+        then answered by the role (:meth:`_answer_window`). The session holds pos_start + len(tokens)
+        positions after it; the head trims the rejected drafts with its next message's position."""
+        self._waited_us = 0
+        self._take_deferred(msg.session_id)
+        session = self._session(msg, create=False)
+        sampler = session.sampler
+        if isinstance(sampler, llama.GuidedSampler) and sampler.top_n is not None:
+            raise RequestFailed(ErrorCode.BAD_VALUE, f"session {msg.session_id} was configured with logprobs: "
+                                                     "verify windows are not answered with logprobs")
+        await self._align(session, msg.pos_start)
+        job = await self._compute(session, msg, want_token=self.want_token, window=True)
+        await self._answer_window(session, msg, job)
+
+    async def _answer_window(self, session: StageSession, msg: VerifyWindow, job: Job) -> None:
+        """After a verify window's compute: forward it (a middle stage, on the session's answer path)."""
+        await session.answer.send(session, msg, job)
 
     async def on_restore_prefix(self, msg: RestorePrefix) -> None:
         """Restore the longest prefix of the message's tokens this stage has cached (see _restore), then let
@@ -287,12 +306,16 @@ class StageHandlers:
                                 f"session {session.session_id} holds {session.position} positions, "
                                 f"message starts at {pos_start}")
 
-    async def _compute(self, session: StageSession, msg, *, want_token: bool, out: PreparedFrame | None = None) -> Job:
+    async def _compute(self, session: StageSession, msg, *, want_token: bool, out: PreparedFrame | None = None,
+                       window: bool = False) -> Job:
         ctx = self.core.context
         if msg.pos_start + len(msg.tokens) > ctx.n_ctx_seq:
             raise RequestFailed(ErrorCode.CONTEXT_FULL,
                                 f"positions up to {msg.pos_start + len(msg.tokens)} exceed the context of "
                                 f"{ctx.n_ctx_seq} per session")
+        if window and len(msg.tokens) > self.core.scheduler.policy.max_batch_tokens:  # one batch, never split
+            raise RequestFailed(ErrorCode.BAD_VALUE, f"a verify window of {len(msg.tokens)} tokens exceeds this "
+                                f"stage's batch of {self.core.scheduler.policy.max_batch_tokens}")
         if ctx.token_input:
             job = Job(session.seq, msg.pos_start, tokens=msg.tokens, embd=None)
         else:
@@ -300,7 +323,11 @@ class StageHandlers:
                 raise RequestFailed(ErrorCode.MISSING_ACTIVATION, "this stage needs the hidden states")
             job = Job(session.seq, msg.pos_start, tokens=None, embd=msg.activation)
         job.sampler = session.sampler
-        if type(msg) is DecodeStep and isinstance(job.sampler, llama.GuidedSampler):
+        if window:
+            job.window, job.window_tokens = True, msg.tokens
+            if isinstance(job.sampler, llama.GuidedSampler):
+                job.sampler.advance(int(msg.tokens[0]))  # the window's current token, as a decode step's
+        elif type(msg) is DecodeStep and isinstance(job.sampler, llama.GuidedSampler):
             job.sampler.advance(msg.token)  # the constraint follows the tokens the sequence is given
         job.want_token = want_token
         job.out = out
@@ -438,6 +465,22 @@ class FinalStage(StageHandlers):
                                                     StageStats.single(self.core.index)))
         return self.core.token_return.prepare(frame, REPLY_COMPUTE_US_AT)
 
+    async def _answer_window(self, session: StageSession, msg: VerifyWindow, job: Job) -> None:
+        """The window's PredictedTokens (the drafts accepted, then the next token), on the lane or, for a
+        direct-return session, on the token-return connection with an Ack on the lane."""
+        tokens = job.result
+        session.generated += len(tokens)
+        reply = PredictedTokens(msg.request_id, msg.session_id, np.asarray(tokens, dtype=np.int32),
+                                self._own_stats(job))
+        if not session.direct_return:
+            await self.reply(reply)
+            return
+        try:
+            await self.core.token_return.send(reply)
+        except TokenReturnLost as exc:
+            raise RequestFailed(ErrorCode.DOWNSTREAM_FAILED, f"stage {self.core.index}: {exc}") from exc
+        await self.reply(Ack(msg.request_id, msg.session_id, stats=NO_STATS))
+
     async def _predict_on_return(self, session: StageSession, msg, job: Job) -> None:
         """The prediction goes to the head on the token-return connection (with this stage's report); the
         lane gets a plain Ack, unless the message says that the upstream stage expects none (a decode step
@@ -464,7 +507,7 @@ class FinalStage(StageHandlers):
         connection too (the head waits there; the lane's error reaches it later). So is the failure of a
         session this stage does not know: the head drops a reply for a session not waiting."""
         link = self.core.token_return
-        if link is None or not link.connected or not isinstance(msg, (DecodeStep, PrefillChunk)):
+        if link is None or not link.connected or not isinstance(msg, (DecodeStep, PrefillChunk, VerifyWindow)):
             return
         if isinstance(msg, PrefillChunk) and not msg.final:
             return

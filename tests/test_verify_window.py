@@ -1,0 +1,421 @@
+"""Verify windows (speculative decoding) on every stage: real libllama, real stage servers on loopback.
+
+The test plays the head: it runs the real stage-0 slice (one KV sequence per session) and sends what a head
+sends (ConfigureGeneration, PrefillChunk, DecodeStep, VerifyWindow) to stage 1, an in-process StageServer
+(2 stages: the final one; 3 stages: a middle one, which forwards to the final stage's server).
+
+Greedy choices of the tiny random model are often close (logit margins of 1e-3), and computing a position
+alone or inside a larger batch rounds differently (ULPs of the logits: ~1e-6 here). A window's tokens can
+equal the single steps' only where no choice is within that rounding of a tie, so the prompt is picked
+among a few whose reference run (the whole model, one position at a time) has no choice closer than
+TIE: then windows and single steps must agree exactly, and do.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import trio
+
+from skippyd.head.token_return import TokenReturnHub
+from skippyd.runtime.llama import Context, ContextParams, Model
+from skippyd.stage.downstream import DownstreamLink
+from skippyd.stage.server import StageConfig, StageServer
+from skippyd.wire.messages import (
+    Ack,
+    ConfigureGeneration,
+    DecodeStep,
+    ErrorCode,
+    ErrorReply,
+    Hello,
+    PredictedToken,
+    PredictedTokens,
+    PrefillChunk,
+    SamplingParams,
+    Stop,
+    VerifyWindow,
+)
+from tests.procs import split_for_test
+
+N_CTX = 64
+TIE = 1e-4  # logits closer than this are a near tie: batch and single-row rounding could order them either way
+PROMPTS = ["The capital of France is", "Once upon a time", "Hello world, this is", "In the beginning",
+           "A quick brown fox", "Numbers: one two three"]
+N_REF = 14  # tokens of the reference run (prefill's, then single steps')
+GREEDY = SamplingParams.greedy()
+
+
+@pytest.fixture(scope="module")
+def split2(tiny_model_small_vocab_path, tmp_path_factory):
+    return split_for_test(tiny_model_small_vocab_path, 2, tmp_path_factory.mktemp("vw-split2"))
+
+
+@pytest.fixture(scope="module")
+def split3(tiny_model_small_vocab_path, tmp_path_factory):
+    return split_for_test(tiny_model_small_vocab_path, 3, tmp_path_factory.mktemp("vw-split3"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_small_vocab_path):
+    """(prompt tokens, greedy tokens) of the whole model one position at a time, for a prompt with no near tie."""
+    with Model(tiny_model_small_vocab_path) as model, \
+            Context(model, ContextParams(n_ctx_per_seq=N_CTX, n_seq_max=1, n_threads=1)) as ctx:
+        for text in PROMPTS:
+            prompt = model.tokenize(text, add_special=True, parse_special=False)
+            ctx.kv_clear_seq(0)
+            ctx.decode(np.arange(len(prompt)), np.zeros(len(prompt)), tokens=prompt)
+            tokens, margins = [], []
+            while len(tokens) < N_REF:
+                logits = np.sort(ctx.logits(0))
+                margins.append(float(logits[-1] - logits[-2]))
+                tokens.append(int(ctx.logits(0).argmax()))
+                ctx.decode_row(len(prompt) + len(tokens) - 1, 0, token=tokens[-1])
+            if min(margins) > TIE:
+                return prompt, tokens
+    pytest.fail(f"every prompt's greedy run has a choice within {TIE} of a tie")
+
+
+def config(**kw) -> StageConfig:
+    return StageConfig(**{"n_ctx_per_seq": N_CTX, "lanes": 4, "n_batch": 64, "n_threads": 1,
+                          "listen_host": "127.0.0.1", "listen_port": 0, **kw})
+
+
+def stage_hello(topology, k: int) -> Hello:
+    spec = topology.stage(k)
+    return Hello(fingerprint=topology.source_sha256, stage_index=k, layer_start=spec.layer_start,
+                 layer_end=spec.layer_end, n_layer=topology.n_layer, n_embd=topology.n_embd, node=f"test-{k}")
+
+
+class Head:
+    """Stage 0 in the test process: the real stage-0 slice, one KV sequence per session (by its id)."""
+
+    def __init__(self, topology):
+        self.topology = topology
+        self.model = Model(topology.stage(0).file)
+        self.ctx = Context(self.model, ContextParams(n_ctx_per_seq=N_CTX, n_seq_max=4, n_threads=1))
+        self.ids = itertools.count(100)
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()
+
+    def hidden(self, seq: int, tokens, pos: int) -> np.ndarray:
+        """Stage 0's hidden states of `tokens` at [pos, pos + n), after trimming the sequence to pos (as a head
+        does after rejected drafts), computed as one batch."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        self.ctx.kv_trim(seq, pos)
+        self.ctx.decode(np.arange(pos, pos + len(tokens), dtype=np.int32), np.full(len(tokens), seq, np.int32),
+                        tokens=tokens)
+        return self.ctx.hidden()
+
+    async def connect(self, server: StageServer) -> DownstreamLink:
+        return await DownstreamLink.connect("127.0.0.1", server.port, stage_hello(self.topology, 0))
+
+    async def open(self, link, sid: int, prompt, sampling: SamplingParams = GREEDY, *,
+                   direct_return: bool = False):
+        """Configure and prefill session `sid` (sequence sid here); the final chunk's reply."""
+        reply, *_ = await link.request(ConfigureGeneration(next(self.ids), sid, sampling, direct_return=direct_return))
+        assert isinstance(reply, Ack), reply
+        return await self.request(link, PrefillChunk(next(self.ids), sid, 0, prompt, self.hidden(sid, prompt, 0),
+                                                     final=True))
+
+    def step(self, sid: int, token: int, pos: int) -> DecodeStep:
+        return DecodeStep(next(self.ids), sid, pos, [token], self.hidden(sid, [token], pos))
+
+    def window(self, sid: int, tokens, pos: int, request_id: int | None = None) -> VerifyWindow:
+        return VerifyWindow(request_id or next(self.ids), sid, pos, np.asarray(tokens, np.int32),
+                            self.hidden(sid, tokens, pos))
+
+    @staticmethod
+    async def request(link, msg):
+        reply, *_ = await link.request(msg)
+        return reply
+
+    async def plain(self, link, sid: int, prompt, n: int, sampling: SamplingParams = GREEDY):
+        """A non-speculative generation of `n` tokens (prefill, then single steps), then Stop."""
+        reply = await self.open(link, sid, prompt, sampling)
+        assert isinstance(reply, PredictedToken), reply
+        out = [reply.token]
+        while len(out) < n:
+            reply = await self.request(link, self.step(sid, out[-1], len(prompt) + len(out) - 1))
+            assert isinstance(reply, PredictedToken), reply
+            out.append(reply.token)
+        assert isinstance(await self.request(link, Stop(next(self.ids), sid)), Ack)
+        return out
+
+
+@pytest.fixture
+def head2(split2):
+    head = Head(split2)
+    yield head
+    head.close()
+
+
+@pytest.fixture
+def head3(split3):
+    head = Head(split3)
+    yield head
+    head.close()
+
+
+@pytest.fixture
+async def final2(split2, nursery):
+    """Stage 1 of 2 (the final stage), in-process."""
+    return await nursery.start(StageServer(split2, 1, config()).run)
+
+
+async def start3(split3, nursery, **final_config):
+    """Stages 1 (middle) and 2 (final) of 3, in-process, on the topology's ports; (middle, final)."""
+    final = await nursery.start(StageServer(split3, 2, config(listen_port=split3.stage(2).port, **final_config)).run)
+    middle = await nursery.start(StageServer(split3, 1, config(listen_port=split3.stage(1).port)).run)
+    return middle, final
+
+
+def window_tokens(reply) -> list[int]:
+    assert isinstance(reply, PredictedTokens), reply
+    return reply.tokens.tolist()
+
+
+def position(server: StageServer, sid: int) -> int:
+    (session,) = [s for s in server.snapshot()["sessions"] if s["session_id"] == sid]
+    return session["position"]
+
+
+async def speculate(head: Head, link, sid: int, prompt, ref: list[int], stages: list[StageServer]) -> None:
+    """The greedy speculative run checked against the reference `ref`: a window of drafts equal to the
+    reference accepts every draft; a window whose 2nd draft is wrong accepts one and gives the reference's
+    token; the next decode step, at the position after the accepted tokens (every stage holds the rejected
+    ones, and trims them), and the steps after it go on as the reference."""
+    reply = await head.open(link, sid, prompt)
+    assert isinstance(reply, PredictedToken) and reply.token == ref[0], reply
+    p = len(prompt)
+    got = window_tokens(await head.request(link, head.window(sid, ref[0:4], p)))
+    assert got == ref[1:5]  # the 3 drafts accepted, then the next token
+    for server in stages:
+        assert position(server, sid) == p + 4
+    wrong = (ref[6] + 1) % 512
+    got = window_tokens(await head.request(link, head.window(sid, [ref[4], ref[5], wrong, ref[7]], p + 4)))
+    assert got == ref[5:7]  # 1 draft accepted, then the target's own token
+    for server in stages:
+        assert position(server, sid) == p + 8  # the window's every position, until the head trims
+    out = ref[:7]
+    while len(out) < len(ref):
+        reply = await head.request(link, head.step(sid, out[-1], p + len(out) - 1))
+        assert isinstance(reply, PredictedToken), reply
+        out.append(reply.token)
+    assert out == ref
+    for server in stages:
+        assert position(server, sid) == p + len(ref) - 1
+    assert isinstance(await head.request(link, Stop(next(head.ids), sid)), Ack)
+
+
+# ---------------------------------------------------------------------------- greedy
+
+
+async def test_two_stages_greedy_window_accepts_drafts_and_the_next_step_trims(head2, final2, reference):
+    prompt, ref = reference
+    link = await head2.connect(final2)
+    assert await head2.plain(link, 1, prompt, len(ref)) == ref  # the pipeline's plain run is the reference
+    await speculate(head2, link, 2, prompt, ref, [final2])
+    # a window of the current token alone (no draft) is a decode step: its one prediction
+    reply = await head2.open(link, 3, prompt)
+    assert window_tokens(await head2.request(link, head2.window(3, [ref[0]], len(prompt)))) == [ref[1]]
+    # every draft up to the last accepted: at most len(tokens) predictions
+    got = window_tokens(await head2.request(link, head2.window(3, ref[1:9], len(prompt) + 1)))
+    assert got == ref[2:10] and len(got) == 8
+    assert reply.token == ref[0]
+    await link.aclose()
+
+
+async def test_three_stages_middle_stage_relays_windows(head3, split3, nursery, reference):
+    prompt, ref = reference
+    middle, final = await start3(split3, nursery)
+    link = await head3.connect(middle)
+    assert await head3.plain(link, 1, prompt, len(ref)) == ref
+    await speculate(head3, link, 2, prompt, ref, [middle, final])
+    await link.aclose()
+
+
+async def test_three_stages_direct_return_windows(head3, split3, nursery, reference):
+    """A direct-return session's window: the final stage answers on the token-return connection to the
+    head (here a TokenReturnHub on stage 0's port), the lane gets Acks (the middle stage's, at once)."""
+    prompt, ref = reference
+    hub = TokenReturnHub(stage_hello(split3, 0), read_deadline=10.0)
+    await nursery.start(hub.serve, "127.0.0.1", split3.stage(0).port)
+    middle, final = await start3(split3, nursery, direct_return=True)
+    link = await head3.connect(middle)
+    sid = 3
+    returns = hub.open_session(sid, 1)
+    reply, *_ = await link.request(ConfigureGeneration(1, sid, SamplingParams.greedy(), direct_return=True))
+    assert isinstance(reply, Ack), reply
+    msg = PrefillChunk(1, sid, 0, prompt, head3.hidden(sid, prompt, 0), final=True)
+    assert isinstance(await head3.request(link, msg), Ack)
+    with trio.fail_after(5):
+        first = await returns.receive()
+    assert isinstance(first, PredictedToken) and first.token == ref[0], first
+    p = len(prompt)
+    assert isinstance(await head3.request(link, head3.window(sid, ref[0:4], p, request_id=1)), Ack)
+    with trio.fail_after(5):
+        assert window_tokens(await returns.receive()) == ref[1:5]
+    wrong = (ref[6] + 1) % 512
+    assert isinstance(await head3.request(link, head3.window(sid, [ref[4], ref[5], wrong], p + 4, request_id=1)),
+                      Ack)
+    with trio.fail_after(5):
+        assert window_tokens(await returns.receive()) == ref[5:7]
+    assert position(final, sid) == p + 7
+    # the next step (relayed through the lane's acks, its prediction on the return connection) trims there
+    step = DecodeStep(1, sid, p + 6, [ref[6]], head3.hidden(sid, [ref[6]], p + 6))
+    assert isinstance(await head3.request(link, step), Ack)
+    with trio.fail_after(5):
+        step = await returns.receive()
+    assert isinstance(step, PredictedToken) and step.token == ref[7], step
+    assert hub.stats.tokens == 4
+    # only the decode step went the path that owes no lane reply; the windows were acked on the lane
+    assert final.snapshot()["returns_only"]["answered"] == 1
+    assert isinstance(await head3.request(link, Stop(2, sid)), Ack)
+    await link.aclose()
+
+
+# ---------------------------------------------------------------------------- seeded sampling
+
+
+async def test_seeded_sampling_window_consumes_the_rng_as_single_steps(head2, final2, reference):
+    """A window of the tokens a plain seeded run produced accepts them all, and the next token (and the one
+    after, by a decode step) is the plain run's: each row's sampling took the chain's RNG (and penalties)
+    exactly as the single steps did."""
+    prompt, _ = reference
+    sampling = SamplingParams(temperature=1.5, top_k=40, repeat_penalty=1.1, seed=1234)
+    link = await head2.connect(final2)
+    plain = await head2.plain(link, 1, prompt, 10, sampling)
+    again = await head2.plain(link, 1, prompt, 10, sampling)
+    assert plain == again  # seeded: a run is reproducible
+    reply = await head2.open(link, 2, prompt, sampling)
+    assert reply.token == plain[0]
+    p = len(prompt)
+    assert window_tokens(await head2.request(link, head2.window(2, plain[0:6], p))) == plain[1:7]
+    reply = await head2.request(link, head2.step(2, plain[6], p + 6))
+    assert isinstance(reply, PredictedToken) and reply.token == plain[7]
+    # a rejected draft: the sampled token is the plain run's too, and the RNG goes on as the plain run's
+    wrong = (plain[8] + 1) % 512
+    assert window_tokens(await head2.request(link, head2.window(2, [plain[7], wrong], p + 7))) == [plain[8]]
+    reply = await head2.request(link, head2.step(2, plain[8], p + 8))
+    assert isinstance(reply, PredictedToken) and reply.token == plain[9]
+    await link.aclose()
+
+
+# ---------------------------------------------------------------------------- batching
+
+
+async def test_windows_of_several_sessions_compute_in_one_batch(head2, final2, reference):
+    """Two sessions' windows queued together go into one llama_decode (the scheduler counts multi-sequence
+    batches), and each session's answer is its own."""
+    prompt, ref = reference
+    links = [await head2.connect(final2), await head2.connect(final2)]
+    for sid, link in enumerate(links, 1):
+        assert (await head2.open(link, sid, prompt)).token == ref[0]
+    stats = final2.scheduler.stats
+    before = stats.multi_seq_batches
+    p = len(prompt)
+    answers: dict[int, list[int]] = {}
+    windows = {sid: head2.window(sid, ref[0:4], p) for sid in (1, 2)}
+
+    async def one(sid: int) -> None:
+        answers[sid] = window_tokens(await head2.request(links[sid - 1], windows[sid]))
+
+    # both frames go out before either reply is read: the stage reads both, then its scheduler batches them
+    async with trio.open_nursery() as nursery:
+        for sid in (1, 2):
+            nursery.start_soon(one, sid)
+    assert answers == {1: ref[1:5], 2: ref[1:5]}
+    # and once more, with different windows (one rejects a draft)
+    windows = {1: head2.window(1, ref[4:8], p + 4), 2: head2.window(2, [ref[4], ref[5], (ref[6] + 1) % 512], p + 4)}
+    async with trio.open_nursery() as nursery:
+        for sid in (1, 2):
+            nursery.start_soon(one, sid)
+    assert answers == {1: ref[5:9], 2: ref[5:7]}
+    assert stats.multi_seq_batches > before, stats
+    for link in links:
+        await link.aclose()
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+async def test_bad_windows_get_clear_errors_and_the_lane_goes_on(head2, final2, reference):
+    prompt, ref = reference
+    link = await head2.connect(final2)
+    n_embd = final2.topology.n_embd
+    p = len(prompt)
+    act = np.zeros((2, n_embd), dtype=np.float32)
+    reply = await head2.request(link, VerifyWindow(1, 77, 0, [1, 2], act))
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.UNKNOWN_SESSION, reply
+    assert (await head2.open(link, 1, prompt)).token == ref[0]
+    reply = await head2.request(link, VerifyWindow(2, 1, p, [ref[0], 5]))
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.MISSING_ACTIVATION, reply
+    reply = await head2.request(link, VerifyWindow(3, 1, p + 1, [ref[0], 5], act))
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.POSITION_GAP, reply
+    # the session is where it was: a window there works
+    assert window_tokens(await head2.request(link, head2.window(1, ref[0:3], p))) == ref[1:4]
+    # a session configured with logprobs is never sent windows: refused, clearly
+    reply, *_ = await link.request(ConfigureGeneration(5, 2, SamplingParams(logprobs=2)))
+    assert isinstance(reply, Ack)
+    reply = await head2.request(link, VerifyWindow(6, 2, 0, [1, 2], act))
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BAD_VALUE and "logprobs" in reply.message
+    await link.aclose()
+
+
+async def test_a_window_beyond_the_context_is_refused(final2):
+    """A window whose last position is past the session's context: CONTEXT_FULL; one that ends at the
+    context's end is computed."""
+    link = await DownstreamLink.connect("127.0.0.1", final2.port, stage_hello(final2.topology, 0))
+    n_embd, n_ctx = final2.topology.n_embd, final2.context.n_ctx_seq
+    reply, *_ = await link.request(ConfigureGeneration(1, 1, SamplingParams.greedy()))
+    assert isinstance(reply, Ack)
+    held = n_ctx - 2
+    for lo in range(0, held, 64):
+        n = min(64, held - lo)
+        chunk = PrefillChunk(2, 1, lo, [1] * n, np.zeros((n, n_embd), np.float32), final=lo + n == held)
+        if lo + n < held:
+            await link.send_deferred(chunk)
+        else:
+            assert isinstance(await Head.request(link, chunk), PredictedToken)
+    reply = await Head.request(link, VerifyWindow(3, 1, held, [1, 2, 3], np.zeros((3, n_embd), np.float32)))
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.CONTEXT_FULL, reply
+    reply = await Head.request(link, VerifyWindow(4, 1, held, [1, 2], np.zeros((2, n_embd), np.float32)))
+    assert isinstance(reply, PredictedTokens) and 1 <= len(reply.tokens) <= 2, reply
+    assert position(final2, 1) == n_ctx
+    await link.aclose()
+
+
+async def test_a_window_larger_than_the_stage_batch_is_refused(head2, split2, nursery, reference):
+    """More tokens than the stage's batch: the frame is refused by the stage's wire limits (a protocol
+    error), never queued for a batch it cannot fit in; a new connection is served."""
+    prompt, ref = reference
+    server = await nursery.start(StageServer(split2, 1, config(n_batch=16)).run)
+    link = await head2.connect(server)
+    assert (await head2.open(link, 1, prompt)).token == ref[0]
+    n_embd = split2.n_embd
+    reply = await head2.request(link, VerifyWindow(2, 1, len(prompt), [1] * 17, np.zeros((17, n_embd), np.float32)))
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.FRAME_TOO_LARGE, reply
+    await link.aclose()
+    link = await head2.connect(server)
+    assert (await head2.open(link, 1, prompt)).token == ref[0]
+    assert window_tokens(await head2.request(link, head2.window(1, ref[0:3], len(prompt)))) == ref[1:4]
+    await link.aclose()
+
+
+async def test_a_window_whose_activation_has_the_wrong_width_is_a_protocol_error(head2, final2, reference):
+    """Hidden states of another width than the handshake's: the frame's length disagrees with its header, a
+    protocol error (the stage answers it and closes that connection only)."""
+    prompt, ref = reference
+    link = await head2.connect(final2)
+    n_embd = final2.topology.n_embd
+    reply = await head2.request(link, VerifyWindow(1, 1, 0, [1, 2], np.zeros((2, n_embd - 1), np.float32)))
+    assert isinstance(reply, ErrorReply) and reply.code < 32, reply
+    await link.aclose()
+    other = await head2.connect(final2)
+    assert (await head2.open(other, 1, prompt)).token == ref[0]
+    assert window_tokens(await head2.request(other, head2.window(1, ref[0:2], len(prompt)))) == ref[1:3]
+    await other.aclose()
