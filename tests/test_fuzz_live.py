@@ -60,6 +60,7 @@ from skippyd.wire.messages import (
     SamplingParams,
     Stop,
     TrimSession,
+    VerifyWindow,
 )
 from tests.procs import Pipeline, free_ports, split_for_test
 
@@ -300,6 +301,10 @@ def _messages(n_embd: int) -> list[bytes]:
         ConfigureGeneration(10, 79, SamplingParams(constraint=Constraint.json_schema(
             {"type": "object", "properties": {"a": {"type": "integer"}}}), logprobs=2)),
         ConfigureGeneration(11, 80, SamplingParams(constraint=Constraint.grammar('root ::= "yes" | "no"'))),
+        # verify windows (speculative decoding): one the final stage computes after the configure prelude (its
+        # answer a PredictedTokens), one past the session's positions
+        VerifyWindow(12, 77, 0, tokens, hidden),
+        VerifyWindow(13, 77, 2, tokens, hidden),
     )]
 
 
