@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import itertools
 
+import attrs
 import numpy as np
 import pytest
 import trio
 
 from skippyd.head.token_return import TokenReturnHub
-from skippyd.runtime.llama import Context, ContextParams, Model
+from skippyd.runtime.llama import Context, ContextParams, GuidedSampler, InvalidArgumentError, Model, Sampler
+from skippyd.sampling import Constraint
+from skippyd.stage.batching import BatchPolicy, decode_steps
 from skippyd.stage.downstream import DownstreamLink
+from skippyd.stage.execution import Job
+from skippyd.stage.scheduler import Scheduler
 from skippyd.stage.server import StageConfig, StageServer
 from skippyd.wire.messages import (
     Ack,
@@ -211,6 +216,101 @@ async def speculate(head: Head, link, sid: int, prompt, ref: list[int], stages: 
     assert isinstance(await head.request(link, Stop(next(head.ids), sid)), Ack)
 
 
+# ---------------------------------------------------------------------------- the runtime
+
+
+@pytest.fixture
+def whole(tiny_model_small_vocab_path):
+    """The whole tiny model: a first and final stage (token ids in, logits out), 2 sequences."""
+    with Model(tiny_model_small_vocab_path) as model, \
+            Context(model, ContextParams(n_ctx_per_seq=N_CTX, n_seq_max=2, n_threads=1)) as ctx:
+        yield ctx
+
+
+def prefill(ctx: Context, seq: int, prompt) -> None:
+    ctx.kv_clear_seq(seq)
+    ctx.decode(np.arange(len(prompt)), np.full(len(prompt), seq), tokens=prompt)
+
+
+def test_sample_window_greedy_and_chain_follow_the_rows_while_drafts_match(whole, reference):
+    prompt, ref = reference
+    p = len(prompt)
+    # two windows in one batch: sequence 0 with every draft right, 1 with its 2nd draft wrong
+    prefill(whole, 0, prompt)
+    prefill(whole, 1, prompt)
+    right = np.array(ref[0:5], np.int32)
+    wrong = np.array([ref[0], ref[1], (ref[2] + 1) % 512, ref[3]], np.int32)
+    whole.decode(np.concatenate([np.arange(p, p + 5), np.arange(p, p + 4)]), np.array([0] * 5 + [1] * 4),
+                 tokens=np.concatenate([right, wrong]), windows=[0, 1])
+    assert whole.sample_window(0, None, right) == ref[1:6]
+    assert whole.sample_window(1, None, wrong) == ref[1:3]
+    # a llama.cpp chain accepts every token it samples: the same seed over the same rows gives the same tokens,
+    # and a greedy chain (after penalties of 1.0) is the argmax
+    greedy_chain = Sampler(whole.model, SamplingParams(temperature=0.0, repeat_penalty=1.0, top_k=1))
+    assert whole.sample_window(0, greedy_chain, right) == ref[1:6]
+    seeded = SamplingParams(temperature=1.0, seed=99)
+    first = whole.sample_window(0, Sampler(whole.model, seeded), right)
+    assert whole.sample_window(0, Sampler(whole.model, seeded), right) == first and 1 <= len(first) <= 5
+    # a guided sampler without a constraint samples as greedy
+    assert whole.sample_window(0, GuidedSampler(whole.model, SamplingParams.greedy()), right) == ref[1:6]
+
+
+def test_sample_window_refuses_what_was_not_a_window(whole, reference):
+    prompt, ref = reference
+    p = len(prompt)
+    prefill(whole, 0, prompt)
+    with pytest.raises(InvalidArgumentError, match="verify window"):
+        whole.sample_window(0, None, prompt[-1:])  # a prefill, not a window
+    with pytest.raises(InvalidArgumentError, match="no row in the batch"):
+        whole.decode(np.arange(p, p + 2), np.zeros(2), tokens=np.array(ref[0:2], np.int32), windows=[1])
+    whole.kv_trim(0, p)
+    whole.decode(np.arange(p, p + 2), np.zeros(2), tokens=np.array(ref[0:2], np.int32), windows=[0])
+    with pytest.raises(InvalidArgumentError, match="3 tokens for a window of 2 rows"):
+        whole.sample_window(0, None, ref[0:3])
+    whole.decode_row(p + 2, 0, token=ref[2])  # a decode step after it: the window's rows are gone
+    with pytest.raises(InvalidArgumentError, match="verify window"):
+        whole.sample_window(0, None, ref[0:2])
+
+
+async def test_window_jobs_batch_with_decode_steps_and_are_sampled_as_windows(whole, reference):
+    """The batch policy takes verify windows as decode steps (several sessions' in one batch, before any
+    prefill chunk), the execution computes them in one llama_decode and samples each as a window, and the
+    sessions count as decoding."""
+    prompt, ref = reference
+    p = len(prompt)
+    prefill(whole, 0, prompt)
+    prefill(whole, 1, prompt)
+    scheduler = Scheduler(whole, adapt_threads=False)
+
+    def window(seq: int, tokens) -> Job:
+        tokens = np.array(tokens, np.int32)
+        return Job(seq, p, tokens=tokens, embd=None, want_token=True, window=True, window_tokens=tokens)
+
+    a, b = window(0, ref[0:4]), window(1, [ref[0], (ref[1] + 1) % 512])
+    chunk = Job(1, 0, tokens=np.ones(8, np.int32), embd=None)  # another sequence's prefill chunk (not computed)
+
+    @attrs.frozen
+    class Step:  # a decode step of a third session, as the policy sees it
+        seq: int
+        n: int = 1
+
+    policy = BatchPolicy(max_batch_tokens=64)
+    assert decode_steps([a, b, chunk]) == {0, 1}
+    taken = policy.take([chunk, b, a, Step(5)])
+    assert [(j.seq, j.n) for j in taken] == [(0, 4), (1, 2), (5, 1)]  # the chunk's sequence has a window
+    assert [(j.seq, j.n) for j in policy.take([chunk, a])] == [(0, 4), (1, 8)]  # chunks go after windows
+    assert [j.seq for j in BatchPolicy(max_batch_tokens=5).take([a, b])] == [1]  # while they fit, smallest first
+    decoded = []
+    scheduler.execution._on_decoded = decoded.append
+    await scheduler.execution.compute([a, b])
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert a.result == ref[1:5] and b.result == [ref[1]]
+    assert scheduler.stats.multi_seq_batches == 1 and scheduler.stats.max_batch_seqs == 2
+    assert scheduler.stats.tokens == 6 and scheduler.stats.decode_batches == 0
+    assert decoded == [{0, 1}]
+    assert not scheduler.execution.inline_turn([window(0, ref[0:1])])  # a window is never the one-row path
+
+
 # ---------------------------------------------------------------------------- greedy
 
 
@@ -305,6 +405,26 @@ async def test_seeded_sampling_window_consumes_the_rng_as_single_steps(head2, fi
     await link.aclose()
 
 
+async def test_constrained_window_matches_its_plain_run(head2, final2, reference):
+    """A session with a constraint (a guided sampler on the final stage): the matcher takes the window's
+    current token before the compute and each accepted draft before the next row, so a window of a plain
+    run's tokens is accepted whole; a draft the grammar forbids is rejected and the matcher never took it
+    (the next decode step samples as the plain run did)."""
+    prompt, _ = reference
+    sampling = SamplingParams(temperature=1.0, seed=7, constraint=Constraint.grammar("root ::= [a-z]+"))
+    link = await head2.connect(final2)
+    plain = await head2.plain(link, 1, prompt, 8, sampling)
+    assert all(head2.model.detokenize([t]).isalpha() for t in plain[:4]), plain
+    assert (await head2.open(link, 2, prompt, sampling)).token == plain[0]
+    p = len(prompt)
+    assert window_tokens(await head2.request(link, head2.window(2, plain[0:4], p))) == plain[1:5]
+    (digit,) = head2.model.tokenize("7", add_special=False, parse_special=False)
+    assert window_tokens(await head2.request(link, head2.window(2, [plain[4], int(digit)], p + 4))) == [plain[5]]
+    reply = await head2.request(link, head2.step(2, plain[5], p + 5))
+    assert isinstance(reply, PredictedToken) and reply.token == plain[6], reply
+    await link.aclose()
+
+
 # ---------------------------------------------------------------------------- batching
 
 
@@ -335,6 +455,16 @@ async def test_windows_of_several_sessions_compute_in_one_batch(head2, final2, r
         for sid in (1, 2):
             nursery.start_soon(one, sid)
     assert answers == {1: ref[5:9], 2: ref[5:7]}
+    # the two frames reach the stage at once, but its scheduler may start on the first before it reads the
+    # second (a busy host): the same windows again (at the same positions: the stage trims) until they share
+    # a batch
+    for _ in range(20):
+        if stats.multi_seq_batches > before:
+            break
+        async with trio.open_nursery() as nursery:
+            for sid in (1, 2):
+                nursery.start_soon(one, sid)
+        assert answers == {1: ref[5:9], 2: ref[5:7]}
     assert stats.multi_seq_batches > before, stats
     for link in links:
         await link.aclose()
