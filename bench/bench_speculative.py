@@ -11,9 +11,11 @@ Workloads, chats through the control channel (``Generate`` with ``messages``: th
 * ``code edit``: a ~40-line Python function and "rewrite it with X renamed to Y, return the whole code":
   the reply copies most of its prompt, what prompt-lookup drafting is for;
 * ``prose``: "write a short story about ...": new text, little to copy;
-* ``4 mixed``: four sessions at once, two code edits (other functions, other names) and two stories.
-  Decode rate: the aggregate, every session's tokens after its first over the time from the earliest first
-  token to the last session's end.
+* ``4 mixed``: four sessions at once, streamed, two code edits (other functions, other names) and two
+  stories. Decode rate: the aggregate while all four decode (the pieces that arrive from the last session's
+  first piece to the first session's last, over that time, as bench/bench_pipeline.py counts it; none when
+  they never decode at the same time), and end to end (every completion token over the wall time, the four
+  prefills included: the ``(e2e)`` row).
 
 Configurations: for each of ``--stages`` (1: ``skippyd --model``; 2, 3: one process per stage on loopback), a
 pipeline with ``--speculate off`` and one with ``--speculate on``, all started at once and measured in the same
@@ -62,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import trio
@@ -192,45 +195,65 @@ def speculation_of(result: dict) -> dict | None:
     return spec
 
 
-async def generate(head, prompt: str, max_tokens: int, kind: str) -> dict:
-    """One chat generation through the control channel: its tokens, decode rate, counters and client times."""
+async def generate(head, prompt: str, max_tokens: int, kind: str, *, stream: bool = False) -> dict:
+    """One chat generation through the control channel: its tokens, decode rate and counters; streamed, also when
+    each message of pieces arrived (time, pieces)."""
     from skippyctl.client import ControlError, open_control
     from skippyd.control import messages as m
 
+    arrivals: list[tuple[float, int]] = []
     sent = time.perf_counter()
     try:
         async with open_control(head.url, head.token_file) as client:
-            r = await client.call(m.Generate(id=client.new_id(), messages=messages(prompt), max_tokens=max_tokens,
-                                             stream=False, **sampling(kind)))
+            request = m.Generate(id=client.new_id(), messages=messages(prompt), max_tokens=max_tokens,
+                                 stream=stream, **sampling(kind))
+            if not stream:
+                r = await client.call(request)
+            else:
+                r = None
+                async for reply in client.replies(request):
+                    if isinstance(reply, m.Piece):
+                        arrivals.append((time.perf_counter(), reply.pieces))
+                    elif isinstance(reply, m.Result):
+                        r = reply.result
+                    else:
+                        return {"error": str(reply), "tokens": [], "tok_s": None}
     except ControlError as exc:
         return {"error": str(exc), "tokens": [], "tok_s": None}
-    done = time.perf_counter()
     return {"tokens": r["tokens"], "tok_s": r["timings"]["decode_tokens_per_s"], "finish": r["finish_reason"],
             "ttft_ms": r["timings"]["ttft_ms"], "prompt_tokens": r["usage"]["prompt_tokens"],
-            "speculation": speculation_of(r), "error": r.get("error"),
-            "first_at": sent + r["timings"]["ttft_ms"] / 1e3, "done_at": done}
+            "speculation": speculation_of(r), "error": r.get("error"), "sent_at": sent, "done_at": time.perf_counter(),
+            "arrivals": arrivals}
 
 
 async def generate_mixed(head, max_tokens: int, kind: str) -> dict:
-    """The four mixed sessions at once: each one's run, the aggregate decode rate and the summed counters."""
+    """The four mixed sessions at once, streamed: each one's run and the summed counters; the aggregate decode
+    rate while all of them decode (as bench/bench_pipeline.py's concurrent_decode: the pieces that arrive from
+    the last session's first piece to the first session's last, over that time; None when they never decoded
+    at the same time), and end to end (every completion token over the wall time, prefills included)."""
     runs: list[dict | None] = [None] * len(MIXED_PROMPTS)
 
     async def one(i: int) -> None:
-        runs[i] = await generate(head, MIXED_PROMPTS[i], max_tokens, kind)
+        runs[i] = await generate(head, MIXED_PROMPTS[i], max_tokens, kind, stream=True)
 
     async with trio.open_nursery() as nursery:
         for i in range(len(MIXED_PROMPTS)):
             nursery.start_soon(one, i)
     errors = [r["error"] for r in runs if r.get("error")]
     out: dict = {"sessions": runs, "tokens": [r["tokens"] for r in runs], "error": errors[0] if errors else None,
-                 "tok_s": None, "speculation": None}
+                 "tok_s": None, "e2e_tok_s": None, "speculation": None}
     if not errors:
-        span = max(r["done_at"] for r in runs) - min(r["first_at"] for r in runs)
-        after_first = sum(max(len(r["tokens"]) - 1, 0) for r in runs)
-        out["tok_s"] = after_first / span if span > 0 else None
+        wall = max(r["done_at"] for r in runs) - min(r["sent_at"] for r in runs)
+        out["e2e_tok_s"] = sum(len(r["tokens"]) for r in runs) / wall
+        if all(r["arrivals"] for r in runs):
+            lo, hi = max(r["arrivals"][0][0] for r in runs), min(r["arrivals"][-1][0] for r in runs)
+            if hi > lo:
+                out["tok_s"] = sum(n for r in runs for t, n in r["arrivals"] if lo < t <= hi) / (hi - lo)
         specs = [r["speculation"] for r in runs]
         if all(s is not None for s in specs):
             out["speculation"] = {k: sum(s.get(k, 0) for s in specs) for k in ("windows", "drafted", "accepted")}
+    for r in runs:
+        r.pop("arrivals", None)  # (not kept in the JSON)
     return out
 
 
@@ -285,6 +308,19 @@ def delay_unavailable() -> str | None:
         return why
     if shutil.which("tc") is None:
         return "no `tc` command (Debian package iproute2)"
+    probe = f"skspec{uuid.uuid4().hex[:6]}"
+    try:
+        subprocess.run(["ip", "netns", "add", probe], check=True, capture_output=True, timeout=30)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        return f"`ip netns add` failed: {getattr(exc, 'stderr', b'') or exc}"
+    try:
+        tc = subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem",
+                             "delay", "1ms"], capture_output=True, text=True, timeout=30)
+        if tc.returncode != 0:
+            return (f"tc cannot add a netem qdisc here ({tc.stderr.strip() or tc.stdout.strip()}): this kernel "
+                    f"lacks sch_netem")
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
     return None
 
 
@@ -385,6 +421,13 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     out["acceptance"] = total["accepted"] / total["drafted"] if total and total["drafted"] else None
     out["tokens_per_window"] = ((total["windows"] + total["accepted"]) / total["windows"]
                                 if total and total["windows"] else None)
+    if any("e2e_tok_s" in r for r in runs["off"] + runs["on"]):
+        e2e = {mode: [r["e2e_tok_s"] for r in runs[mode] if r.get("e2e_tok_s")] for mode in ("off", "on")}
+        out["e2e"] = {"off_tok_s": e2e["off"], "on_tok_s": e2e["on"],
+                      "ratio_per_round": [b["e2e_tok_s"] / a["e2e_tok_s"] for a, b in zip(runs["off"], runs["on"])
+                                          if a.get("e2e_tok_s") and b.get("e2e_tok_s")],
+                      "ratio": (statistics.median(e2e["on"]) / statistics.median(e2e["off"])
+                                if e2e["off"] and e2e["on"] else None)}
     off_spec = [r["speculation"] for r in runs["off"] if r.get("speculation")]
     out["off_windows"] = sum(s.get("windows", 0) for s in off_spec) if off_spec else None
     return out
@@ -401,15 +444,20 @@ def print_speed(title: str, table: dict[str, dict[str, dict]]) -> None:
     print(head)
     for name, rows in table.items():
         for w, s in rows.items():
-            pr = s["ratio_per_round"]
-            rng = f"{min(pr):.2f}-{max(pr):.2f}" if pr else "-"
             windows = s["speculation"]["windows"] if s["speculation"] else None
             label = f"{name} {w}" + (" (aggr.)" if w == "4 mixed" else "")
             errors = f"  {s['errors']} ERRORS" if s["errors"] else ""
-            print(f"  {label:26}{spread(s['off_tok_s']):>22}{spread(s['on_tok_s']):>22}"
-                  f"{'x' + fmt(s['ratio'], '.2f') if s['ratio'] else '-':>8}{rng:>15}"
-                  f"{fmt(s['acceptance'], '.2f'):>10}{fmt(s['tokens_per_window'], '.2f'):>11}"
+            print(f"  {label:26}{_rates(s)}{fmt(s['acceptance'], '.2f'):>10}{fmt(s['tokens_per_window'], '.2f'):>11}"
                   f"{fmt(windows, 'd'):>9}{errors}")
+            if "e2e" in s:
+                print(f"  {f'{name} {w} (e2e)':26}{_rates(s['e2e'])}")
+
+
+def _rates(s: dict) -> str:
+    pr = s["ratio_per_round"]
+    rng = f"{min(pr):.2f}-{max(pr):.2f}" if pr else "-"
+    ratio = "x" + fmt(s["ratio"], ".2f") if s["ratio"] else "-"
+    return f"{spread(s['off_tok_s']):>22}{spread(s['on_tok_s']):>22}{ratio:>8}{rng:>15}"
 
 
 # ---------------------------------------------------------------- output identity
@@ -473,9 +521,10 @@ def probe_margins(pairs: list[Pair], rows: list[dict], vocab) -> None:
         pos = row["position"]
         client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=600)
         try:
-            got = client.chat.completions.create(model="default", messages=messages(row["prompt"]),
-                                                 max_tokens=pos + 1, logprobs=True, top_logprobs=2,
-                                                 **sampling(row["sampling"]))
+            served = client.models.list().data
+            got = client.chat.completions.create(model=served[0].id if served else "default",
+                                                 messages=messages(row["prompt"]), max_tokens=pos + 1,
+                                                 logprobs=True, top_logprobs=2, **sampling(row["sampling"]))
         except openai.OpenAIError as exc:
             row["margin_note"] = f"the logprobs request failed: {exc}"
             continue
