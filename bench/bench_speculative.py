@@ -439,7 +439,7 @@ def fmt(x: float | None, spec: str = ".3f") -> str:
 
 def print_speed(title: str, table: dict[str, dict[str, dict]]) -> None:
     print(f"\n{title}")
-    head = (f"  {'':26}{'off tok/s':>22}{'on tok/s':>22}{'on/off':>8}{'per round':>15}"
+    head = (f"  {'':34}{'off tok/s':>22}{'on tok/s':>22}{'on/off':>8}{'per round':>15}"
             f"{'accepted':>10}{'tok/window':>11}{'windows':>9}")
     print(head)
     for name, rows in table.items():
@@ -447,10 +447,11 @@ def print_speed(title: str, table: dict[str, dict[str, dict]]) -> None:
             windows = s["speculation"]["windows"] if s["speculation"] else None
             label = f"{name} {w}" + (" (aggr.)" if w == "4 mixed" else "")
             errors = f"  {s['errors']} ERRORS" if s["errors"] else ""
-            print(f"  {label:26}{_rates(s)}{fmt(s['acceptance'], '.2f'):>10}{fmt(s['tokens_per_window'], '.2f'):>11}"
+            print(f"  {label:34}{_rates(s)}{fmt(s['acceptance'], '.2f'):>10}{fmt(s['tokens_per_window'], '.2f'):>11}"
                   f"{fmt(windows, 'd'):>9}{errors}")
             if "e2e" in s:
-                print(f"  {f'{name} {w} (e2e)':26}{_rates(s['e2e'])}")
+                e2e_label = f"{name} {w} (e2e)"
+                print(f"  {e2e_label:34}{_rates(s['e2e'])}")
 
 
 def _rates(s: dict) -> str:
@@ -549,7 +550,7 @@ def print_identity(rows: list[dict], vocab) -> None:
     print("\noutput identity: speculative tokens against the same configuration's non-speculative ones")
     for row in rows:
         where = f"{row['config']} {row['workload']}" + (f" #{row['session']}" if row.get("session") is not None else "")
-        label = f"  {where:26} {row['sampling']:7}"
+        label = f"  {where:34} {row['sampling']:7}"
         if "note" in row:
             print(f"{label} {row['note']}")
             continue
@@ -667,7 +668,7 @@ def summarize_llama_cpp(lc: dict) -> dict:
 def print_llama_cpp(summary: dict, lc: dict, skippy_greedy: dict) -> None:
     print(f"\nllama-cpp-python {lc.get('version')} prompt lookup (LlamaPromptLookupDecoding(num_pred_tokens="
           f"{LOOKUP_PRED_TOKENS})) against the same model without it, greedy; acceptance estimated")
-    print(f"  {'':26}{'plain tok/s':>22}{'lookup tok/s':>22}{'ratio':>8}{'per round':>15}{'accepted':>10}"
+    print(f"  {'':34}{'plain tok/s':>22}{'lookup tok/s':>22}{'ratio':>8}{'per round':>15}{'accepted':>10}"
           f"{'lookups':>9}  tokens")
     for w, s in summary.items():
         pr = s["ratio_per_round"]
@@ -677,7 +678,7 @@ def print_llama_cpp(summary: dict, lc: dict, skippy_greedy: dict) -> None:
         if ref is not None:
             plain_tokens = lc["results"][w]["plain"][0]["tokens"]
             same += ", = skippy 1-stage off" if plain_tokens == ref else ", != skippy 1-stage off"
-        print(f"  {w:26}{spread(s['plain_tok_s']):>22}{spread(s['lookup_tok_s']):>22}"
+        print(f"  {w:34}{spread(s['plain_tok_s']):>22}{spread(s['lookup_tok_s']):>22}"
               f"{'x' + fmt(s['ratio'], '.2f') if s['ratio'] else '-':>8}{rng:>15}"
               f"{fmt(s['acceptance_est'], '.2f'):>10}{s['lookups']:>9}  {same}")
 
