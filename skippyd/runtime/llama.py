@@ -639,7 +639,8 @@ class Context(_NativeObject):
     Input is token ids on a first stage and hidden states (float32
     ``[n, n_embd_inp]``) on any later stage. Output is the hidden state of every
     token on a non-final stage, and logits of each sequence's last token on the
-    final stage. One thread at a time may use a context.
+    final stage (of every token of a verify window's sequence, see
+    :meth:`sample_window`). One thread at a time may use a context.
     """
 
     _kind = "context"
