@@ -2,7 +2,9 @@
 
 The test plays the head: it runs the real stage-0 slice (one KV sequence per session) and sends what a head
 sends (ConfigureGeneration, PrefillChunk, DecodeStep, VerifyWindow) to stage 1, an in-process StageServer
-(2 stages: the final one; 3 stages: a middle one, which forwards to the final stage's server).
+(2 stages: the final one; 3 stages: a middle one, which forwards to the final stage's server), and once to
+real skippyd processes of stages 1 and 2. The runtime (Context.sample_window) and the batch policy and
+execution are tested directly too.
 
 Greedy choices of the tiny random model are often close (logit margins of 1e-3), and computing a position
 alone or inside a larger batch rounds differently (ULPs of the logits: ~1e-6 here). A window's tokens can
@@ -14,6 +16,7 @@ TIE: then windows and single steps must agree exactly, and do.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import attrs
 import numpy as np
@@ -42,7 +45,7 @@ from skippyd.wire.messages import (
     Stop,
     VerifyWindow,
 )
-from tests.procs import split_for_test
+from tests.procs import Pipeline, split_for_test
 
 N_CTX = 64
 TIE = 1e-4  # logits closer than this are a near tie: batch and single-row rounding could order them either way
@@ -188,7 +191,7 @@ def position(server: StageServer, sid: int) -> int:
     return session["position"]
 
 
-async def speculate(head: Head, link, sid: int, prompt, ref: list[int], stages: list[StageServer]) -> None:
+async def speculate(head: Head, link, sid: int, prompt, ref: list[int], stages: list[StageServer] = ()) -> None:
     """The greedy speculative run checked against the reference `ref`: a window of drafts equal to the
     reference accepts every draft; a window whose 2nd draft is wrong accepts one and gives the reference's
     token; the next decode step, at the position after the accepted tokens (every stage holds the rejected
@@ -376,6 +379,23 @@ async def test_three_stages_direct_return_windows(head3, split3, nursery, refere
     assert final.snapshot()["returns_only"]["answered"] == 1
     assert isinstance(await head3.request(link, Stop(2, sid)), Ack)
     await link.aclose()
+
+
+@pytest.mark.slow
+async def test_three_stage_daemons_verify_windows(head3, split3, tmp_path, reference):
+    """The same through real skippyd processes (stages 1 and 2 of 3; the test is stage 0)."""
+    prompt, ref = reference
+    pipe = Pipeline(Path(split3.stage(0).file).parent / "topology.toml", tmp_path)
+    try:
+        for k in (2, 1):
+            await pipe.astart_stage(k)
+        link = await DownstreamLink.connect(split3.stage(1).host, split3.stage(1).port, stage_hello(split3, 0))
+        assert await head3.plain(link, 1, prompt, len(ref)) == ref
+        await speculate(head3, link, 2, prompt, ref)
+        await link.aclose()
+        await pipe.wait_all_released(5.0)
+    finally:
+        pipe.stop_cleanly()
 
 
 # ---------------------------------------------------------------------------- seeded sampling
