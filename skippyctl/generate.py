@@ -40,6 +40,9 @@ def generate(
     logprobs: Annotated[int | None, typer.Option(
         "--logprobs", min=0, max=20, help="Each token's logprob and its N most likely alternatives' (0-20).",
         metavar="N")] = None,
+    speculate: Annotated[bool | None, typer.Option(
+        "--speculate/--no-speculate", help="Draft tokens from the context and verify several per trip round the "
+        "pipeline (the output is the same); default: the daemon's setting.")] = None,
 ) -> None:
     """Generate a reply; text streams to the terminal. Ctrl-C cancels it on the daemon."""
     g = ctx.obj
@@ -55,7 +58,8 @@ def generate(
         request = m.Generate(id="1", prompt=prompt, system=system, raw=raw, max_tokens=max_tokens,
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=list(stop or []),
                              stream=not json_mode, json_schema=files.get("--json-schema"), json_object=json_object,
-                             grammar=files.get("--grammar"), logprobs=logprobs)
+                             grammar=files.get("--grammar"), logprobs=logprobs,
+                             speculate=speculate)
         request.sampling()
     except (m.Invalid, InvalidSampling) as exc:
         fail(f"--{(exc.field or 'value').replace('_', '-')}: {exc}", EXIT_USAGE)

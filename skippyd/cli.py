@@ -25,6 +25,7 @@ FLAG_KEYS = {
     "queue_timeout": "runtime.queue_timeout",
     "resume": "runtime.resume",
     "prefix_cache_mb": "runtime.prefix_cache_mb",
+    "speculate": "runtime.speculate",
     "listen": "stage.listen",
     "upstream_allow": "stage.upstream_allow",
     "link_secret_file": "stage.link_secret_file",
@@ -143,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the most memory (MiB) each stage's prefix cache may hold: the KV of prompts it has "
                           "computed, so that a prompt that begins the same computes only the rest; 0: off "
                           "(default 512)")
+    run.add_argument("--speculate", choices=("on", "off"), default=None,
+                     help="the head: draft tokens from each session's own context (its prompt and reply) and "
+                          "verify several at once in one trip round the pipeline; a session drafts only while "
+                          "that pays, and the output is what decoding token by token gives (default off)")
     net = p.add_argument_group("network and security")
     net.add_argument("--listen", type=_hostport, default=None, metavar="HOST:PORT",
                      help="this stage's listener (default: from the topology)")

@@ -141,6 +141,9 @@ class RuntimeSection:
     resume_window: float = attrs.field(default=30.0, validator=_at_least(0))  # ... waiting this long
     # the most memory (MiB) a stage's prefix cache may hold: the KV of prompts it has computed; 0: no cache
     prefix_cache_mb: int = attrs.field(default=512, validator=_at_least(0))
+    # the head: draft tokens from the session's own context and verify them in windows (speculative decoding)
+    speculate: str = attrs.field(default="off", validator=_one_of(("on", "off")))
+    speculate_max_draft: int = attrs.field(default=8, validator=_in_range(1, 16))  # drafts in one window at most
 
 
 def _allow_list(_inst, attribute, value) -> None:

@@ -37,6 +37,7 @@ class HeadOptions:
     receipts_file: Path | None
     queue_timeout: float
     resume_window: float | None  # None: a generation a stage failure interrupts fails (no replay)
+    speculate_max_draft: int = 0  # drafts per verify window at most; 0: no speculative decoding
 
     def kwargs(self) -> dict[str, Any]:
         return attrs.asdict(self, recurse=False)
@@ -142,7 +143,8 @@ def stage_config(config: Config, n_local: int, decode_groups: int, link_auth: by
 def head_options(config: Config) -> HeadOptions:
     rt = config.runtime
     return HeadOptions(prefill_chunk=rt.prefill_chunk, receipts_file=config.daemon.receipts,
-                       queue_timeout=rt.queue_timeout, resume_window=rt.resume_window if rt.resume else None)
+                       queue_timeout=rt.queue_timeout, resume_window=rt.resume_window if rt.resume else None,
+                       speculate_max_draft=rt.speculate_max_draft if rt.speculate == "on" else 0)
 
 
 def _link_auth(config: Config) -> bytes:

@@ -58,12 +58,14 @@ def wait_healthy(api: Api, timeout: float = 20.0) -> None:
 
 
 @contextlib.contextmanager
-def serving(model_path: Path, work: Path, *, ctx: int, lanes: int = 2, timeout: float = 120) -> Iterator[Api]:
-    """The model split in 2 under `work`, served with `--openai`; every stage must exit cleanly at the end."""
+def serving(model_path: Path, work: Path, *, ctx: int, lanes: int = 2, timeout: float = 120,
+            extra: tuple[str, ...] = ()) -> Iterator[Api]:
+    """The model split in 2 under `work`, served with `--openai` (and the flags `extra`); every stage must exit
+    cleanly at the end."""
     split_for_test(model_path, 2, work)
     port = free_ports(1)[0]
     pipe = Pipeline(work / "topology.toml", work,
-                    extra=["--openai", f"127.0.0.1:{port}", "--ctx", str(ctx), "--lanes", str(lanes)]).start()
+                    extra=["--openai", f"127.0.0.1:{port}", "--ctx", str(ctx), "--lanes", str(lanes), *extra]).start()
     try:
         api = Api(pipe, port, timeout=timeout)
         wait_healthy(api)

@@ -74,6 +74,7 @@ class Generate:
     json_object: bool = False
     grammar: str | None = None
     logprobs: int | None = None  # each token's logprob and this many alternatives' (0..20); None: none
+    speculate: bool | None = None  # speculative decoding for this generation; None: the daemon's setting
 
     def sampling(self) -> SamplingParams:
         """Raises InvalidSampling (what the checks above cannot see: a seed beyond 32 bits, a schema or a grammar

@@ -201,7 +201,7 @@ class ControlServer:
             raise GenerationError(f"sampling parameters: {exc}", status=400) from exc
         greq = GenerationRequest(
             prompt=req.prompt, system=req.system, messages=tuple(req.messages), raw=req.raw,
-            max_tokens=req.max_tokens, sampling=sampling, stop=tuple(req.stop))
+            max_tokens=req.max_tokens, sampling=sampling, stop=tuple(req.stop), speculate=req.speculate)
 
         if req.stream:
             result = await self._generate_streamed(greq, req.id, send)

@@ -37,6 +37,7 @@ from skippyd.head.lanes import LanePool
 from skippyd.head.live import LiveGeneration
 from skippyd.head.liveness import StageWatch
 from skippyd.head.run import GenerationRun, HeadParts
+from skippyd.head.speculation import DEFAULT_MAX_DRAFT, SpeculationTotals
 from skippyd.head.text_output import PieceCallback
 from skippyd.head.token_return import TokenReturnHub
 from skippyd.runtime import chat_template, llama
@@ -65,6 +66,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     tools: tuple[dict, ...] = ()  # OpenAI function tools, for a chat template that presents them itself
+    speculate: bool | None = None  # speculative decoding for this generation (None: the daemon's setting)
 
 
 @attrs.define
@@ -84,6 +86,7 @@ class GenerationResult:
     # with sampling.logprobs: one TokenLogprobs per token of ``tokens`` (the final stage's, from the distribution
     # it sampled from); None without
     logprobs: list | None = None
+    speculation: dict | None = None  # a speculative generation's windows, drafted and accepted tokens
 
     def to_json(self) -> dict:
         return {
@@ -93,7 +96,8 @@ class GenerationResult:
             "tokens": self.tokens,
             "finish_reason": self.finish_reason,
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
-                      "total_tokens": self.prompt_tokens + len(self.tokens), "cached_tokens": self.cached_tokens},
+                      "total_tokens": self.prompt_tokens + len(self.tokens), "cached_tokens": self.cached_tokens,
+                      **({} if self.speculation is None else {"speculation": self.speculation})},
             "timings": {"ttft_ms": round(self.ttft_ms, 3), "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
                         "elapsed_ms": round(self.elapsed_ms, 3)},
             "error": self.error,
@@ -128,7 +132,7 @@ class HeadEngine:
                  pool: LanePool | None, *, prefill_chunk: int = 256, receipts_file: Path | None = None,
                  receipts_kept: int = 256, queue_timeout: float = 30.0, hub: TokenReturnHub | None = None,
                  watch: StageWatch | None = None, resume_window: float | None = None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, speculate_max_draft: int = 0):
         self.model = model
         self.context = context
         self.scheduler = scheduler
@@ -155,8 +159,10 @@ class HeadEngine:
         self.lane_services = LaneServices(watch, hub, self.chunker, self.token_paths, context.n_embd)
         # the KV of stage 0's layers for prompts the head has computed (none: budget 0)
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0, stage_index=0)
+        # speculative decoding: on for every generation with a max_draft (a request may say otherwise)
+        self.speculation = SpeculationTotals(max_draft=speculate_max_draft)
         self.parts = HeadParts(model, context, scheduler, self.sessions, pool, self.chunker, self.lane_services,
-                               resume_window, self.new_request_id, self.prefix_cache)
+                               resume_window, self.new_request_id, self.prefix_cache, self.speculation)
 
     def describe_token_return(self) -> dict | None:
         if self.pool is None:
@@ -216,7 +222,7 @@ class HeadEngine:
         live = LiveGeneration(request_id, session_id, len(prompt), time.monotonic(), trio.CancelScope())
         self.live[session_id] = live
         run = GenerationRun(self.parts, live, prompt, max_tokens, sampling, req.stop, req.ignore_eos, on_piece,
-                            started)
+                            started, max_draft=self._max_draft(req.speculate))
         try:
             with live.cancel_scope, span("head.generation", request=request_id, session=session_id) as sp:
                 deadline = await self._admit()
@@ -252,6 +258,13 @@ class HeadEngine:
                                   retryable=True, status=503)
         return await self.gate.enter()
 
+    def _max_draft(self, speculate: bool | None) -> int:
+        """Drafts per verify window for a generation that asks ``speculate`` (None: the daemon's setting)."""
+        configured = self.speculation.max_draft
+        if speculate is None:
+            return configured
+        return (configured or DEFAULT_MAX_DRAFT) if speculate else 0
+
     def new_request_id(self) -> int:
         return next(self._request_ids)
 
@@ -276,7 +289,8 @@ class HeadEngine:
             finish_reason=run.finish_reason or "error", prompt_tokens=len(run.prompt), ttft_ms=run.ttft_ms,
             decode_tokens_per_s=live.decode_rate() or 0.0, elapsed_ms=run.elapsed_ms(),
             stage_stats=attrs.asdict(run.stats), error=run.error, cached_tokens=run.cached_tokens,
-            logprobs=None if run.logprobs is None else list(run.logprobs))
+            logprobs=None if run.logprobs is None else list(run.logprobs),
+            speculation=None if run.speculation is None else run.speculation.describe())
 
     def _record(self, run: GenerationRun) -> None:
         if run.finish_reason is None:

@@ -52,6 +52,7 @@ from skippyd.wire.messages import (
     ErrorReply,
     PredictedToken,
     PredictedTokenLogprobs,
+    PredictedTokens,
     PrefillChunk,
     RestorePrefix,
     StatsTotal,
@@ -231,6 +232,11 @@ class LaneClient:
         """The predicted token of a message sent with :meth:`send` or :meth:`send_step`."""
         raise NotImplementedError
 
+    async def window_predictions(self, sent: InFlight) -> list[int]:
+        """The final stage's answer to a VerifyWindow sent with :meth:`send`: the drafts it accepted, then the
+        next token."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------ the end
     def close(self) -> None:
         """The generation leaves the lane (it ends, or resumes on another)."""
@@ -276,6 +282,15 @@ def _logprobs_of(reply: PredictedToken) -> TokenLogprobs | None:
     return None
 
 
+def _window_tokens(sent: InFlight, reply, who: str) -> list[int]:
+    """The tokens of a VerifyWindow's answer: one more than the drafts accepted, at most one per position."""
+    if not isinstance(reply, PredictedTokens) or not 1 <= len(reply.tokens) <= len(sent.msg.tokens):
+        got = type(reply).__name__ if not isinstance(reply, PredictedTokens) else f"{len(reply.tokens)} tokens"
+        raise GenerationError(f"{who} answered a verify window of {len(sent.msg.tokens)} positions with {got}",
+                              status=502)
+    return reply.tokens.tolist()
+
+
 class RelayedLane(LaneClient):
     """Every prediction comes back on the lane, relayed by each stage in turn."""
 
@@ -302,6 +317,10 @@ class RelayedLane(LaneClient):
         self.paths.relayed += 1
         self.logprobs = _logprobs_of(reply)
         return int(reply.token)
+
+    async def window_predictions(self, sent: InFlight) -> list[int]:
+        reply = await self._finish(sent)
+        return _window_tokens(sent, reply, "stage 1")
 
 
 class DirectLane(LaneClient):
@@ -365,6 +384,19 @@ class DirectLane(LaneClient):
         return True
 
     async def prediction(self, sent: InFlight) -> int:
+        item = await self._returned(sent)
+        if not isinstance(item, PredictedToken):
+            raise GenerationError(f"the token-return connection answered {type(sent.msg).__name__} with "
+                                  f"{type(item).__name__}")
+        self.paths.direct += 1
+        self.logprobs = _logprobs_of(item)
+        return int(item.token)
+
+    async def window_predictions(self, sent: InFlight) -> list[int]:
+        return _window_tokens(sent, await self._returned(sent), "the token-return connection")
+
+    async def _returned(self, sent: InFlight):
+        """What the token-return connection brought for `sent` (an ErrorReply raised as a GenerationError)."""
         msg, lane, link, clock = sent.msg, self.lane, self.link, self.clock
         acked = sent.acked
         if acked:
@@ -401,12 +433,7 @@ class DirectLane(LaneClient):
         self.stats.add(item.stats)
         if isinstance(item, ErrorReply):
             raise stage_error(item)
-        if not isinstance(item, PredictedToken) or item.session_id != session_id:
-            raise GenerationError(f"the token-return connection answered {type(msg).__name__} with "
-                                  f"{type(item).__name__}")
-        self.paths.direct += 1
-        self.logprobs = _logprobs_of(item)
-        return int(item.token)
+        return item
 
     async def _read_unasked(self, spoke: LaneSpoke) -> NoReturn:
         """Stage 1 spoke on the lane, where the decode steps owe nothing: read what it said, and fail."""

@@ -31,7 +31,7 @@ log = logging.getLogger("skippyd.head")
 class HeadNode:
     def __init__(self, config: StageConfig, *, topology: Topology | None = None, model_path: Path | None = None,
                  prefill_chunk: int = 256, receipts_file: Path | None = None, queue_timeout: float = 30.0,
-                 resume_window: float | None = None):
+                 resume_window: float | None = None, speculate_max_draft: int = 0):
         if topology is None and model_path is None:
             raise ValueError("the head needs a topology or a model file")
         self.config = config
@@ -41,6 +41,7 @@ class HeadNode:
         self.receipts_file = receipts_file
         self.queue_timeout = queue_timeout
         self.resume_window = resume_window  # None: a stage failure fails the generation
+        self.speculate_max_draft = speculate_max_draft  # 0: no speculative decoding unless a request asks
         self.engine: HeadEngine | None = None
         self.pool: LanePool | None = None
         self.hub: TokenReturnHub | None = None
@@ -87,7 +88,8 @@ class HeadNode:
             self.engine = HeadEngine(self.model, context, scheduler, self.pool, prefill_chunk=self.prefill_chunk,
                                      receipts_file=self.receipts_file, queue_timeout=self.queue_timeout,
                                      hub=self.hub, watch=self.watch, resume_window=self.resume_window,
-                                     prefix_cache=PrefixCache(cfg.prefix_cache_mb << 20, stage_index=0))
+                                     prefix_cache=PrefixCache(cfg.prefix_cache_mb << 20, stage_index=0),
+                                     speculate_max_draft=self.speculate_max_draft)
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(scheduler.serve)
@@ -158,7 +160,8 @@ class HeadNode:
                     token_return=self.engine.describe_token_return() if self.engine else None,
                     lanes_task=None if self.pool is None else {"failures": self.lanes_task_failures,
                                                                "last_error": self.lanes_task_error},
-                    prefix_cache=self.engine.prefix_cache.stats().to_json() if self.engine else None)
+                    prefix_cache=self.engine.prefix_cache.stats().to_json() if self.engine else None,
+                    speculation=self.engine.speculation.describe() if self.engine else None)
         return snap
 
 

@@ -39,6 +39,7 @@ from skippyd.head.lane_client import InFlight, LaneClient, LaneServices, Relayed
 from skippyd.head.lanes import Draining, Lane, LanePool, NoLaneAvailable
 from skippyd.head.live import LiveGeneration
 from skippyd.head.resume import ResumePolicy
+from skippyd.head.speculation import Speculation, SpeculationTotals
 from skippyd.head.step_clock import StepClock
 from skippyd.head.text_output import PieceCallback, TextOutput
 from skippyd.runtime import llama
@@ -49,7 +50,7 @@ from skippyd.stage.prefix_cache import PrefixCache, record_from, restore_into
 from skippyd.stage.scheduler import Scheduler
 from skippyd.stage.sessions import SessionTable
 from skippyd.telemetry import span
-from skippyd.wire.messages import MAX_TOKENS, PrefillChunk, StageStats, StatsTotal
+from skippyd.wire.messages import MAX_TOKENS, PrefillChunk, StageStats, StatsTotal, VerifyWindow
 from skippyd.wire.stream import PreparedFrame
 
 log = logging.getLogger("skippyd.head")
@@ -72,6 +73,7 @@ class HeadParts:
     resume_window: float | None
     new_request_id: Callable[[], int]
     prefix_cache: PrefixCache  # the KV of stage 0's layers for prompts the head has computed
+    speculation: SpeculationTotals  # speculative decoding: the daemon's setting, and its counters
 
 
 class GenerationRun:
@@ -79,7 +81,7 @@ class GenerationRun:
 
     def __init__(self, head: HeadParts, live: LiveGeneration, prompt: np.ndarray, max_tokens: int,
                  sampling: SamplingParams, stops: tuple[str, ...],
-                 ignore_eos: bool, on_piece: PieceCallback | None, started: float):
+                 ignore_eos: bool, on_piece: PieceCallback | None, started: float, *, max_draft: int = 0):
         self.head, self.live = head, live
         self.scheduler = head.scheduler
         # the request id on the wire: a new one for each replay, so that a reply owed to an attempt given up
@@ -114,6 +116,10 @@ class GenerationRun:
         # this generation's prefill chunk, chosen once: a replay (resume) must chunk the prompt the same way,
         # or its logits (and so a greedy replay's tokens) could differ from the first time
         self.chunk: int | None = None
+        # speculative decoding: drafts per window at most (0: token by token); not with logprobs, which the
+        # final stage reports per decode step
+        self.max_draft = max_draft if sampling.logprobs is None else 0
+        self.speculation: Speculation | None = None  # its state, from the first decode on
 
     @property
     def stats(self) -> StageStats:
@@ -270,6 +276,9 @@ class GenerationRun:
     # ------------------------------------------------------------------ decode
     async def _decode(self, token: int) -> None:
         """Token by token until end-of-generation, a stop string or max_tokens (sets finish_reason)."""
+        if self.max_draft:
+            await self._decode_speculative(token)
+            return
         live, tokens, text, clock, lane = self.live, self.tokens, self.text, self.clock, self.lane
         is_eog = self.head.model.is_eog
         clock.restart()
@@ -308,6 +317,100 @@ class GenerationRun:
                 return
             token = await (self._predict_finish(in_flight) if in_flight is not None else self._step(token))
 
+    async def _decode_speculative(self, token: int) -> None:
+        """As _decode, several tokens per trip round the pipeline where drafts pay: each token whose hidden
+        state is still owed goes out in a verify window [token, drafts...] (or, with no drafts worth a
+        window, a plain decode step); the window's answer is the drafts the final stage accepted, which
+        every stage has computed already, then the next token, which goes out the same way."""
+        live, tokens, text, clock = self.live, self.tokens, self.text, self.clock
+        is_eog = self.head.model.is_eog
+        if self.speculation is None:
+            self.speculation = Speculation(self.max_draft, self.head.speculation)
+        spec = self.speculation
+        spec.begin([*self.prompt.tolist(), *tokens])  # (again after a replay: the context so far)
+        ahead: list[int] = []  # the window's accepted drafts (computed already) and next token, still to emit
+        clock.restart()
+        while True:
+            now = clock.tick()
+            if live.first_token_at is None:
+                live.first_token_at = now
+                self.ttft_ms = (now - self.started) * 1e3
+            tokens.append(token)
+            spec.extend(token)
+            live.generated = len(tokens)
+            if not self.ignore_eos and is_eog(token):
+                tokens.pop()
+                live.generated -= 1
+                text.finish()
+                self.finish_reason = "stop"
+                return
+            live.last_token_at = now
+            sent = drafts = None
+            began = time.perf_counter()  # a window's or a step's time: what sizes the windows
+            if not ahead and len(tokens) < self.max_tokens:
+                # the token's hidden state is owed: out it goes first (the critical path), its text after
+                drafts = spec.drafts(self.max_tokens - len(tokens) - 1)
+                sent = await (self._window_begin(token, drafts) if drafts else self._step_begin_any(token))
+            if text.push(token):
+                self.finish_reason = "stop"
+                return
+            if len(tokens) >= self.max_tokens:
+                text.finish()
+                self.finish_reason = "length"
+                return
+            if ahead:
+                token = ahead.pop(0)
+                continue
+            if drafts:
+                ahead = await self._window_finish(sent, len(drafts))
+                spec.window_done(len(drafts), len(ahead) - 1, time.perf_counter() - began)
+                token = ahead.pop(0)
+            else:
+                token = await self._step_finish_any(sent, token)
+                spec.plain_step_done(token, time.perf_counter() - began)
+
+    async def _window_begin(self, token: int, drafts: list[int]):
+        """Compute the head's slice for the window [token, drafts...] and send it on (its answer owed); on a
+        single stage, compute and sample it (the answer)."""
+        window = np.array([token, *drafts], dtype=np.int32)
+        pos = self.position
+        if self.lane is None:
+            let_out = self.text.let_out
+            if let_out is not None:
+                await let_out()
+            await self._record_prompt()
+            if isinstance(self.sampler, llama.GuidedSampler):
+                self.sampler.advance(token)
+            return pos, await self._compute(window, pos, want_token=True, window=True)
+        hidden = await self._compute(window, pos, want_token=False, window=True)
+        return pos, await self.lane.send(VerifyWindow(self.wire_request_id, self.live.session_id, pos, window, hidden))
+
+    async def _window_finish(self, sent, drafted: int) -> list[int]:
+        """The window's answer (its accepted drafts, then the next token); the head's sequence keeps only the
+        positions of the token and the accepted drafts (the other stages trim at the next message)."""
+        pos, answer = sent
+        predicted = answer if self.lane is None else await self._predict_window(answer)
+        held = pos + len(predicted)  # the window's token and its accepted drafts
+        if held < self.position:
+            seq, context = self.session.seq, self.head.context
+            await self.scheduler.run_kv(lambda: context.kv_trim(seq, held))
+            self.position = self.live.position = held
+        return predicted
+
+    async def _predict_window(self, sent: InFlight) -> list[int]:
+        predicted = await self.lane.window_predictions(sent)
+        self.scheduler.back(self.session.seq)
+        return predicted
+
+    async def _step_begin_any(self, token: int):
+        """A plain decode step of a speculative generation: sent on (a pipeline), or computed (single stage)."""
+        if self.lane is None:
+            return await self._step(token)
+        return await self._step_begin(token)
+
+    async def _step_finish_any(self, sent, token: int) -> int:
+        return sent if self.lane is None else await self._predict_finish(sent)
+
     def _keep_logprobs(self, token: int) -> None:
         """The logprobs of the token just appended: its prediction's (a lane's reply, or the head's own sampler
         on a single stage)."""
@@ -324,9 +427,7 @@ class GenerationRun:
             let_out = self.text.let_out
             if let_out is not None:
                 await let_out()  # the text so far goes out before the compute may block the loop
-            if self._prompt_unrecorded:  # (not before the first token: a record is not its client's wait)
-                self._prompt_unrecorded = False
-                await self._record()
+            await self._record_prompt()
             if isinstance(self.sampler, llama.GuidedSampler):
                 self.sampler.advance(token)  # the constraint follows the tokens the sequence is given
             token = int(await self._compute(np.array([token], dtype=np.int32), self.position, want_token=True))
@@ -334,6 +435,13 @@ class GenerationRun:
                 await trio.lowlevel.checkpoint()  # the compute may not have been one (Scheduler.submit)
             return token
         return await self._predict_finish(await self._step_begin(token))
+
+    async def _record_prompt(self) -> None:
+        """A single stage: the prompt goes to the prefix cache once the first token is out (not before it: a
+        record is not its client's wait)."""
+        if self._prompt_unrecorded:
+            self._prompt_unrecorded = False
+            await self._record()
 
     async def _step_begin(self, token: int) -> InFlight:
         """Compute the head's slice for `token` and send the decode step on (its prediction owed)."""
@@ -355,9 +463,10 @@ class GenerationRun:
         self.scheduler.back(self.session.seq)  # its next step follows (decode groups: see Scheduler)
         return token
 
-    async def _compute(self, tokens: np.ndarray, pos: int, *, want_token: bool, out: PreparedFrame | None = None):
+    async def _compute(self, tokens: np.ndarray, pos: int, *, want_token: bool, out: PreparedFrame | None = None,
+                       window: bool = False):
         job = Job(self.session.seq, pos, tokens=tokens, embd=None, sampler=self.sampler, want_token=want_token,
-                  out=out)
+                  out=out, window=window, window_tokens=tokens if window else None)
         try:
             with span("head.compute", request=self.live.request_id, session=self.live.session_id, pos=pos,
                       tokens=len(tokens)):

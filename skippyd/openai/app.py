@@ -261,7 +261,8 @@ def usage(result: GenerationResult) -> dict:
     # cached_tokens: prompt tokens the stages' prefix caches restored rather than computed
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
             "total_tokens": result.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+            **({} if result.speculation is None else {"speculation": result.speculation})}
 
 
 # ---------------------------------------------------------------- the application

@@ -193,6 +193,7 @@ class _DaemonCollector(Collector):
             yield g
         yield from self._stages(head, engine)
         yield from self._prefix_caches(engine)
+        yield from self._speculation(engine)
         spans = telemetry.summary()
         if spans:
             count = CounterMetricFamily("skippy_span", "Telemetry spans finished, by name", labels=["span"])
@@ -243,6 +244,21 @@ class _DaemonCollector(Collector):
             if chooser is not None:
                 threads.add_metric([k], chooser.current)
         yield from (live, free, compute, batches, tokens, threads)
+
+    @staticmethod
+    def _speculation(engine: Any) -> Iterable:
+        totals = getattr(engine, "speculation", None)
+        if totals is None:
+            return
+        for name, attr, doc in (
+                ("skippy_speculative_windows", "windows", "Verify windows the head sent (speculative decoding)"),
+                ("skippy_speculative_drafted_tokens", "drafted", "Drafted tokens sent for verification"),
+                ("skippy_speculative_accepted_tokens", "accepted", "Drafted tokens the final stage accepted"),
+                ("skippy_speculative_plain_steps", "plain_steps",
+                 "Decode steps of speculative generations sent without drafts (drafting did not pay)")):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], getattr(totals, attr))
+            yield c
 
     def _prefix_caches(self, engine: Any) -> Iterable:
         """Every stage's prefix cache: the local stages' now, the others' from the last report."""

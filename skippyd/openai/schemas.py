@@ -131,6 +131,7 @@ class _Sampling:
     top_k: int | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
+    speculate: bool | None = None  # speculative decoding for this request (None: the daemon's setting)
 
     @property
     def streaming(self) -> bool:
@@ -175,7 +176,7 @@ class _Sampling:
         except InvalidSampling as exc:
             raise BadParameter(str(exc), exc.field) from exc
         return dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens, sampling=sampling,
-                    stop=_stops(self.stop))
+                    stop=_stops(self.stop), speculate=self.speculate)
 
     def _max_tokens_param(self) -> str:
         return "max_tokens"

@@ -1,0 +1,86 @@
+"""A generation's speculative decoding: what it drafts, how many drafts a window holds, what it got.
+
+The head drafts from the session's own context (:class:`~skippyd.head.drafting.NgramProposer`) and sizes
+each window from the acceptance and the window's cost it measures (:class:`~skippyd.head.drafting.WindowSizer`);
+while a window would not pay it sends plain decode steps and keeps measuring (the shadow acceptance), so
+drafting switches itself back on when the output starts repeating its context. The loop that sends the
+windows is :meth:`skippyd.head.run.GenerationRun._decode_speculative`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from skippyd.head.drafting import NgramProposer, WindowSizer
+
+DEFAULT_MAX_DRAFT = 8  # drafts per window at most for a request that asks for speculation on a daemon without
+
+
+@attrs.define
+class SpeculationTotals:
+    """The head's counters over every speculative generation (status, Prometheus)."""
+
+    max_draft: int = 0  # 0: off unless a request asks for it
+    generations: int = 0
+    windows: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    plain_steps: int = 0  # decode steps of speculative generations that drafted nothing
+
+    def describe(self) -> dict:
+        return {"enabled": self.max_draft > 0, "max_draft": self.max_draft, "generations": self.generations,
+                "windows": self.windows, "drafted": self.drafted, "accepted": self.accepted,
+                "plain_steps": self.plain_steps,
+                "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None}
+
+
+class Speculation:
+    """One generation's drafting state: the proposer over its context, the window sizer, its counters."""
+
+    def __init__(self, max_draft: int, totals: SpeculationTotals):
+        self.proposer = NgramProposer()
+        self.sizer = WindowSizer(max_draft=max_draft)
+        self.totals = totals
+        totals.generations += 1
+        self.windows = self.drafted = self.accepted = 0
+        self._shadow: int | None = None  # a plain step's first draft, had there been a window
+
+    def begin(self, context: Sequence[int]) -> None:
+        """Draft from ``context`` (the prompt and the reply so far) on."""
+        self.proposer = NgramProposer()
+        self.proposer.extend(context)
+        self._shadow = None
+
+    def extend(self, token: int) -> None:
+        """A token of the reply, in order (accepted drafts and predictions alike)."""
+        self.proposer.extend((token,))
+
+    def drafts(self, room: int) -> list[int]:
+        """Drafts for the next window (at most ``room``; none: send a plain step)."""
+        # a plain step's time first: what a window's cost is measured against
+        k = min(self.sizer.choose(), room) if self.sizer.step_s is not None else 0
+        drafts = self.proposer.propose(k) if k > 0 else []
+        if not drafts:
+            shadow = self.proposer.propose(1) if room > 0 else []
+            self._shadow = shadow[0] if shadow else None
+        return drafts
+
+    def window_done(self, drafted: int, accepted: int, seconds: float) -> None:
+        self.sizer.window_done(drafted, accepted, seconds)
+        self.windows += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        totals = self.totals
+        totals.windows += 1
+        totals.drafted += drafted
+        totals.accepted += accepted
+
+    def plain_step_done(self, produced: int, seconds: float) -> None:
+        self.sizer.plain_step(self._shadow, produced, seconds)
+        self._shadow = None
+        self.totals.plain_steps += 1
+
+    def describe(self) -> dict:
+        return {"windows": self.windows, "drafted": self.drafted, "accepted": self.accepted}

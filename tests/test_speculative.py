@@ -1,0 +1,188 @@
+"""Speculative decoding over verify windows, end to end on real skippyd processes (1, 2 and 3 stages).
+
+The head drafts tokens from the session's own context and sends [token, drafts...] as one verify window;
+every stage computes it as one batch and the final stage accepts drafts while they equal its own choice.
+The output must be the token-by-token loop's: the same daemon answers the same request with speculation
+off (per request) for the reference. A window computes its positions in one batch, which rounds
+differently from single steps, so the two may part at a near-tie: there the reference's two best candidates
+must be within NEAR_TIE of each other (the reference asks for its logprobs); any other difference fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+
+from skippyctl.client import open_control
+from skippyd.control import messages as m
+from tests.openai_api import run, serving
+from tests.procs import Pipeline, SingleStage, retarget
+from tests.test_resume import kill_and_restart, stream, wait_for
+
+pytestmark = pytest.mark.slow  # real daemon processes
+
+CODE = ("def area(width, height):\n    return width * height\n\n\n"
+        "def perimeter(width, height):\n    return 2 * (width + height)\n\n\n"
+        "def describe(width, height):\n    return f\"{width} by {height}: area {area(width, height)}\"\n")
+# copy-heavy: the reply repeats the prompt, so drafts from the prompt are mostly right
+COPY = dict(prompt=f"Here is a Python module:\n\n{CODE}\nThe same module, copied exactly:\n\n", raw=True,
+            max_tokens=64)
+SEEDED = dict(COPY, temperature=0.8, seed=7)
+FLAGS = ["--lanes", "2", "--ctx", "1024", "--speculate", "on"]
+CONFIG = {"runtime.compute_lock": "off", "runtime.prefix_cache_mb": 0}
+# A window's rows and single steps round differently (one batch against several; on this 2-core CPU build
+# the flips seen were at margins near 1.5e-3), so a greedy choice whose two best
+# candidates are this close may go either way
+NEAR_TIE = 0.02
+MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"  # the served model (the GGUF file name)
+
+
+@pytest.fixture(scope="module", params=[(1, 0), (2, 0), (3, 0), (2, 64)],
+                ids=["1-stage", "2-stage", "3-stage", "2-stage-prefix-cache"])
+def pipe(request, splits, default_model_path, tmp_path_factory):
+    stages, cache_mb = request.param
+    work = tmp_path_factory.mktemp(f"spec{stages}")
+    config = {**CONFIG, "runtime.prefix_cache_mb": cache_mb}
+    if stages == 1:
+        p = SingleStage(default_model_path, work, FLAGS, config=config)
+    else:
+        p = Pipeline(retarget(splits[stages], work), work, extra=FLAGS, config=config).start()
+    yield p
+    p.stop_cleanly()
+
+
+async def reference(pipe, kw: dict) -> dict:
+    """The token-by-token loop's answer, with each token's two best candidates."""
+    return await pipe.generate(**dict(kw, speculate=False, logprobs=2))
+
+
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return i
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def assert_same_or_near_tie(got: dict, want: dict) -> None:
+    i = first_difference(got["tokens"], want["tokens"])
+    if i is None:
+        return
+    assert i < len(want["tokens"]) and i < len(got["tokens"]), (
+        f"one reply ends early at {i}: {got['finish_reason']} against {want['finish_reason']}")
+    top = want["logprobs"][i]["top"]
+    margin = top[0][1] - top[1][1] if len(top) > 1 else math.inf
+    assert margin <= NEAR_TIE, (f"speculative output differs at token {i} ({got['tokens'][i]} against "
+                                f"{want['tokens'][i]}) where the two best candidates are {margin:.4f} apart")
+
+
+async def test_windows_carry_the_copy_and_the_output_is_the_token_by_token_loops(pipe):
+    want = await reference(pipe, COPY)
+    got = await pipe.generate(**COPY)
+    spec = got["usage"]["speculation"]
+    assert spec["windows"] >= 1 and spec["accepted"] >= 1, spec
+    assert spec["accepted"] <= spec["drafted"]
+    assert "speculation" not in want["usage"]  # speculation off for this request
+    assert_same_or_near_tie(got, want)
+    status = (await pipe.stages[0].astatus())["head"]["speculation"]
+    assert status["enabled"] and status["windows"] >= spec["windows"] and status["accepted"] >= spec["accepted"]
+
+
+async def test_seeded_sampling_consumes_the_random_stream_as_without_speculation(pipe):
+    """Each position is sampled from the target distribution in order, accepted while it equals the draft:
+    the seeded draws are those of the plain loop, so the reply is the same (up to a near-tie's rounding)."""
+    want = await reference(pipe, SEEDED)
+    got = await pipe.generate(**SEEDED)
+    assert got["usage"]["speculation"]["windows"] >= 1
+    i = first_difference(got["tokens"], want["tokens"])
+    assert i is None or i >= 8, (i, got["tokens"], want["tokens"])  # a copy: a sampled fork is a near-tie at most
+    other = await pipe.generate(**dict(SEEDED, seed=8, max_tokens=24))
+    assert other["tokens"] != got["tokens"][:24]  # the sampling is live
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 17])
+async def test_max_tokens_ends_in_the_middle_of_a_window(pipe, max_tokens):
+    kw = dict(COPY, max_tokens=max_tokens)
+    got, want = await pipe.generate(**kw), await reference(pipe, kw)
+    assert len(got["tokens"]) == max_tokens and got["finish_reason"] == "length"
+    assert_same_or_near_tie(got, want)
+
+
+async def test_a_stop_string_ends_in_the_middle_of_a_window(pipe):
+    kw = dict(COPY, stop=["perimeter"])
+    got, want = await pipe.generate(**kw), await reference(pipe, kw)
+    assert got["finish_reason"] == "stop" and "perimeter" not in got["text"]
+    assert got["text"] == want["text"]
+
+
+async def test_logprobs_requests_are_decoded_token_by_token(pipe):
+    got = await pipe.generate(**dict(COPY, max_tokens=8, logprobs=1))
+    assert "speculation" not in got["usage"] and len(got["logprobs"]) == 8
+
+
+async def test_cancelled_in_the_middle_of_windows_every_stage_lets_go(pipe):
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            s = await stream(pipe, nursery, **dict(COPY, max_tokens=400, stream=True))
+            await wait_for(lambda: len(s.pieces) >= 6 or s.done.is_set())
+            async with open_control(pipe.head.url, pipe.head.token_file) as client:
+                live = await client.call(m.SessionsList(id=client.new_id()))
+                assert live, "the generation ended before it could be cancelled"
+                for entry in live:
+                    await client.call(m.SessionKill(id=client.new_id(), session_id=entry["session_id"], wait=True))
+            await s.done.wait()
+    assert s.result is None or s.result["finish_reason"] == "cancelled", s.result
+    await pipe.wait_all_released(timeout=5.0)
+    again = await pipe.generate(**dict(COPY, max_tokens=8))
+    assert len(again["tokens"]) == 8
+
+
+@pytest.fixture
+def resuming(splits, tmp_path):
+    p = Pipeline(retarget(splits[2], tmp_path), tmp_path, extra=[*FLAGS, "--resume"], config=CONFIG).start()
+    yield p
+    p.stop_cleanly()
+
+
+async def test_a_stage_killed_in_the_middle_of_windows_resumes_without_a_repeated_or_lost_token(resuming):
+    """--resume replays the reply so far token by token on the restarted pipeline and goes on drafting: the
+    stream repeats and loses nothing, and the reply is the uninterrupted one's (up to a near-tie)."""
+    pipe = resuming
+    kw = dict(COPY, max_tokens=160)
+    want = await reference(pipe, kw)
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            s = await stream(pipe, nursery, **kw)
+            await wait_for(lambda: len(s.pieces) >= 12 or s.done.is_set())
+            assert not s.done.is_set(), s.result or s.error
+            await kill_and_restart(pipe, 1)
+            await s.done.wait()
+    assert s.error is None, f"the generation failed instead of resuming: {s.error}"
+    got = s.result
+    assert "".join(s.pieces) == got["text"], "the stream repeated or lost text across the replay"
+    assert got["usage"]["speculation"]["windows"] >= 2
+    assert_same_or_near_tie(got, want)
+    await pipe.wait_all_released(timeout=5.0)
+
+
+@pytest.fixture
+def api(default_model_path, tmp_path):
+    with serving(default_model_path, tmp_path, ctx=1024) as served:
+        yield served
+
+
+async def test_the_openai_endpoint_takes_speculate_per_request_and_reports_it(api):
+    """A daemon without --speculate: a request with ``speculate: true`` drafts, one without does not; the
+    usage says so and the Prometheus counters count the windows."""
+    messages = [{"role": "user", "content": f"{CODE}\nRepeat the code above exactly."}]
+    plain = await run(api.client.chat.completions.create, model=MODEL_ID, messages=messages, max_tokens=48,
+                      temperature=0)
+    spec = await run(api.client.chat.completions.create, model=MODEL_ID, messages=messages, max_tokens=48,
+                     temperature=0, extra_body={"speculate": True})
+    assert "speculation" not in (plain.usage.model_extra or {})
+    counts = spec.usage.model_extra["speculation"]
+    assert counts["windows"] >= 1 and counts["accepted"] >= 1, counts
+    metrics = await run(api.metrics)
+    assert metrics[("skippy_speculative_windows_total", ())] == counts["windows"]
+    assert metrics[("skippy_speculative_accepted_tokens_total", ())] == counts["accepted"]
