@@ -596,7 +596,9 @@ def llama_cpp_worker(args: argparse.Namespace) -> int:
                   verbose=False)
     lookup = Counting()
     models = {"plain": llama_cpp.Llama(spec["model"], **params),
-              "prompt lookup": llama_cpp.Llama(spec["model"], draft_model=lookup, **params)}
+              # logits_all as a draft model makes it anyway: said here too, or its score buffer is sized for
+              # one batch (n_batch rows) and a window past that many positions does not fit
+              "prompt lookup": llama_cpp.Llama(spec["model"], draft_model=lookup, logits_all=True, **params)}
 
     def run(llm, prompt: list[int], n: int) -> dict:
         llm.reset()
