@@ -707,7 +707,7 @@ def positive(text: str) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", type=parse_stages, default=[1, 2, 3], help="stage counts on loopback (default 1,2,3)")
     ap.add_argument("--tokens", type=positive, default=128, help="max tokens of every generation (default 128)")
     ap.add_argument("--rounds", type=positive, default=3, help="interleaved rounds (default 3)")
