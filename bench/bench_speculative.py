@@ -743,6 +743,7 @@ def main() -> int:
         # this run's daemons take turns at the cores with each other, not with another run's stages on this host
         os.environ["SKIPPY_COMPUTE_LOCK"] = str(tmp / "compute.lock")
         pairs: list[Pair] = []
+        section = time.monotonic()
         try:
             for n in args.stages:
                 print(f"starting {n}-stage, speculate off and on", file=sys.stderr, flush=True)
@@ -764,6 +765,8 @@ def main() -> int:
                               "summary": {name: {w: summarize(runs[name][w]) for w in WORKLOADS} for name in runs}}
         report["identity"] = rows
 
+        walls = report["section_wall_s"] = {"loopback": time.monotonic() - section}
+        section = time.monotonic()
         why_not = "--skip-delay" if args.skip_delay else delay_unavailable()
         delayed = None
         if why_not is None:
@@ -787,6 +790,8 @@ def main() -> int:
                     net.close()
         report["delayed"] = delayed if delayed is not None else {"skipped": why_not}
 
+        walls["delayed"] = time.monotonic() - section
+        section = time.monotonic()
         lc = None
         if args.skip_llama_cpp:
             report["llama_cpp"] = {"skipped": "--skip-llama-cpp"}
@@ -797,6 +802,7 @@ def main() -> int:
                 report["llama_cpp"] = {**lc, "summary": summarize_llama_cpp(lc)}
             except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
                 report["llama_cpp"] = {"skipped": str(exc)}
+        walls["llama-cpp-python"] = time.monotonic() - section
     report["wall_s"] = time.monotonic() - started
 
     print(f"\nmodel {model.name}, {os.cpu_count()} cores, {args.threads} threads per stage, --tokens {args.tokens}, "
@@ -819,7 +825,7 @@ def main() -> int:
         print_llama_cpp(report["llama_cpp"]["summary"], lc, ones)
     elif not args.skip_llama_cpp:
         print(f"\nllama-cpp-python: skipped ({report['llama_cpp']['skipped']})")
-    print(f"\nwall time {report['wall_s']:.0f} s")
+    print(f"\nwall time {report['wall_s']:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items()) + ")")
     vocab.close()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
