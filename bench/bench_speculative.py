@@ -45,9 +45,13 @@ Output identity: for each workload and configuration, greedy (the first round's 
 (temperature 0.8, seed 7: one more run each, off and on), the speculative tokens against the others: identical,
 or the first position where they differ and, asked of the ``off`` pipeline through its OpenAI endpoint
 (``logprobs``, ``top_logprobs`` 2, the same messages and sampling, up to that token), the margin there between
-the two best candidates as the endpoint reports them (for a seeded run the distribution it sampled from). The
-greedy rows also say whether every round gave the same tokens (a pipeline against itself: four sessions
-batched together need not).
+the two best candidates as the endpoint reports them (for a seeded run the distribution it sampled from). A
+greedy difference also gets this CPU's rounding band there (the whole model in this process: the five best
+log-probabilities with the reply's last 40 positions computed as decode steps against in one prefill, as
+bench/bench_prefix_cache.py measures it): a window computes its positions in one batch, so a flip at a margin
+inside the band is rounding (for the mixed sessions a single sequence's band: batched with three other sessions
+their rounding differs more). The greedy rows also say whether every round gave the same tokens (a pipeline
+against itself: four sessions batched together need not).
 
 Every figure is printed as it is, a figure or a ratio; nothing is asserted. ``--json`` writes every run.
 """
@@ -543,6 +547,32 @@ def probe_margins(pairs: list[Pair], rows: list[dict], vocab) -> None:
             row["margin"] = top[0].logprob - top[1].logprob
 
 
+BAND_STEPS = 40  # the rounding band: this many positions before a difference, as decode steps against one prefill
+
+
+def rounding_bands(model: Path, rows: list[dict], threads: int) -> None:
+    """For each greedy row that differs, in place: this CPU's rounding band there (bench/bench_prefix_cache.py's
+    Offline.rounding_band, the whole model in this process): how far apart the five best log-probabilities after
+    the prompt and the reply up to the difference land when the last positions (up to BAND_STEPS) are computed
+    as decode steps or in one prefill. A window computes its positions in one batch where plain decoding steps,
+    so a flip at a margin inside this band is rounding."""
+    todo = [r for r in rows if r.get("identical") is False and r["sampling"] == "greedy" and r["position"] > 0]
+    if not todo:
+        return
+    from bench.bench_prefix_cache import Offline
+    from skippyd.runtime.chat_template import render_chat
+
+    offline = Offline(model, threads, CTX)
+    try:
+        for row in todo:
+            text = render_chat(offline.model, messages(row["prompt"]))
+            prompt = offline.model.tokenize(text, add_special=False, parse_special=True).tolist()
+            reply = row["off_tokens"][:row["position"]]
+            row["rounding_band"] = offline.rounding_band(prompt + reply, stepped=min(len(reply), BAND_STEPS))
+    finally:
+        offline.close()
+
+
 def print_identity(rows: list[dict], vocab) -> None:
     def piece(t: int | None) -> str:
         return "<end>" if t is None else repr(vocab.token_piece(t, special=True).decode("utf-8", "replace"))
@@ -567,6 +597,9 @@ def print_identity(rows: list[dict], vocab) -> None:
             margin = f"; there top-2 {tops}: margin {row['margin']:.4f}"
             if not row.get("probe_agrees", True):
                 margin += " (the probe's tokens before it differ from the off run's)"
+            if "rounding_band" in row:
+                inside = "inside" if row["margin"] <= row["rounding_band"] else "OUTSIDE"
+                margin += f"; rounding band {row['rounding_band']:.4f}: {inside}"
         elif "margin_note" in row:
             margin = f"; margin: {row['margin_note']}"
         print(f"{label} differ at token {row['position']} (of {row['tokens'][0]}/{row['tokens'][1]}): "
@@ -763,6 +796,7 @@ def main() -> int:
                 pair.stop()
         report["loopback"] = {"runs": runs, "seeded": seeded,
                               "summary": {name: {w: summarize(runs[name][w]) for w in WORKLOADS} for name in runs}}
+        rounding_bands(model, rows, args.threads)
         report["identity"] = rows
 
         walls = report["section_wall_s"] = {"loopback": time.monotonic() - section}
