@@ -419,7 +419,7 @@ async def test_partition_while_idle(healed, net):
     print(f"partition while idle: recover_s {got}")
 
 
-FLAP_S = 20.0  # the suite's; bench/soak_network_faults.py --flap flaps for a minute
+FLAP_S = 14.0  # the suite's; bench/soak_network_faults.py --flap flaps for a minute
 FLAP_CLIENTS = 4
 FLAP_TOKENS = 24
 
@@ -512,7 +512,7 @@ async def _flapping(pipe: NetPipeline, net: netns.Network, *, resume: bool) -> N
 
 
 async def test_flapping_link_under_four_clients(healed, net):
-    """Four clients generate without a pause while the link flaps for FLAP_S (20 s here; the minute-long run
+    """Four clients generate without a pause while the link flaps for FLAP_S (14 s here; the minute-long run
     is ``bench/soak_network_faults.py --flap 60``): each call complete or a clear error, and once the link
     stays up nothing is held, no connection is left over on either side, and no descriptor."""
     await _flapping(healed, net, resume=False)

@@ -1,4 +1,4 @@
-"""A short soak (bench/soak.py's `soak`): 40 generations with random lengths, cancellations and disconnects
+"""A short soak (bench/soak.py's `soak`): 28 generations with random lengths, cancellations and disconnects
 over a 2-stage pipeline leave no session, no descriptor and no memory behind.
 
 The stage after the head gets more sequence slots than the head has lanes, so
@@ -23,7 +23,7 @@ from bench.soak import soak, start_pipeline
 
 pytestmark = pytest.mark.slow  # a soak of a real pipeline
 
-N = 40
+N = 28
 CTX, LANES, CONCURRENCY = 128, 4, 6
 
 

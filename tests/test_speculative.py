@@ -94,6 +94,7 @@ async def test_windows_carry_the_copy_and_the_output_is_the_token_by_token_loops
     assert status["enabled"] and status["windows"] >= spec["windows"] and status["accepted"] >= spec["accepted"]
 
 
+@ENDINGS
 async def test_seeded_sampling_consumes_the_random_stream_as_without_speculation(pipe):
     """Each position is sampled from the target distribution in order, accepted while it equals the draft:
     the seeded draws are those of the plain loop, so the reply is the same (up to a near-tie's rounding)."""

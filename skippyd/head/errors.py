@@ -8,11 +8,15 @@ from skippyd.wire.messages import ErrorCode, ErrorReply
 class GenerationError(Exception):
     """A generation failed; `retryable` says whether trying again later may work."""
 
-    def __init__(self, message: str, *, retryable: bool = False, status: int = 500, stage_failure: bool = False):
+    def __init__(self, message: str, *, retryable: bool = False, status: int = 500, stage_failure: bool = False,
+                 slots_held: bool = False):
         super().__init__(message)
         self.retryable = retryable
         self.status = status
         self.stage_failure = stage_failure  # a stage died, hung or was cut off (not the request's fault)
+        # a stage had no free slot: it still holds sessions of lanes the head gave up (a fault it has not
+        # noticed yet), since the head opens no more lanes than stage 1 has slots
+        self.slots_held = slots_held
 
 
 class PromptTooLong(GenerationError):
@@ -49,7 +53,8 @@ def stage_error(reply: ErrorReply) -> GenerationError:
     return GenerationError(f"stage error ({reply.code.name.lower()}): {reply.message}",
                            retryable=reply.code in _RETRYABLE,
                            status=400 if reply.code == ErrorCode.CONTEXT_FULL else 502,
-                           stage_failure=reply.code in _STAGE_FAILED)
+                           stage_failure=reply.code in _STAGE_FAILED,
+                           slots_held=reply.code == ErrorCode.NO_CAPACITY)
 
 
 def pipeline_failed(why: object) -> GenerationError:

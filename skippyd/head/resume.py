@@ -38,10 +38,12 @@ class ResumePolicy:
         self._backoff = RESUME_BACKOFF_MIN_S
 
     def may_resume(self, exc: GenerationError, live: LiveGeneration) -> bool:
-        """Replay after this failure? A stage failure with resume on; while resuming, any retryable error."""
+        """Replay after this failure? With resume on: a stage failure, or a stage whose slots are still held by
+        sessions of lanes lost to an earlier fault (it lets go of them within its peer timeout); while
+        resuming, any retryable error."""
         if self.window is None or live.killed:
             return False
-        return exc.stage_failure or (self.deadline is not None and exc.retryable)
+        return exc.stage_failure or exc.slots_held or (self.deadline is not None and exc.retryable)
 
     def interrupted(self, exc: GenerationError, live: LiveGeneration) -> None:
         """The generation lost its pipeline: the window starts (at the first failure only)."""

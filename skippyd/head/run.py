@@ -308,14 +308,21 @@ class GenerationRun:
                 # made and streamed while the other stages compute. A stop string found below leaves that
                 # step in flight: the cleanup collects its reply before it stops the session.
                 in_flight = await self._step_begin(token)
-            if text.push(token):
-                self.finish_reason = "stop"
-                return
-            if len(tokens) >= self.max_tokens:
-                text.finish()
-                self.finish_reason = "length"
+            if self._text_ends(token):
                 return
             token = await (self._predict_finish(in_flight) if in_flight is not None else self._step(token))
+
+    def _text_ends(self, token: int) -> bool:
+        """Push the token's text; True if the generation ends with it (a stop string, max_tokens), its
+        finish_reason set."""
+        if self.text.push(token):
+            self.finish_reason = "stop"
+            return True
+        if len(self.tokens) >= self.max_tokens:
+            self.text.finish()
+            self.finish_reason = "length"
+            return True
+        return False
 
     async def _decode_speculative(self, token: int) -> None:
         """As _decode, several tokens per trip round the pipeline where drafts pay: each token whose hidden
@@ -351,12 +358,7 @@ class GenerationRun:
                 # the token's hidden state is owed: out it goes first (the critical path), its text after
                 drafts = spec.drafts(self.max_tokens - len(tokens) - 1)
                 sent = await (self._window_begin(token, drafts) if drafts else self._step_begin_any(token))
-            if text.push(token):
-                self.finish_reason = "stop"
-                return
-            if len(tokens) >= self.max_tokens:
-                text.finish()
-                self.finish_reason = "length"
+            if self._text_ends(token):
                 return
             if ahead:
                 token = ahead.pop(0)
