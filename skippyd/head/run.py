@@ -325,51 +325,59 @@ class GenerationRun:
         return False
 
     async def _decode_speculative(self, token: int) -> None:
-        """As _decode, several tokens per trip round the pipeline where drafts pay: each token whose hidden
-        state is still owed goes out in a verify window [token, drafts...] (or, with no drafts worth a
-        window, a plain decode step); the window's answer is the drafts the final stage accepted, which
-        every stage has computed already, then the next token, which goes out the same way."""
+        """As _decode, several tokens per trip round the pipeline where drafts pay. Each answer (a window's: the
+        drafts the final stage accepted, which every stage has computed already, then the next token; or a
+        plain step's token) is counted first; unless the generation ends within it, the next window (or step,
+        when no drafts are worth one) goes out for its last token at once, and its text is made and streamed
+        while the other stages compute, as in _decode."""
         live, tokens, text, clock = self.live, self.tokens, self.text, self.clock
         is_eog = self.head.model.is_eog
         if self.speculation is None:
             self.speculation = Speculation(self.max_draft, self.head.speculation)
         spec = self.speculation
         spec.begin([*self.prompt.tolist(), *tokens])  # (again after a replay: the context so far)
-        ahead: list[int] = []  # the window's accepted drafts (computed already) and next token, still to emit
+        answer = [token]  # predicted, not yet emitted; the last one's hidden state is owed
         clock.restart()
         while True:
             now = clock.tick()
             if live.first_token_at is None:
                 live.first_token_at = now
                 self.ttft_ms = (now - self.started) * 1e3
-            tokens.append(token)
-            spec.extend(token)
+            emitted, end = len(tokens), None
+            for t in answer:
+                tokens.append(t)
+                spec.extend(t)
+                if not self.ignore_eos and is_eog(t):
+                    tokens.pop()  # end-of-generation is not part of the answer
+                    end = "stop"
+                    break
+                if len(tokens) >= self.max_tokens:
+                    end = "length"
+                    break
             live.generated = len(tokens)
-            if not self.ignore_eos and is_eog(token):
-                tokens.pop()
-                live.generated -= 1
-                text.finish()
-                self.finish_reason = "stop"
-                return
             live.last_token_at = now
             sent = drafts = None
             began = time.perf_counter()  # a window's or a step's time: what sizes the windows
-            if not ahead and len(tokens) < self.max_tokens:
-                # the token's hidden state is owed: out it goes first (the critical path), its text after
+            if end is None:
                 drafts = spec.drafts(self.max_tokens - len(tokens) - 1)
-                sent = await (self._window_begin(token, drafts) if drafts else self._step_begin_any(token))
-            if self._text_ends(token):
+                last = tokens[-1]
+                sent = await (self._window_begin(last, drafts) if drafts else self._step_begin_any(last))
+            for i in range(emitted, len(tokens)):
+                if text.push(tokens[i]):  # a stop string: the generation ends with this token
+                    del tokens[i + 1:]
+                    live.generated = len(tokens)
+                    self.finish_reason = "stop"
+                    return
+            if end is not None:
+                text.finish()
+                self.finish_reason = end
                 return
-            if ahead:
-                token = ahead.pop(0)
-                continue
             if drafts:
-                ahead = await self._window_finish(sent, len(drafts))
-                spec.window_done(len(drafts), len(ahead) - 1, time.perf_counter() - began)
-                token = ahead.pop(0)
+                answer = await self._window_finish(sent)
+                spec.window_done(len(drafts), len(answer) - 1, time.perf_counter() - began)
             else:
-                token = await self._step_finish_any(sent, token)
-                spec.plain_step_done(token, time.perf_counter() - began)
+                answer = [await self._step_finish_any(sent)]
+                spec.plain_step_done(answer[0], time.perf_counter() - began)
 
     async def _window_begin(self, token: int, drafts: list[int]):
         """Compute the head's slice for the window [token, drafts...] and send it on (its answer owed); on a
@@ -387,7 +395,7 @@ class GenerationRun:
         hidden = await self._compute(window, pos, want_token=False, window=True)
         return pos, await self.lane.send(VerifyWindow(self.wire_request_id, self.live.session_id, pos, window, hidden))
 
-    async def _window_finish(self, sent, drafted: int) -> list[int]:
+    async def _window_finish(self, sent) -> list[int]:
         """The window's answer (its accepted drafts, then the next token); the head's sequence keeps only the
         positions of the token and the accepted drafts (the other stages trim at the next message)."""
         pos, answer = sent
@@ -410,7 +418,7 @@ class GenerationRun:
             return await self._step(token)
         return await self._step_begin(token)
 
-    async def _step_finish_any(self, sent, token: int) -> int:
+    async def _step_finish_any(self, sent) -> int:
         return sent if self.lane is None else await self._predict_finish(sent)
 
     def _keep_logprobs(self, token: int) -> None:
