@@ -143,7 +143,7 @@ class RuntimeSection:
     prefix_cache_mb: int = attrs.field(default=512, validator=_at_least(0))
     # the head: draft tokens from the session's own context and verify them in windows (speculative decoding)
     speculate: str = attrs.field(default="off", validator=_one_of(("on", "off")))
-    speculate_max_draft: int = attrs.field(default=8, validator=_in_range(1, 16))  # drafts in one window at most
+    speculate_max_draft: int = attrs.field(default=16, validator=_in_range(1, 16))  # drafts in one window at most
 
 
 def _allow_list(_inst, attribute, value) -> None:

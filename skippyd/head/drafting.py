@@ -31,6 +31,7 @@ from typing import Protocol
 
 MAX_DRAFT = 16  # drafts in one window at most (a batch of 17 rows)
 MIN_GAIN = 1.05  # draft only when the model expects at least this speed-up over a plain step
+PRIOR_DRAFTS = 2  # the weight, in judged drafts, of the acceptance a session starts from
 
 
 class Proposer(Protocol):
@@ -110,15 +111,29 @@ def expected_tokens(a: float, k: int) -> float:
 class WindowSizer:
     """Chooses each step's number of drafts from the acceptance and window cost the session measured.
 
-    ``a`` and ``b`` are moving averages (weight ``alpha`` on the newest observation). ``b`` starts from the
-    cost of a batch on two CPU cores and learns from measured windows against measured plain steps."""
+    ``a`` is accepted over judged drafts, each count decayed by ``1 - alpha`` at every observation (a window,
+    or a plain step's shadow draft) and started from ``a0`` over PRIOR_DRAFTS: a window of 8 accepted drafts
+    weighs 8 judged drafts, so a copy reaches wide windows within a few of them. ``b`` is a moving average
+    (weight ``alpha`` on the newest); it starts from the cost of a batch on two CPU cores and learns from
+    measured windows against measured plain steps."""
 
     def __init__(self, *, max_draft: int = MAX_DRAFT, a0: float = 0.5, b0: float = 0.3, alpha: float = 0.2,
                  min_gain: float = MIN_GAIN):
         self.max_draft = max_draft
-        self.a, self.b, self.alpha, self.min_gain = a0, b0, alpha, min_gain
+        self.b, self.alpha, self.min_gain = b0, alpha, min_gain
+        self._accepted, self._judged = a0 * PRIOR_DRAFTS, float(PRIOR_DRAFTS)  # decayed counts
         self.step_s: float | None = None  # a plain decode step's time (moving average)
         self.windows = self.drafted = self.accepted = 0
+
+    @property
+    def a(self) -> float:
+        """The acceptance: the chance that a draft equals the target's choice given that the ones before did."""
+        return self._accepted / self._judged if self._judged > 0 else 0.0
+
+    def _judge(self, accepted: int, judged: int) -> None:
+        keep = 1.0 - self.alpha
+        self._accepted = keep * self._accepted + accepted
+        self._judged = keep * self._judged + judged
 
     # ---------------------------------------------------------------- choosing
     def gain(self, k: int) -> float:
@@ -150,8 +165,8 @@ class WindowSizer:
         self.windows += 1
         self.drafted += drafted
         self.accepted += accepted
-        trials = accepted + (1 if accepted < drafted else 0)  # drafts after the first rejection were not judged
-        self.a = self._blend(self.a, accepted / trials)
+        # drafts after the first rejection were not judged
+        self._judge(accepted, accepted + (1 if accepted < drafted else 0))
         if seconds is not None and self.step_s:
             self.b = max(0.0, self._blend(self.b, (seconds / self.step_s - 1.0) / drafted))
 
@@ -161,7 +176,7 @@ class WindowSizer:
         if seconds is not None:
             self.step_s = seconds if self.step_s is None else self._blend(self.step_s, seconds)
         if shadow_draft is not None:
-            self.a = self._blend(self.a, 1.0 if shadow_draft == produced else 0.0)
+            self._judge(1 if shadow_draft == produced else 0, 1)
 
     @property
     def acceptance(self) -> float | None:

@@ -15,7 +15,7 @@ import attrs
 
 from skippyd.head.drafting import NgramProposer, WindowSizer
 
-DEFAULT_MAX_DRAFT = 8  # drafts per window at most for a request that asks for speculation on a daemon without
+DEFAULT_MAX_DRAFT = 16  # drafts per window at most for a request that asks for speculation on a daemon without
 
 
 @attrs.define
@@ -83,4 +83,8 @@ class Speculation:
         self.totals.plain_steps += 1
 
     def describe(self) -> dict:
-        return {"windows": self.windows, "drafted": self.drafted, "accepted": self.accepted}
+        sizer = self.sizer
+        return {"windows": self.windows, "drafted": self.drafted, "accepted": self.accepted,
+                # what the last window was sized from: the acceptance, and a draft's cost in plain steps
+                "acceptance_estimate": round(sizer.a, 4), "draft_cost": round(sizer.b, 4),
+                "step_ms": None if sizer.step_s is None else round(sizer.step_s * 1e3, 3)}
