@@ -32,10 +32,12 @@ COPY = dict(prompt=f"Here is a Python module:\n\n{CODE}\nThe same module, copied
 SEEDED = dict(COPY, temperature=0.8, seed=7)
 FLAGS = ["--lanes", "2", "--ctx", "1024", "--speculate", "on"]
 CONFIG = {"runtime.compute_lock": "off", "runtime.prefix_cache_mb": 0}
-# A window's rows and single steps round differently (one batch against several; on this 2-core CPU build
-# the flips seen were at margins near 1.5e-3), so a greedy choice whose two best
-# candidates are this close may go either way
-NEAR_TIE = 0.02
+# A window's rows and single steps round differently (one batch against several), and on this 2-core CPU
+# build the same positions computed both ways land up to 0.23 apart in log-probability on the best
+# candidates (bench/bench_speculative.py's "rounding band"; the prefix cache's restored replies show the
+# same), so a greedy choice whose two best candidates are closer than that may go either way. A wrong
+# acceptance would part the outputs where the choice is clear: most positions lead by more.
+NEAR_TIE = 0.25
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"  # the served model (the GGUF file name)
 
 
