@@ -27,10 +27,10 @@ a. a chat of ``--turns`` turns: a fixed system prompt, each turn a ~100-token
    each turn sends the whole conversation, the earlier replies as returned.
    Per turn: TTFT, prompt tokens, ``usage.prompt_tokens_details.cached_tokens``.
 b. 4 sessions sharing a ~800-token system prompt, each with a short user
-   message of its own: session 1 alone, then sessions 2-4 at once.
+   message of its own: client 1 alone, then clients 2-4 at once.
 
 Then the ratios the prefix cache is held to (last turn, 2 stages: cache on /
-off and cache on / llama-server; sessions 2-4 / session 1; cached tokens over
+off and cache on / llama-server; clients 2-4 / client 1; cached tokens over
 the previous turn's prompt plus reply), and the greedy replies with the cache
 against without it: where they differ, the first differing reply token (both
 replies re-tokenized) and, computed here on the whole model from the cache-off
@@ -546,9 +546,9 @@ def ratios(chat: dict[str, list[dict]], sessions: dict[str, list[dict]], turns: 
         first, rest = results[0]["ttft_ms"], [r["ttft_ms"] for r in results[1:]]
         timed = None not in rest
         cached = name.endswith(" on")
-        row(f"sessions 2-{len(results)} / session 1, worst: {name}", div(max(rest), first) if timed else None,
+        row(f"clients 2-{len(results)} / client 1, worst: {name}", div(max(rest), first) if timed else None,
             "<=" if cached else None, 0.3)
-        row(f"sessions 2-{len(results)} / session 1, mean: {name}",
+        row(f"clients 2-{len(results)} / client 1, mean: {name}",
             div(sum(rest) / len(rest), first) if timed else None)
     for topo in ("2-stage", "single"):
         on, off = decode_rate(chat.get(f"{topo} on")), decode_rate(chat.get(f"{topo} off"))
@@ -573,7 +573,7 @@ def report(chat: dict, sessions: dict, targets: list[dict], greedy: list[dict], 
     print_grid("chat: prompt tokens / cached tokens per turn", [f"turn {i + 1}" for i in range(turns)], names,
                lambda n, i: f"{fmt_int(chat[n][i]['prompt_tokens'])}/{fmt_int(chat[n][i]['cached_tokens'])}")
     n_sessions = len(next(iter(sessions.values())))
-    print_grid("4 sessions sharing a system prompt: TTFT ms (session 1 alone, then the rest at once)",
+    print_grid("4 sessions sharing a system prompt: TTFT ms (client 1 alone, then the rest at once)",
                [f"session {i + 1}" for i in range(n_sessions)], list(sessions),
                lambda n, i: fmt_ms(sessions[n][i]["ttft_ms"]))
     print_grid("sessions: prompt tokens / cached tokens", [f"session {i + 1}" for i in range(n_sessions)],

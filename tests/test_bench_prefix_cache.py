@@ -78,8 +78,8 @@ def test_targets_and_verdicts():
     assert rows["turn 2 TTFT 2-stage: cache on / off"]["value"] == 0.1
     assert rows["turn 2 TTFT 2-stage: cache on / off"]["verdict"] == "met"
     assert math.isclose(rows["turn 2 TTFT 2-stage cache on / llama-server"]["value"], 100 / 90)
-    assert rows["sessions 2-4 / session 1, worst: 2-stage on"]["value"] == 0.3
-    assert rows["sessions 2-4 / session 1, worst: 2-stage on"]["verdict"] == "met"
+    assert rows["clients 2-4 / client 1, worst: 2-stage on"]["value"] == 0.3
+    assert rows["clients 2-4 / client 1, worst: 2-stage on"]["verdict"] == "met"
     assert math.isclose(rows["cached / previous prompt + reply, turns 2-2, lowest: 2-stage on"]["value"], 108 / 110)
     assert verdict(0.95, ">=", 0.9) == "met" and verdict(0.25, "<=", 0.2) == "NOT met"
     assert verdict(None, "<=", 0.2) == "n/a"
