@@ -40,7 +40,7 @@ class Speculation:
     """One generation's drafting state: the proposer over its context, the window sizer, its counters."""
 
     def __init__(self, max_draft: int, totals: SpeculationTotals):
-        self.proposer = NgramProposer()
+        self.proposer: NgramProposer | None = None  # made by begin, over the context
         self.sizer = WindowSizer(max_draft=max_draft)
         self.totals = totals
         totals.generations += 1
