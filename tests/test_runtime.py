@@ -571,7 +571,8 @@ def test_keep_warm_spins_at_idle_class_after_each_compute(default_model_path):
         warm.decode_row(0, 0, token=1)
         time.sleep(0.3)
         spun = {tid: ns for tid, ns in _idle_class_threads().items() if tid in threads}
-        assert 0.075 < warm.keep_warm_spun_s < 0.2  # 80 ms from the compute's end, then asleep again
+        # until 80 ms after the compute's end (less the time the idle class waited for a core), then asleep
+        assert 0.04 < warm.keep_warm_spun_s < 0.2
         assert 5 < _spun_ms(asleep, spun)[0] < 120  # ... and on a CPU meanwhile
         time.sleep(0.15)
         assert _spun_ms(spun, _idle_class_threads()) == [pytest.approx(0, abs=5)]
