@@ -1,0 +1,1 @@
+"""Putting a model's stages on hosts: plan, ship slices, start."""

@@ -1,0 +1,463 @@
+"""Choose how many stages a model runs in and which contiguous layers go to which host.
+
+The inputs are the model's shape (read once from its GGUF: bytes and multiply-adds per layer, what the
+first and final stages hold besides their layers, the KV cache per layer and token) and the hosts, each with
+the memory skippy may use there and a calibration (milliseconds of one decode step per layer of this model).
+
+The rule: as few stages as the model fits in, because every extra stage adds a network hop to each token;
+for that count, the hosts and layer ranges whose slowest stage is fastest. Hosts keep the order the user gave
+(the pipeline runs through them in that order, the head on the first chosen one). Everything is exact
+integer arithmetic, so the same inputs always give the same plan, ties included.
+
+Memory counts what a stage reads. A stage file also carries the token embedding and the output norm, which
+the llama loader insists on even where a stage never uses them; libllama maps (and pre-faults) the whole
+file, but pages a stage never reads are clean page cache the kernel takes back under pressure, so they are
+disk (`ModelShape.file_bytes`), not memory the stage needs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import gguf
+
+from skippyd.runtime.gguf_info import (
+    SKIPPY_LAYER_END,
+    SKIPPY_LAYER_START,
+    SKIPPY_N_LAYER_TOTAL,
+    SKIPPY_OUTPUT,
+    ModelFileError,
+    architecture,
+    field_value,
+    open_gguf,
+)
+from skippyd.runtime.slicing import compute_costs, plan_ranges
+
+MIB = 1 << 20
+DEFAULT_MARGIN_BYTES = 64 * MIB
+DEFAULT_MARGIN_FRACTION = 0.10
+KV_BYTES_PER_VALUE = 2  # the KV cache is f16
+
+# The LM head, which only the final stage file carries (as the slicer writes them).
+_HEAD_TENSORS = frozenset({"output.weight", "output.bias"})
+_TOKEN_EMBD = "token_embd.weight"
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+
+
+class PlanError(ValueError):
+    """The planner was asked something it cannot answer (bad hosts, stage count, model); the message says why."""
+
+
+class PlanRefused(PlanError):
+    """No placement fits the hosts' memory; the message names the host(s) and the shortfall."""
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@attrs.frozen
+class ModelShape:
+    """What placing a model needs to know about it, in bytes and multiply-adds.
+
+    `first_bytes` and `last_bytes` are what the first and the final stage hold beyond their layers (the
+    token embedding; the LM head and the output norm). A model that ties its LM head to the token embedding
+    counts that tensor in both, and `shared_bytes` says how much of them is the same tensor, which a single
+    stage holds once. `carried_bytes` is what every stage file holds beyond its layers (see `file_bytes`).
+    """
+
+    name: str
+    n_layer: int
+    layer_bytes: tuple[int, ...]
+    first_bytes: int
+    last_bytes: int
+    layer_costs: tuple[int, ...]
+    head_cost: int
+    kv_bytes_per_layer_token: int
+    shared_bytes: int = 0
+    carried_bytes: int = 0
+
+    def weight_bytes(self, start: int, end: int) -> int:
+        """Tensor bytes a stage running layers [start, end) reads: its layers, plus the embedding on the
+        first stage and the LM head and output norm on the final one."""
+        total = sum(self.layer_bytes[start:end])
+        if start == 0:
+            total += self.first_bytes
+        if end == self.n_layer:
+            total += self.last_bytes
+        if start == 0 and end == self.n_layer:
+            total -= self.shared_bytes
+        return total
+
+    def file_bytes(self, start: int, end: int) -> int:
+        """Tensor bytes of the stage file the slicer writes for layers [start, end): its layers and every
+        tensor outside the blocks, the LM head only on the final stage (the disk a slice takes, less the
+        metadata and alignment)."""
+        total = sum(self.layer_bytes[start:end])
+        if end == self.n_layer:
+            return total + self.first_bytes + self.last_bytes - self.shared_bytes
+        return total + self.carried_bytes
+
+    def kv_bytes(self, start: int, end: int, *, ctx: int, lanes: int) -> int:
+        """The KV cache of layers [start, end) for `lanes` sequences of `ctx` tokens each."""
+        return self.kv_bytes_per_layer_token * (end - start) * ctx * lanes
+
+
+def model_shape(path: str | os.PathLike[str]) -> ModelShape:
+    """Read a model's shape from its GGUF (the metadata and tensor table; no tensor data).
+
+    Raises `ModelFileError` for a bad file and `PlanError` for a stage slice (plan the model it came from).
+    """
+    path = Path(path)
+    reader = open_gguf(path)
+    if reader.get_field(SKIPPY_OUTPUT) is not None:
+        raise PlanError(
+            f"{path}: is a stage slice (layers {field_value(reader, SKIPPY_LAYER_START)}.."
+            f"{field_value(reader, SKIPPY_LAYER_END)} of {field_value(reader, SKIPPY_N_LAYER_TOTAL)}); "
+            "plan the whole model it was cut from"
+        )
+    arch = architecture(reader)
+    n_layer = _positive_int(reader, path, f"{arch}.block_count")
+    n_embd = _positive_int(reader, path, f"{arch}.embedding_length")
+    n_head = _positive_int(reader, path, f"{arch}.attention.head_count")
+    n_head_kv = field_value(reader, f"{arch}.attention.head_count_kv", n_head)
+    if isinstance(n_head_kv, list):  # per-layer counts: the largest, so that no layer is under-counted
+        n_head_kv = max(n_head_kv, default=0)
+    if not isinstance(n_head_kv, int) or n_head_kv < 0:
+        raise ModelFileError(f"{path}: metadata {arch}.attention.head_count_kv is invalid ({n_head_kv!r})")
+    head_k = field_value(reader, f"{arch}.attention.key_length") or n_embd // n_head
+    head_v = field_value(reader, f"{arch}.attention.value_length") or n_embd // n_head
+    kv_per_layer_token = (head_k + head_v) * n_head_kv * KV_BYTES_PER_VALUE
+
+    layer_bytes = [0] * n_layer
+    first = last = carried = 0
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    embd = 0
+    for t in reader.tensors:
+        n = int(t.n_bytes)
+        m = _BLOCK_RE.match(t.name)
+        if m is not None and int(m.group(1)) < n_layer:
+            layer_bytes[int(m.group(1))] += n
+            continue
+        if t.name not in _HEAD_TENSORS:
+            carried += n
+        if m is not None or t.name in _HEAD_TENSORS or t.name.startswith("output_norm."):
+            last += n  # layers past block_count (prediction heads) follow the stack: the final stage's
+        else:
+            first += n
+            if t.name == _TOKEN_EMBD:
+                embd = n
+    shared = embd if tied else 0
+    last += shared
+    layer_costs, head_cost = compute_costs(reader, n_layer)
+    return ModelShape(
+        name=path.name.removesuffix(".gguf"),
+        n_layer=n_layer,
+        layer_bytes=tuple(layer_bytes),
+        first_bytes=first,
+        last_bytes=last,
+        layer_costs=tuple(layer_costs),
+        head_cost=head_cost,
+        kv_bytes_per_layer_token=kv_per_layer_token,
+        shared_bytes=shared,
+        carried_bytes=carried,
+    )
+
+
+def _positive_int(reader: gguf.GGUFReader, path: Path, key: str) -> int:
+    value = field_value(reader, key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ModelFileError(f"{path}: metadata {key} is missing or invalid ({value!r})")
+    return value
+
+
+# --------------------------------------------------------------------------- hosts and plans
+
+
+@attrs.frozen
+class HostInfo:
+    """A host as the planner sees it: its name (the control address the user gave), the memory skippy may use
+    there, and how long one decode step takes per layer of this model there."""
+
+    name: str
+    memory_bytes: int
+    ms_per_layer: float
+
+
+@attrs.frozen
+class StagePlacement:
+    index: int
+    host: str
+    layer_start: int
+    layer_end: int
+    memory_bytes: int
+    ms_per_token: float
+
+
+@attrs.frozen
+class DeployPlan:
+    """Stages in pipeline order; `ms_per_token` is one token's trip: every stage's step plus the hops."""
+
+    model: str
+    stages: tuple[StagePlacement, ...]
+    ms_per_token: float
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return [(s.layer_start, s.layer_end) for s in self.stages]
+
+    @property
+    def hosts(self) -> list[str]:
+        return [s.host for s in self.stages]
+
+    def as_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "ms_per_token": self.ms_per_token,
+            "stages": [
+                {
+                    "index": s.index,
+                    "host": s.host,
+                    "layers": [s.layer_start, s.layer_end],
+                    "layer_start": s.layer_start,
+                    "layer_end": s.layer_end,
+                    "memory_bytes": s.memory_bytes,
+                    "memory_mib": round(s.memory_bytes / MIB, 1),
+                    "ms_per_token": s.ms_per_token,
+                }
+                for s in self.stages
+            ],
+        }
+
+
+def stage_memory(
+    shape: ModelShape,
+    start: int,
+    end: int,
+    *,
+    ctx: int,
+    lanes: int,
+    margin_bytes: int = DEFAULT_MARGIN_BYTES,
+    margin_fraction: float = DEFAULT_MARGIN_FRACTION,
+) -> int:
+    """Bytes a stage running layers [start, end) needs: its weights and KV cache, a fraction more for what
+    grows with them, and a fixed margin for the runtime and llama.cpp's compute buffers."""
+    raw = shape.weight_bytes(start, end) + shape.kv_bytes(start, end, ctx=ctx, lanes=lanes)
+    return margin_bytes + math.ceil(raw * (1 + margin_fraction))
+
+
+# --------------------------------------------------------------------------- the choice
+
+
+def make_plan(
+    shape: ModelShape,
+    hosts: Sequence[HostInfo],
+    *,
+    ctx: int,
+    lanes: int,
+    stages: int | None = None,
+    hop_ms: float = 1.0,
+    margin_bytes: int = DEFAULT_MARGIN_BYTES,
+    margin_fraction: float = DEFAULT_MARGIN_FRACTION,
+) -> DeployPlan:
+    """Place `shape` on (some of) `hosts`, each stage with its KV cache for `lanes` sequences of `ctx` tokens.
+
+    `stages=None`: the fewest stages that fit (one host if any can hold the whole model). `stages=N`: exactly
+    N stages on N of the hosts. Among the placements of that many stages: the smallest slowest-stage time,
+    then the smallest sum of stage times, then the earliest layer boundaries, then the earliest hosts.
+    Raises `PlanError` for bad arguments and `PlanRefused` when nothing fits.
+    """
+    _check_arguments(shape, hosts, ctx, lanes, stages, hop_ms, margin_bytes, margin_fraction)
+    n = shape.n_layer
+
+    def need(a: int, b: int) -> int:
+        return stage_memory(shape, a, b, ctx=ctx, lanes=lanes, margin_bytes=margin_bytes,
+                            margin_fraction=margin_fraction)
+
+    needs = [[need(a, b) if b > a else 0 for b in range(n + 1)] for a in range(n + 1)]
+    # A stage's time is its host's ms per layer times its multiply-adds over a mean layer's. Compared as exact
+    # integers: each host's ms per layer as an integer over a common power of two, times integer costs.
+    ratios = [float(h.ms_per_layer).as_integer_ratio() for h in hosts]
+    denominator = max(den for _, den in ratios)
+    speed = [num * (denominator // den) for num, den in ratios]
+    prefix = list(itertools.accumulate(shape.layer_costs, initial=0))
+
+    def cost(a: int, b: int) -> int:
+        return prefix[b] - prefix[a] + (shape.head_cost if b == n else 0)
+
+    counts = [stages] if stages is not None else range(1, min(len(hosts), n) + 1)
+    for k in counts:
+        best: tuple | None = None
+        for subset in itertools.combinations(range(len(hosts)), k):
+            found = _best_ranges(n, [hosts[i].memory_bytes for i in subset], [speed[i] for i in subset],
+                                 needs, cost)
+            if found is not None and (best is None or found + (subset,) < best):
+                best = found + (subset,)
+        if best is not None:
+            _, _, bounds, subset = best
+            return _plan(shape, hosts, subset, bounds, needs, prefix, hop_ms)
+    raise PlanRefused(_refusal(shape, hosts, stages, needs, ctx, lanes))
+
+
+def _best_ranges(n: int, memory: list[int], speed: list[int], needs: list[list[int]],
+                 cost) -> tuple[int, int, tuple[int, ...]] | None:
+    """For hosts in this order (their memory and integer speeds), the contiguous ranges of at least one layer
+    each that fit every host: (slowest stage, sum of stages, boundaries), the smallest such triple; None if
+    nothing fits.
+
+    Two passes of dynamic programming over the layers: the smallest possible slowest stage first, then,
+    holding every stage to it, the smallest sum and the earliest boundaries (both add up stage by stage,
+    which the slowest stage alone does not)."""
+    k = len(memory)
+
+    def stage_options(t: int, i: int):
+        """Ends j of stage t starting at layer i whose memory fits; memory grows with j, so stop at the first
+        that does not."""
+        last_end = n if t == k - 1 else n - (k - 1 - t)
+        first_end = n if t == k - 1 else i + 1
+        for j in range(first_end, last_end + 1):
+            if needs[i][j] > memory[t]:
+                return
+            yield j
+
+    # pass 1: slow[j] = the smallest slowest stage of t+1 stages covering [0, j)
+    slow: dict[int, int] = {0: 0}
+    for t in range(k):
+        nxt: dict[int, int] = {}
+        for i, so_far in slow.items():
+            for j in stage_options(t, i):
+                value = max(so_far, speed[t] * cost(i, j))
+                if value < nxt.get(j, value + 1):
+                    nxt[j] = value
+        slow = nxt
+    if n not in slow:
+        return None
+    bound = slow[n]
+
+    # pass 2: the smallest (sum, boundaries) with no stage slower than `bound`
+    best: dict[int, tuple[int, tuple[int, ...]]] = {0: (0, ())}
+    for t in range(k):
+        nxt2: dict[int, tuple[int, tuple[int, ...]]] = {}
+        for i, (total, bounds) in best.items():
+            for j in stage_options(t, i):
+                step = speed[t] * cost(i, j)
+                if step > bound:
+                    continue
+                candidate = (total + step, bounds + (j,))
+                if j not in nxt2 or candidate < nxt2[j]:
+                    nxt2[j] = candidate
+        best = nxt2
+    total, bounds = best[n]
+    return bound, total, bounds
+
+
+def _plan(shape: ModelShape, hosts: Sequence[HostInfo], subset: tuple[int, ...], bounds: tuple[int, ...],
+          needs: list[list[int]], prefix: list[int], hop_ms: float) -> DeployPlan:
+    mean = prefix[-1] / shape.n_layer
+    placements = []
+    start = 0
+    for index, (h, end) in enumerate(zip(subset, bounds)):
+        host = hosts[h]
+        work = prefix[end] - prefix[start] + (shape.head_cost if end == shape.n_layer else 0)
+        placements.append(StagePlacement(
+            index=index,
+            host=host.name,
+            layer_start=start,
+            layer_end=end,
+            memory_bytes=needs[start][end],
+            ms_per_token=host.ms_per_layer * work / mean,
+        ))
+        start = end
+    total = sum(p.ms_per_token for p in placements) + hop_ms * (len(placements) - 1)
+    return DeployPlan(model=shape.name, stages=tuple(placements), ms_per_token=total)
+
+
+def _check_arguments(shape: ModelShape, hosts: Sequence[HostInfo], ctx: int, lanes: int, stages: int | None,
+                     hop_ms: float, margin_bytes: int, margin_fraction: float) -> None:
+    n = shape.n_layer
+    if n < 1 or len(shape.layer_bytes) != n or len(shape.layer_costs) != n:
+        raise PlanError(f"model {shape.name} has {n} layers but {len(shape.layer_bytes)} layer sizes and "
+                        f"{len(shape.layer_costs)} layer costs")
+    if sum(shape.layer_costs) <= 0:
+        raise PlanError(f"model {shape.name} has no multiply-adds in its layers to balance")
+    if not hosts:
+        raise PlanError("no hosts to place the model on")
+    seen: set[str] = set()
+    for h in hosts:
+        if not h.name:
+            raise PlanError("a host has an empty name")
+        if h.name in seen:
+            raise PlanError(f"host {h.name} is given twice")
+        seen.add(h.name)
+        if h.memory_bytes < 0:
+            raise PlanError(f"host {h.name}: memory {h.memory_bytes} is negative")
+        if not (math.isfinite(h.ms_per_layer) and h.ms_per_layer > 0):
+            raise PlanError(f"host {h.name}: ms per layer must be a positive number, not {h.ms_per_layer}")
+    if ctx < 1:
+        raise PlanError(f"the context must be at least 1 token, not {ctx}")
+    if lanes < 1:
+        raise PlanError(f"lanes must be at least 1, not {lanes}")
+    if not (math.isfinite(hop_ms) and hop_ms >= 0):
+        raise PlanError(f"hop_ms must be a number of at least 0, not {hop_ms}")
+    if margin_bytes < 0 or not (math.isfinite(margin_fraction) and margin_fraction >= 0):
+        raise PlanError("the memory margins must not be negative")
+    if stages is not None:
+        if stages < 1:
+            raise PlanError(f"the number of stages must be at least 1, got {stages}")
+        if stages > n:
+            raise PlanError(f"cannot split {n} layers into {stages} stages: every stage needs at least one layer")
+        if stages > len(hosts):
+            raise PlanError(f"{stages} stages need {stages} hosts, {len(hosts)} given")
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def _mib(n: int) -> str:
+    return f"{math.ceil(n / MIB):,} MiB"
+
+
+def _smallest_stage(shape: ModelShape, k: int, needs: list[list[int]]) -> tuple[int, str]:
+    """The smallest stage any host must hold for a k-stage pipeline, and what it is."""
+    n = shape.n_layer
+    if k == 1:
+        return needs[0][n], f"all {n} layers, the token embedding and the LM head"
+    options = [(needs[0][1], "1 layer + the token embedding"), (needs[n - 1][n], "1 layer + the LM head")]
+    if k >= 3:
+        options += [(needs[i][i + 1], "1 layer") for i in range(1, n - 1)]
+    return min(options, key=lambda o: o[0])
+
+
+def _refusal(shape: ModelShape, hosts: Sequence[HostInfo], stages: int | None, needs: list[list[int]],
+             ctx: int, lanes: int) -> str:
+    n = shape.n_layer
+    k = stages if stages is not None else min(len(hosts), n)
+    if stages is not None:
+        smallest, what = _smallest_stage(shape, k, needs)
+        short = [h for h in hosts if h.memory_bytes < smallest]
+        if len(hosts) - len(short) < k:
+            named = "; ".join(
+                f"host {h.name} has {_mib(h.memory_bytes)} for skippy; the smallest stage it could run ({what}) "
+                f"needs {_mib(smallest)}: {_mib(smallest - h.memory_bytes)} short"
+                for h in short
+            )
+            return f"cannot run {shape.name} in {k} stages: {named}"
+    # The whole model over k stages: its weights and KV cache, each stage's margins.
+    total = sum(needs[a][b] for a, b in plan_ranges(n, stages=k))
+    have = sum(h.memory_bytes for h in hosts)
+    each = ", ".join(f"{h.name} {_mib(h.memory_bytes)}" for h in hosts)
+    message = (
+        f"{shape.name} does not fit: in {k} stage{'s' if k > 1 else ''} with a context of {ctx} tokens x "
+        f"{lanes} lanes it needs {_mib(total)} in all, and the hosts have {_mib(have)} ({each})"
+    )
+    if total <= have:
+        message += (
+            "; together enough, but no split into contiguous layers, through the hosts in the order given, "
+            "fits each host's share"
+        )
+    return message
