@@ -21,7 +21,7 @@ import itertools
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -305,7 +305,7 @@ def make_plan(
 
 
 def _best_ranges(n: int, memory: list[int], speed: list[int], needs: list[list[int]],
-                 cost) -> tuple[int, int, tuple[int, ...]] | None:
+                 cost: Callable[[int, int], int]) -> tuple[int, int, tuple[int, ...]] | None:
     """For hosts in this order (their memory and integer speeds), the contiguous ranges of at least one layer
     each that fit every host: (slowest stage, sum of stages, boundaries), the smallest such triple; None if
     nothing fits.
@@ -418,8 +418,9 @@ def _check_arguments(shape: ModelShape, hosts: Sequence[HostInfo], ctx: int, lan
 # --------------------------------------------------------------------------- refusals
 
 
-def _mib(n: int) -> str:
-    return f"{math.ceil(n / MIB):,} MiB"
+def _mib(n: int, *, up: bool = True) -> str:
+    """Bytes in MiB, rounded up (what is needed, what is short) or down (what a host has)."""
+    return f"{math.ceil(n / MIB) if up else n // MIB:,} MiB"
 
 
 def _smallest_stage(shape: ModelShape, k: int, needs: list[list[int]]) -> tuple[int, str]:
@@ -442,18 +443,18 @@ def _refusal(shape: ModelShape, hosts: Sequence[HostInfo], stages: int | None, n
         short = [h for h in hosts if h.memory_bytes < smallest]
         if len(hosts) - len(short) < k:
             named = "; ".join(
-                f"host {h.name} has {_mib(h.memory_bytes)} for skippy; the smallest stage it could run ({what}) "
-                f"needs {_mib(smallest)}: {_mib(smallest - h.memory_bytes)} short"
+                f"host {h.name} has {_mib(h.memory_bytes, up=False)} for skippy; the smallest stage it could run "
+                f"({what}) needs {_mib(smallest)}: {_mib(smallest - h.memory_bytes)} short"
                 for h in short
             )
             return f"cannot run {shape.name} in {k} stages: {named}"
     # The whole model over k stages: its weights and KV cache, each stage's margins.
     total = sum(needs[a][b] for a, b in plan_ranges(n, stages=k))
     have = sum(h.memory_bytes for h in hosts)
-    each = ", ".join(f"{h.name} {_mib(h.memory_bytes)}" for h in hosts)
+    each = ", ".join(f"{h.name} {_mib(h.memory_bytes, up=False)}" for h in hosts)
     message = (
         f"{shape.name} does not fit: in {k} stage{'s' if k > 1 else ''} with a context of {ctx} tokens x "
-        f"{lanes} lanes it needs {_mib(total)} in all, and the hosts have {_mib(have)} ({each})"
+        f"{lanes} lanes it needs {_mib(total)} in all, and the hosts have {_mib(have, up=False)} ({each})"
     )
     if total <= have:
         message += (
