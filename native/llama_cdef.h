@@ -63,6 +63,7 @@ typedef struct llama_logit_bias { llama_token token; float bias; } llama_logit_b
 typedef struct llama_sampler_chain_params { bool no_perf; ...; } llama_sampler_chain_params;
 
 void llama_backend_init(void);
+const char * llama_print_system_info(void);
 struct llama_model_params   llama_model_default_params(void);
 struct llama_context_params llama_context_default_params(void);
 struct llama_sampler_chain_params llama_sampler_chain_default_params(void);

@@ -51,6 +51,7 @@ def _globals(
 # Nouns register here, one module each. Imported after `Globals` exists so a
 # noun module may import it from here.
 from skippyctl import cache as _cache  # noqa: E402
+from skippyctl import deploy as _deploy  # noqa: E402
 from skippyctl import generate as _generate  # noqa: E402
 from skippyctl import lanes as _lanes  # noqa: E402
 from skippyctl import model as _model  # noqa: E402
@@ -63,6 +64,9 @@ app.add_typer(_lanes.app, name="lanes")
 app.add_typer(_cache.app, name="cache")
 app.command("status")(_status.status)
 app.add_typer(_model.app, name="model")
+app.command("plan")(_deploy.plan)
+app.command("deploy")(_deploy.deploy)
+app.command("undeploy")(_deploy.undeploy)
 
 
 def main() -> None:

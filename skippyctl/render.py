@@ -165,3 +165,33 @@ def waiting_line(description: str) -> Iterator[Callable[[], None]]:
         yield progress.stop
     finally:
         progress.stop()
+
+
+@contextlib.contextmanager
+def host_progress(hosts: list[str], description: str) -> Iterator[Callable[[str, int, int], None]]:
+    """One progress bar per host on stderr; yields `update(host, done_bytes, total_bytes)`. Without a terminal,
+    one line per host when its work begins and when it ends."""
+    console = stderr_console()
+    if not console.is_terminal:
+        started: set[str] = set()
+        finished: set[str] = set()
+
+        def line(host: str, done: int, total: int) -> None:
+            if host not in started:
+                started.add(host)
+                console.print(f"{description} {host}: {human_bytes(total - done)} to send")
+            if done >= total and host not in finished:
+                finished.add(host)
+                console.print(f"{description} {host}: done")
+
+        yield line
+        return
+    columns = (TextColumn("[progress.description]{task.description}"), BarColumn(), DownloadColumn(),
+               TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        tasks = {host: progress.add_task(f"{description} {host}", total=None) for host in hosts}
+
+        def update(host: str, done: int, total: int) -> None:
+            progress.update(tasks[host], completed=done, total=total or None)
+
+        yield update

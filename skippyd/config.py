@@ -109,6 +109,9 @@ class PipelineSection:
     topology: Path | None = None
     stage: Any = attrs.field(default=None, validator=_stage_value)  # an index, or "all"
     model: Path | None = None
+    # where slices sent by `skippyctl deploy` are kept; None: $STATE_DIRECTORY/slices, else
+    # ~/.local/state/skippy/slices
+    slices_dir: Path | None = None
 
 
 @attrs.frozen
@@ -144,6 +147,9 @@ class RuntimeSection:
     # the head: draft tokens from the session's own context and verify them in windows (speculative decoding)
     speculate: str = attrs.field(default="off", validator=_one_of(("on", "off")))
     speculate_max_draft: int = attrs.field(default=16, validator=_in_range(1, 16))  # drafts in one window at most
+    # the most memory (MiB) skippy may use on this host, as reported to a deployment's planner; 0: what the
+    # host (or its cgroup) has available
+    memory_limit_mb: int = attrs.field(default=0, validator=_at_least(0))
 
 
 def _allow_list(_inst, attribute, value) -> None:

@@ -102,6 +102,7 @@ class Daemon:
         self.head = None
         self.control = None
         self.openai = None
+        self.assignment = None  # the stage `skippyctl deploy` gave this daemon, and the slices it holds
         self.started = time.time()
         self.ready = False
         self.draining = False
@@ -117,9 +118,20 @@ class Daemon:
         plan = self.plan = make_plan(self.config, self.machines)  # before any task: PlanError is exit 2
         self.topology, self.link_auth = plan.topology, plan.link_auth
         config = self.config
+        waiting = plan.model is None and plan.topology is None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_signals, nursery)
-            if plan.model is not None:
+            if config.control.enabled:
+                from skippyd.deploy.agent import Assignment
+                from skippyd.deploy.slices import SliceStore, default_slices_dir
+
+                self.assignment = Assignment(self, SliceStore(config.pipeline.slices_dir or default_slices_dir()),
+                                             accepts_stages=waiting)
+                self.assignment.nursery = nursery
+            if waiting:
+                log.info("no topology and no model: waiting for `skippyctl deploy` to assign a stage (slices in %s)",
+                         self.assignment.slices.dir)
+            elif plan.model is not None:
                 notify(f"STATUS=loading {plan.model}")
                 self.head = await nursery.start(HeadNode(plan.stage, model_path=plan.model, **plan.head.kwargs()).run)
             else:
@@ -155,6 +167,8 @@ class Daemon:
             nursery.start_soon(self._report_status)
 
     def describe_role(self) -> str:
+        if self.head is None and not self.stages and self.assignment is not None and self.assignment.accepts_stages:
+            return "waiting for a deployment"
         parts = []
         if self.head is not None:
             parts.append("head")

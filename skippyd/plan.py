@@ -46,7 +46,7 @@ class HeadOptions:
 @attrs.frozen
 class Plan:
     topology: Topology | None  # None: `model`, a whole model as one stage
-    model: Path | None
+    model: Path | None  # neither: the daemon waits to be assigned a stage (skippyctl deploy)
     indices: tuple[int, ...]  # the topology's stages this daemon runs (0 is the head)
     stage: StageConfig  # how each of them computes and listens
     head: HeadOptions
@@ -57,9 +57,12 @@ def make_plan(config: Config, machines: Machines | None = None) -> Plan:
     """Raises PlanError for settings that cannot run (no model, a stage outside the topology, a bad secret)."""
     machines = machines if machines is not None else Machines()
     pipeline = config.pipeline
-    if (pipeline.topology is None) == (pipeline.model is None):
+    if pipeline.topology is not None and pipeline.model is not None:
         raise PlanError("give either --topology FILE (with --stage) or --model FILE "
-                        "(or [pipeline] topology / model in the config file)")
+                        "(or [pipeline] topology / model in the config file), not both")
+    if pipeline.topology is None and pipeline.model is None and not config.control.enabled:
+        raise PlanError("nothing to run: give --topology FILE (with --stage) or --model FILE, or keep the "
+                        "control channel on to wait for `skippyctl deploy` to assign a stage")
     topology = None
     indices: tuple[int, ...] = ()
     if pipeline.topology is not None:

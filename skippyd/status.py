@@ -67,7 +67,16 @@ class StatusReport:
             "config": str(d.settings.path) if d.settings and d.settings.path else None,
             "head": d.head.snapshot() if d.head else None,
             "stages": [s.snapshot() for s in d.stages],
+            "deployment": self.deployment(),
         }
+
+    def deployment(self) -> dict | None:
+        """What `skippyctl deploy` gave this daemon (None: it runs what its command line gave it)."""
+        assignment = getattr(self.daemon, "assignment", None)
+        if assignment is None or not assignment.accepts_stages:
+            return None
+        return {"assigned": assignment.describe(), "last_failure": assignment.failure,
+                "slices_dir": str(assignment.slices.dir)}
 
     def _model(self):
         d = self.daemon

@@ -146,8 +146,78 @@ class Receipts:
     limit: int = 20
 
 
+# ---------------------------------------------------------------- deployment (skippyctl plan / deploy)
+def _sha256(_inst, attribute, value: str) -> None:
+    if not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise Invalid(f"must be a sha256 (64 lowercase hex digits), got {_show(value)}", attribute.name)
+
+
+def _non_negative(_inst, attribute, value: int) -> None:
+    if value < 0:
+        raise Invalid(f"must be at least 0, got {_show(value)}", attribute.name)
+
+
+@attrs.frozen
+class Host:
+    """What this host offers a deployment: cores, memory, disk, features, the slices it holds, its stage."""
+
+    id: str
+
+
+@attrs.frozen
+class SliceOffer:
+    """Before sending a slice: is it held here (nothing to send), or how much of it has arrived?"""
+
+    id: str
+    sha256: str = attrs.field(validator=_sha256)
+    size: int = attrs.field(validator=_non_negative)
+
+
+@attrs.frozen
+class SliceChunk:
+    """The slice's bytes from `offset` (where those received end), base64."""
+
+    id: str
+    sha256: str = attrs.field(validator=_sha256)
+    offset: int = attrs.field(validator=_non_negative)
+    data: str = ""
+
+
+@attrs.frozen
+class SliceCommit:
+    """Every byte sent: check the whole against its sha256 and keep it."""
+
+    id: str
+    sha256: str = attrs.field(validator=_sha256)
+    size: int = attrs.field(validator=_non_negative)
+
+
+@attrs.frozen
+class Calibrate:
+    """Time decode steps through a held middle slice: ms per layer on this host."""
+
+    id: str
+    sha256: str = attrs.field(validator=_sha256)
+    fresh: bool = False  # time it again rather than answer what an earlier timing found
+
+
+@attrs.frozen
+class StageAssign:
+    """Run stage `stage` of `topology` (TOML; stage files named <sha256>.gguf, held here)."""
+
+    id: str
+    topology: str
+    stage: int = attrs.field(validator=_non_negative)
+
+
+@attrs.frozen
+class StageRelease:
+    id: str
+
+
 Request = (Generate | SessionsList | SessionShow | SessionKill | LanesList | LanesDrain | LanesUndrain | CacheShow
-           | CacheClear | Status | Receipts)
+           | CacheClear | Status | Receipts | Host | SliceOffer | SliceChunk | SliceCommit | Calibrate | StageAssign
+           | StageRelease)
 
 
 # ---------------------------------------------------------------- replies
@@ -176,7 +246,9 @@ class Data:
 class Error:
     id: str
     message: str
-    code: str = "bad_request"  # bad_request | not_found | unavailable | failed | unauthorized
+    # bad_request | not_found | unavailable | failed | unauthorized; a slice transfer's: conflict (out of order),
+    # corrupt (arrived damaged: send it again)
+    code: str = "bad_request"
     retryable: bool = False
 
 
@@ -184,6 +256,15 @@ Reply = Piece | Result | Data | Error
 
 configure_tagged_union(Request, converter, tag_generator=_snake, tag_name="type")
 configure_tagged_union(Reply, converter, tag_generator=_snake, tag_name="type")
+
+
+class RequestFailed(Exception):
+    """A request the daemon cannot serve, with the Error code its client gets (raised by what serves it)."""
+
+    def __init__(self, message: str, code: str = "bad_request", retryable: bool = False):
+        super().__init__(message)
+        self.code = code
+        self.retryable = retryable
 
 
 class BadRequest(ValueError):

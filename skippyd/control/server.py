@@ -22,6 +22,8 @@ scope per message).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import logging
@@ -173,6 +175,8 @@ class ControlServer:
             await send(m.Error(req.id, str(exc), code="bad_request"))
         except CacheReportError as exc:
             await send(m.Error(req.id, str(exc), code="unavailable", retryable=True))
+        except m.RequestFailed as exc:
+            await send(m.Error(req.id, str(exc), code=exc.code, retryable=exc.retryable))
         except Exception as exc:  # a bug must not take the connection down
             log.exception("control: %s failed", type(req).__name__)
             await send(m.Error(req.id, f"internal error: {exc}", code="failed"))
@@ -337,6 +341,45 @@ class ControlServer:
 
     async def on_status(self, req: m.Status, send) -> None:
         await send(m.Data(req.id, await self.daemon.status()))
+
+    # ---------------------------------------------------------------- deployment (skippyd.deploy)
+    @property
+    def assignment(self):
+        assignment = getattr(self.daemon, "assignment", None)
+        if assignment is None:
+            raise m.RequestFailed("this daemon takes no deployments (it runs without a slices directory)")
+        return assignment
+
+    async def on_host(self, req: m.Host, send) -> None:
+        await send(m.Data(req.id, await trio.to_thread.run_sync(self.assignment.host)))
+
+    async def on_slice_offer(self, req: m.SliceOffer, send) -> None:
+        slices = self.assignment.slices
+        offer = await trio.to_thread.run_sync(slices.offer, req.sha256, req.size)
+        await send(m.Data(req.id, offer.as_dict()))
+
+    async def on_slice_chunk(self, req: m.SliceChunk, send) -> None:
+        try:
+            data = base64.b64decode(req.data, validate=True)
+        except binascii.Error as exc:
+            raise m.RequestFailed(f"slice_chunk data is not base64: {exc}") from None
+        received = await trio.to_thread.run_sync(self.assignment.slices.write, req.sha256, req.offset, data)
+        await send(m.Data(req.id, {"received": received}))
+
+    async def on_slice_commit(self, req: m.SliceCommit, send) -> None:
+        await trio.to_thread.run_sync(self.assignment.slices.commit, req.sha256, req.size)
+        await send(m.Data(req.id, {"held": True}))
+
+    async def on_calibrate(self, req: m.Calibrate, send) -> None:
+        await send(m.Data(req.id, await self.assignment.calibrate(req.sha256, req.fresh)))
+
+    async def on_stage_assign(self, req: m.StageAssign, send) -> None:
+        if self.daemon.draining:
+            raise m.RequestFailed("the daemon is draining (shutting down)", "unavailable", retryable=True)
+        await send(m.Data(req.id, await self.assignment.assign(req.topology, req.stage)))
+
+    async def on_stage_release(self, req: m.StageRelease, send) -> None:
+        await send(m.Data(req.id, {"released": await self.assignment.release()}))
 
     async def on_receipts(self, req: m.Receipts, send) -> None:
         kept = list(self.engine.receipts)[-max(0, req.limit):]

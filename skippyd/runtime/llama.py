@@ -93,6 +93,17 @@ def backend_init() -> None:
             _backend_ready = True
 
 
+def system_info() -> dict[str, str]:
+    """The native build's features, as llama.cpp reports them ("AVX2": "1", "OPENMP": "1", ...)."""
+    backend_init()
+    features = {}
+    for part in ffi.string(lib.llama_print_system_info()).decode("utf-8", "replace").split("|"):
+        key, sep, value = part.rpartition("=")
+        if sep:
+            features[key.split(":")[-1].strip()] = value.strip()
+    return features
+
+
 def _read_string(fn, *args, initial: int = 256) -> str | None:
     """Call a llama.cpp `(…, char *buf, size)` getter, growing the buffer as told."""
     size = initial

@@ -467,6 +467,22 @@ def split_model(
     return topology
 
 
+def write_middle_slice(src_path: str | os.PathLike[str], start: int, end: int, out_path: Path) -> str:
+    """Write the one middle-stage file of layers [start, end) (0 < start < end < n_layer: hidden states in
+    and out) to `out_path`, as a split would make it; returns its sha256. For timing a host on a few layers
+    without writing the whole model."""
+    src_path = Path(src_path)
+    reader = open_gguf(src_path)
+    arch = check_splittable(reader)
+    n_layer = _required_int(reader, f"{arch}.block_count")
+    if not 0 < start < end < n_layer:
+        raise RangeError(f"a middle slice needs 0 < start < end < {n_layer}, got {start}:{end}")
+    plan = _plan_stages(reader, [(0, start), (start, end), (end, n_layer)], n_layer, out_path.parent)[1]
+    plan = attrs.evolve(plan, path=out_path)
+    source_sha256 = _sha256_file(src_path, lambda _n: None)
+    return _write_stage(reader, arch, _copyable_kv(reader), plan, n_layer, source_sha256, lambda _n: None)
+
+
 def _required_int(reader: gguf.GGUFReader, key: str) -> int:
     value = field_value(reader, key)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -1,0 +1,504 @@
+"""`skippyctl plan`, `deploy` and `undeploy`: from one model file to a pipeline across hosts.
+
+Every host runs ``skippyd`` with neither a topology nor a model (as the
+systemd unit does on a fresh host): it waits, serving its control channel.
+``deploy`` asks each host what it offers (cores, memory), times a slice of a
+few of the model's layers there (the calibration), plans the split
+(skippyd.deploy.planner), cuts the model into the planned slices here, sends
+each host its slice over the control channel (authenticated by the same
+token; checksummed; resumed where an interrupted transfer stopped; nothing
+sent to a host that holds it already), starts the stages from the last to
+the head, and waits until the head answers a generation. Nothing is sent
+before the plan fits every host's memory.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import attrs
+import trio
+import typer
+from rich.table import Table
+
+from skippyctl.client import ControlError, open_control
+from skippyctl.render import EXIT_USAGE, emit, fail, host_progress, human_bytes, listing
+from skippyd.control import messages as m
+from skippyd.deploy.planner import HostInfo, PlanError, make_plan, model_shape
+from skippyd.runtime.gguf_info import ModelFileError
+from skippyd.runtime.slicing import RangeError, SliceError, split_model, write_middle_slice
+from skippyd.topology import TOPOLOGY_VERSION, Topology, TopologyError
+
+DEFAULT_CONTROL_PORT = 7390
+DEFAULT_STAGE_PORT = 7400
+CHUNK = 512 << 10  # bytes per slice_chunk message (base64 in JSON: under the websocket's 1 MiB message cap)
+CALIBRATION_LAYERS = 4
+READY_TIMEOUT_S = 120.0
+
+ModelArg = Annotated[Path, typer.Argument(metavar="MODEL.gguf", help="The GGUF model to place.", show_default=False)]
+HostsOption = Annotated[str, typer.Option(
+    "--hosts", help="The hosts' control addresses, HOST[:PORT] (port 7390 by default), comma-separated, in "
+    "pipeline order: the head goes on the first host the plan uses.")]
+StagesOption = Annotated[int | None, typer.Option(
+    "--stages", min=1, help="Exactly this many stages (default: the fewest the model fits in; one host when it "
+    "fits on one, as a split would only add hops).")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print plain JSON on stdout instead of a table.")]
+RecalibrateOption = Annotated[bool, typer.Option(
+    "--recalibrate", help="Time every host again (a host remembers its timing of a model until it restarts, so "
+    "that the same deployment planned twice gives the same plan).")]
+HopOption = Annotated[float, typer.Option("--hop-ms", min=0.0, help="What one hop between hosts adds to a "
+                                          "token's time (ms), for choosing how many stages.")]
+
+
+def _state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local/state")
+    return Path(base) / "skippy" / "deployment"
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "skippy" / "deploy"
+
+
+OutOption = Annotated[Path | None, typer.Option(
+    "--out", help="Where deploy writes the topology it deployed and deployment.json (undeploy reads it) "
+    "[default: ~/.local/state/skippy/deployment].", show_default=False)]
+
+
+@attrs.frozen
+class Target:
+    """One host as the user named it: its control channel and the address its stage listens on."""
+
+    name: str  # HOST:PORT
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"ws://[{self.host}]:{self.port}" if ":" in self.host else f"ws://{self.host}:{self.port}"
+
+
+def parse_hosts(text: str) -> list[Target]:
+    targets = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        host, port = item, DEFAULT_CONTROL_PORT
+        if item.startswith("["):
+            host, _, rest = item[1:].partition("]")
+            if rest:
+                port = _port(item, rest.removeprefix(":"))
+        elif item.count(":") == 1:
+            host, raw = item.split(":")
+            port = _port(item, raw)
+        if not host:
+            fail(f"--hosts: {item!r} names no host", EXIT_USAGE)
+        targets.append(Target(f"{host}:{port}" if ":" not in host else f"[{host}]:{port}", host, port))
+    if not targets:
+        fail("--hosts: give at least one host", EXIT_USAGE)
+    if len({t.name for t in targets}) != len(targets):
+        fail("--hosts: a host is named twice", EXIT_USAGE)
+    return targets
+
+
+def _port(item: str, raw: str) -> int:
+    if not raw.isdigit() or not 1 <= int(raw) <= 65535:
+        fail(f"--hosts: bad port in {item!r}", EXIT_USAGE)
+    return int(raw)
+
+
+# ---------------------------------------------------------------- talking to the hosts
+class HostError(ControlError):
+    """A host's failure, named."""
+
+    def __init__(self, target: Target, message: str, code: str = "failed"):
+        super().__init__(f"{target.name}: {message}", code=code)
+
+
+async def _call(target: Target, token_file: Path | None, make) -> Any:
+    try:
+        async with open_control(target.url, token_file) as client:
+            return await client.call(make(client.new_id()))
+    except HostError:
+        raise
+    except ControlError as exc:
+        raise HostError(target, str(exc), exc.code) from None
+
+
+async def probe(targets: list[Target], token_file: Path | None) -> dict[str, dict]:
+    """Every host's `host` report, asked at once."""
+    reports: dict[str, dict] = {}
+
+    async def one(target: Target) -> None:
+        reports[target.name] = await _call(target, token_file, lambda i: m.Host(id=i))
+
+    async with trio.open_nursery() as nursery:
+        for target in targets:
+            nursery.start_soon(one, target)
+    for target in targets:
+        if not reports[target.name]["accepts_stages"]:
+            raise HostError(target, "its skippyd runs the stages its own command line gave it; start it with "
+                                    "neither --topology nor --model to deploy to it", "bad_request")
+    return reports
+
+
+@attrs.define
+class Sent:
+    """What one slice's transfer to one host did."""
+
+    size: int
+    held: bool = False  # the host held it already: nothing sent
+    resumed_from: int = 0  # bytes an earlier, interrupted transfer had left there
+    sent: int = 0
+    resent: int = 0  # times it arrived damaged and went again
+
+
+class Sender:
+    """Sends slices to hosts over their control channels, `max_rate` bytes/s at most in all (0: no cap)."""
+
+    def __init__(self, token_file: Path | None, max_rate: float = 0.0):
+        self.token_file = token_file
+        self.max_rate = max_rate
+        self._next_at = 0.0  # rate limit: when the next chunk may go
+
+    async def send(self, target: Target, path: Path, sha256: str, update=lambda done, total: None) -> Sent:
+        size = path.stat().st_size
+        try:
+            async with open_control(target.url, self.token_file) as client:
+                for attempt in range(3):
+                    result = await self._send_once(client, path, sha256, size, update)
+                    if result is not None:
+                        result.resent = attempt
+                        return result
+        except ControlError as exc:
+            raise HostError(target, f"sending {path.name}: {exc}", exc.code) from None
+        raise HostError(target, f"{path.name} arrived damaged three times: check the link and the host's disk")
+
+    async def _send_once(self, client, path: Path, sha256: str, size: int, update) -> Sent | None:
+        offer = await client.call(m.SliceOffer(id=client.new_id(), sha256=sha256, size=size))
+        if offer["held"]:
+            update(size, size)
+            return Sent(size, held=True)
+        done = offer["received"]
+        result = Sent(size, resumed_from=done)
+        update(done, size)
+        with open(path, "rb") as f:
+            f.seek(done)
+            while done < size:
+                block = f.read(CHUNK)
+                await self._pace(len(block))
+                reply = await client.call(m.SliceChunk(id=client.new_id(), sha256=sha256, offset=done,
+                                                       data=base64.b64encode(block).decode("ascii")))
+                done = reply["received"]
+                result.sent += len(block)
+                update(done, size)
+        try:
+            await client.call(m.SliceCommit(id=client.new_id(), sha256=sha256, size=size))
+        except ControlError as exc:
+            if exc.code == "corrupt":  # the host deleted what arrived: send it all again
+                update(0, size)
+                return None
+            raise
+        return result
+
+    async def _pace(self, n: int) -> None:
+        if self.max_rate <= 0:
+            return
+        now = trio.current_time()
+        self._next_at = max(self._next_at, now)
+        await trio.sleep_until(self._next_at)
+        self._next_at += n / self.max_rate
+
+
+# ---------------------------------------------------------------- calibration and the plan
+def _source_key(model: Path) -> str:
+    st = model.stat()
+    return f"{model.name.removesuffix('.gguf')}-{st.st_size}-{st.st_mtime_ns}"
+
+
+def calibration_slice(model: Path, n_layer: int) -> tuple[Path, str]:
+    """A middle slice of a few layers (cut once per model file, kept in the cache): what every host times."""
+    start = 1
+    end = min(n_layer - 1, start + CALIBRATION_LAYERS)
+    if end <= start:
+        raise PlanError(f"{model.name} has {n_layer} layers: too few to time a middle slice of them")
+    folder = _cache_dir() / _source_key(model)
+    path = folder / f"calibration-{start}-{end}.gguf"
+    record = path.with_suffix(".sha256")
+    if path.exists() and record.exists():
+        return path, record.read_text().strip()
+    folder.mkdir(parents=True, exist_ok=True)
+    sha = write_middle_slice(model, start, end, path)
+    record.write_text(sha + "\n")
+    return path, sha
+
+
+async def calibrate(targets: list[Target], token_file: Path | None, model: Path, n_layer: int,
+                    fresh: bool = False) -> dict[str, dict]:
+    """Each host's ms per layer of this model, timed one host after the other (so that they do not share
+    cores while timed, where hosts do)."""
+    path, sha = await trio.to_thread.run_sync(calibration_slice, model, n_layer)
+    sender = Sender(token_file)
+    out = {}
+    for target in targets:
+        await sender.send(target, path, sha)
+        out[target.name] = await _call(target, token_file, lambda i: m.Calibrate(id=i, sha256=sha, fresh=fresh))
+    return out
+
+
+def _host_infos(targets: list[Target], reports: dict[str, dict], timings: dict[str, dict] | None) -> list[HostInfo]:
+    return [HostInfo(name=t.name, memory_bytes=reports[t.name]["memory_bytes"],
+                     ms_per_layer=timings[t.name]["ms_per_layer"] if timings else 1.0) for t in targets]
+
+
+async def plan_on(model: Path, targets: list[Target], token_file: Path | None, stages: int | None,
+                  hop_ms: float, recalibrate: bool = False) -> tuple[Any, dict, dict]:
+    """Probe, check that a plan fits the hosts' memory (before anything is sent), calibrate, plan."""
+    shape = await trio.to_thread.run_sync(model_shape, model)
+    reports = await probe(targets, token_file)
+    ctx = max(r["ctx"] for r in reports.values())
+    lanes = max(r["lanes"] for r in reports.values())
+    make_plan(shape, _host_infos(targets, reports, None), ctx=ctx, lanes=lanes, stages=stages, hop_ms=hop_ms)
+    timings = await calibrate(targets, token_file, model, shape.n_layer, recalibrate)
+    plan = make_plan(shape, _host_infos(targets, reports, timings), ctx=ctx, lanes=lanes, stages=stages,
+                     hop_ms=hop_ms)
+    return plan, reports, timings
+
+
+def _plan_data(plan, reports: dict[str, dict], timings: dict[str, dict]) -> dict:
+    data = plan.as_dict()
+    data["hosts"] = {name: {"cores": r["cores"], "memory_bytes": r["memory_bytes"],
+                            "ms_per_layer": round(timings[name]["ms_per_layer"], 4),
+                            "features": r["features"]} for name, r in reports.items()}
+    return data
+
+
+def _plan_table(data: dict) -> Table:
+    table = listing(title=f"{data['model']}: {len(data['stages'])} stage(s), "
+                          f"{data['ms_per_token']:.2f} ms per token expected")
+    for column in ("stage", "host", "layers", "memory", "ms/token", "ms/layer there"):
+        table.add_column(column, justify="left" if column in ("host", "layers") else "right")
+    for s in data["stages"]:
+        table.add_row(str(s["index"]), s["host"], f"{s['layer_start']}:{s['layer_end']}",
+                      human_bytes(s["memory_bytes"]), f"{s['ms_per_token']:.2f}",
+                      f"{data['hosts'][s['host']]['ms_per_layer']:.3f}")
+    return table
+
+
+_EXPECTED = (PlanError, ModelFileError, SliceError, RangeError, TopologyError, ControlError, OSError)
+
+
+def _run(fn, *args):
+    """Run the command; an expected failure (of any host's task) is one line on stderr, not a traceback."""
+    try:
+        return trio.run(fn, *args)
+    except (*_EXPECTED, BaseExceptionGroup) as exc:
+        leaf = _first_expected(exc)
+        if leaf is None:
+            raise
+        if isinstance(leaf, OSError) and not isinstance(leaf, ControlError):
+            fail(f"{leaf.filename or ''}{': ' if leaf.filename else ''}{leaf.strerror or leaf}")
+        fail(str(leaf), EXIT_USAGE if getattr(leaf, "code", None) == "bad_request" else 1)
+
+
+def _first_expected(exc: BaseException) -> BaseException | None:
+    if isinstance(exc, BaseExceptionGroup):
+        return next((leaf for e in exc.exceptions if (leaf := _first_expected(e)) is not None), None)
+    return exc if isinstance(exc, _EXPECTED) else None
+
+
+def plan(
+    ctx: typer.Context,
+    model: ModelArg,
+    hosts: HostsOption,
+    stages: StagesOption = None,
+    hop_ms: HopOption = 1.0,
+    recalibrate: RecalibrateOption = False,
+    json_mode: JsonOption = False,
+) -> None:
+    """Plan where MODEL's layers go: each host's memory and measured speed, the slowest stage as fast as it can be.
+
+    Asks every host what it offers, times a slice of a few layers on each, and prints each stage's host, layers,
+    memory and expected ms per token. Sends nothing but the small calibration slice."""
+    targets = parse_hosts(hosts)
+
+    async def go():
+        plan_, reports, timings = await plan_on(model, targets, ctx.obj.token_file, stages, hop_ms, recalibrate)
+        return _plan_data(plan_, reports, timings)
+
+    emit(_run(go), json_mode, _plan_table)
+
+
+# ---------------------------------------------------------------- deploy
+def _slices_for(model: Path, ranges: list[tuple[int, int]], addresses: list[str]) -> Topology:
+    """The plan's stage files, cut here once per model file and ranges (kept in the cache), with the stages'
+    addresses."""
+    key = "_".join(f"{a}-{b}" for a, b in ranges)
+    folder = _cache_dir() / _source_key(model) / key
+    try:
+        cached = Topology.load(folder / "topology.toml")
+        if cached.ranges == ranges and all(s.file.exists() for s in cached.stages):
+            stages = [attrs.evolve(s, host=a.rpartition(":")[0].strip("[]"), port=int(a.rpartition(":")[2]))
+                      for s, a in zip(cached.stages, addresses)]
+            return attrs.evolve(cached, stages=stages)
+    except TopologyError:
+        pass
+    return split_model(model, ranges, folder, hosts=addresses)
+
+
+def _wire_topology(topology: Topology) -> str:
+    """The topology each host gets: stage files named by their sha256, as the hosts keep them."""
+    wire = attrs.evolve(topology, stages=[attrs.evolve(s, file=Path(f"{s.sha256}.gguf")) for s in topology.stages])
+    return wire.to_toml()
+
+
+async def _wait_answering(head: Target, token_file: Path | None, timeout: float) -> float:
+    """Until the head generates a token through the whole pipeline; the seconds it took."""
+    started = time.monotonic()
+    last = None
+    with trio.move_on_after(timeout):
+        while True:
+            try:
+                await _call(head, token_file, lambda i: m.Generate(id=i, prompt="Hello", raw=True, max_tokens=1))
+                return time.monotonic() - started
+            except HostError as exc:
+                last = exc
+                await trio.sleep(0.5)
+    raise HostError(head, f"the pipeline did not answer within {timeout:g} s: {last}")
+
+
+def deploy(
+    ctx: typer.Context,
+    model: ModelArg,
+    hosts: HostsOption,
+    stages: StagesOption = None,
+    stage_port: Annotated[int, typer.Option("--stage-port", min=1, max=65535,
+                                            help="Stage K listens on its host at this port + K.")]
+    = DEFAULT_STAGE_PORT,
+    max_rate: Annotated[float, typer.Option("--max-rate", min=0.0, help="Send slices at this many MB/s at most, "
+                                            "all hosts together (0: as fast as the links go).")] = 0.0,
+    hop_ms: HopOption = 1.0,
+    recalibrate: RecalibrateOption = False,
+    out: OutOption = None,
+    json_mode: JsonOption = False,
+) -> None:
+    """Plan, slice, send each host its slice, start every stage, and wait until the pipeline answers.
+
+    A host that holds its slice already is sent nothing; an interrupted transfer resumes where it stopped;
+    a slice that arrives damaged is sent again. Writes the topology it deployed (and deployment.json, which
+    `skippyctl undeploy` reads) to --out."""
+    targets = parse_hosts(hosts)
+    token_file = ctx.obj.token_file
+    out_dir = out or _state_dir()
+
+    async def go():
+        started = time.monotonic()
+        plan_, reports, timings = await plan_on(model, targets, token_file, stages, hop_ms, recalibrate)
+        by_name = {t.name: t for t in targets}
+        placed = [by_name[s.host] for s in plan_.stages]
+        addresses = [f"{t.host}:{stage_port + k}" if ":" not in t.host else f"[{t.host}]:{stage_port + k}"
+                     for k, t in enumerate(placed)]
+        topology = await trio.to_thread.run_sync(_slices_for, model, plan_.ranges, addresses)
+        sender = Sender(token_file, max_rate * 1e6)
+        sent: dict[str, Sent] = {}
+        with host_progress([t.name for t in placed], "sending to") as update:
+            async def send(k: int, target: Target) -> None:
+                spec = topology.stage(k)
+                sent[target.name] = await sender.send(target, spec.file, spec.sha256,
+                                                      lambda done, total: update(target.name, done, total))
+
+            async with trio.open_nursery() as nursery:
+                for k, target in enumerate(placed):
+                    nursery.start_soon(send, k, target)
+        text = _wire_topology(topology)
+        for k in reversed(range(len(placed))):  # downstream first: each stage finds the next one listening
+            await _call(placed[k], token_file, lambda i, k=k: m.StageAssign(id=i, topology=text, stage=k))
+        ready_s = await _wait_answering(placed[0], token_file, READY_TIMEOUT_S)
+        for target in targets:  # hosts the plan left out: released, should they run an older deployment
+            if target not in placed:
+                await _call(target, token_file, lambda i: m.StageRelease(id=i))
+        return _record(out_dir, model, topology, plan_, reports, timings, placed, sent, ready_s,
+                       time.monotonic() - started)
+
+    emit(_run(go), json_mode, _deploy_table)
+
+
+def _record(out_dir: Path, model: Path, topology: Topology, plan_, reports, timings, placed: list[Target],
+            sent: dict[str, Sent], ready_s: float, took_s: float) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    topology.dump(out_dir / "topology.toml")
+    data = {
+        "model": str(model.resolve()),
+        "topology": str((out_dir / "topology.toml").resolve()),
+        "head": placed[0].url,
+        "hosts": [t.name for t in placed],
+        "plan": _plan_data(plan_, reports, timings),
+        "transfers": {name: attrs.asdict(s) for name, s in sent.items()},
+        "bytes_sent": sum(s.sent for s in sent.values()),
+        "ready_s": round(ready_s, 2),
+        "took_s": round(took_s, 2),
+        "topology_version": TOPOLOGY_VERSION,
+    }
+    (out_dir / "deployment.json").write_text(json.dumps(data, indent=2) + "\n")
+    return data
+
+
+def _deploy_table(data: dict) -> Table:
+    table = listing(title=f"deployed {Path(data['model']).name}: {len(data['hosts'])} stage(s), "
+                          f"{human_bytes(data['bytes_sent'])} sent, answering after {data['took_s']:.1f} s",
+                    caption=f"head: {data['head']}   topology: {data['topology']}")
+    for column in ("stage", "host", "layers", "memory", "ms/token", "sent"):
+        table.add_column(column, justify="left" if column in ("host", "layers", "sent") else "right")
+    for s in data["plan"]["stages"]:
+        t = data["transfers"][s["host"]]
+        how = ("held already" if t["held"] else human_bytes(t["sent"])
+               + (f" (resumed at {human_bytes(t['resumed_from'])})" if t["resumed_from"] else "")
+               + (f" ({t['resent']}x again: arrived damaged)" if t["resent"] else ""))
+        table.add_row(str(s["index"]), s["host"], f"{s['layer_start']}:{s['layer_end']}",
+                      human_bytes(s["memory_bytes"]), f"{s['ms_per_token']:.2f}", how)
+    return table
+
+
+def undeploy(
+    ctx: typer.Context,
+    hosts: Annotated[str | None, typer.Option(
+        "--hosts", help="The hosts to release (default: those of the last deploy, from --out).")] = None,
+    out: OutOption = None,
+    json_mode: JsonOption = False,
+) -> None:
+    """Release every stage a deploy started: sessions end through the normal cleanup; the hosts wait again
+    (and keep the slices, so that the next deploy of the same plan sends nothing)."""
+    record = (out or _state_dir()) / "deployment.json"
+    if hosts is None:
+        try:
+            hosts = ",".join(json.loads(record.read_text())["hosts"])
+        except (OSError, ValueError, KeyError) as exc:
+            fail(f"no --hosts, and no deployment record at {record} ({exc})", EXIT_USAGE)
+    targets = parse_hosts(hosts)
+
+    async def go():
+        released = {}
+
+        async def one(target: Target) -> None:
+            reply = await _call(target, ctx.obj.token_file, lambda i: m.StageRelease(id=i))
+            released[target.name] = reply["released"]
+
+        async with trio.open_nursery() as nursery:
+            for target in targets:
+                nursery.start_soon(one, target)
+        return {"released": {t.name: released[t.name] for t in targets}}
+
+    def table(data: dict) -> Table:
+        t = listing(title="released")
+        t.add_column("host")
+        t.add_column("stage")
+        for name, was in data["released"].items():
+            t.add_row(name, "-" if was is None else f"{was['stage']} (layers {was['layers'][0]}:{was['layers'][1]})")
+        return t
+
+    emit(_run(go), json_mode, table)

@@ -1,0 +1,216 @@
+"""The stage a daemon was given at run time (``skippyctl deploy``), and its release.
+
+A daemon started with neither a topology nor a model waits: its control
+channel answers ``host`` (what it offers), receives slices, times a
+calibration slice, and takes ``stage_assign``. :class:`Assignment` then runs
+that stage exactly as ``skippyd --topology … --stage K`` would (the same
+StageServer or HeadNode, its settings made by the same planning code) in a
+cancel scope of its own; ``stage_release`` (or the next assignment) cancels
+it, which releases every session through the same cleanup path as a drain's
+end, and the daemon goes back to waiting. A stage that fails after it started
+is logged and dropped; the daemon keeps serving its control channel.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+
+from skippyd.config import parse_hostport
+from skippyd.control.messages import RequestFailed
+from skippyd.deploy.calibrate import calibrate
+from skippyd.deploy.resources import host_report
+from skippyd.deploy.slices import SliceError, SliceStore
+from skippyd.plan import head_options, stage_config, stages_on_this_host
+from skippyd.stage.threads import usable_cores
+from skippyd.topology import Topology, TopologyError
+
+log = logging.getLogger("skippyd.deploy")
+
+TOPOLOGY_NAME = "deployed-topology.toml"
+
+
+class AssignError(RequestFailed):
+    """An assignment that cannot be run; the message is for the deployer."""
+
+
+class Assignment:
+    """Runs the stage assigned to this daemon (at most one at a time) in the daemon's nursery."""
+
+    def __init__(self, daemon, slices: SliceStore, *, accepts_stages: bool = True):
+        self.daemon = daemon
+        self.slices = slices
+        self.accepts_stages = accepts_stages  # False: the daemon runs what its command line gave it
+        self.nursery: trio.Nursery | None = None
+        self.index: int | None = None
+        self.topology: Topology | None = None
+        self.since: float | None = None
+        self.failure: str | None = None  # why the last assigned stage stopped on its own
+        self._scope: trio.CancelScope | None = None
+        self._done: trio.Event | None = None
+        self._lock = trio.Lock()  # one assignment or release at a time
+        self._calibrations: dict[str, dict] = {}  # slice sha256 → its timing here
+        self._text: str | None = None  # the running assignment's topology, as sent
+
+    # ---------------------------------------------------------------- what the host offers
+    def host(self) -> dict:
+        runtime = self.daemon.config.runtime
+        report = host_report(runtime.memory_limit_mb, self.slices)
+        report.update(assigned=self.describe(), accepts_stages=self.accepts_stages, ctx=runtime.ctx,
+                      lanes=runtime.lanes, threads=runtime.threads or report["cores"])
+        return report
+
+    async def calibrate(self, sha256: str, fresh: bool = False) -> dict:
+        """ms per layer of the slice on this host; timed once, then remembered (unless `fresh`), so that planning
+        the same deployment twice gives the same plan rather than one that moves with the noise."""
+        path = self.slices.path(sha256)
+        if not await trio.to_thread.run_sync(self.slices.is_held, sha256):
+            raise SliceError(f"slice {sha256[:12]} is not held here: send it first", "not_found")
+        if not fresh and sha256 in self._calibrations:
+            return {**self._calibrations[sha256], "remembered": True}
+        threads = self.daemon.config.runtime.threads or usable_cores()
+        async with self._lock:  # not while a stage loads here (it would time the load, not the host)
+            result = await trio.to_thread.run_sync(calibrate, path, threads)
+        self._calibrations[sha256] = result
+        return {**result, "remembered": False}
+
+    def describe(self) -> dict | None:
+        if self.index is None:
+            return None
+        spec = self.topology.stage(self.index)
+        return {"stage": self.index, "stages": len(self.topology.stages), "model": self.topology.model_name,
+                "layers": [spec.layer_start, spec.layer_end], "listen": spec.address,
+                "since": self.since}
+
+    # ---------------------------------------------------------------- assign and release
+    async def assign(self, topology_text: str, index: int) -> dict:
+        """Run stage `index` of the topology (TOML whose stage files are named by their sha256, held here);
+        a stage already running is released first. Returns once it listens (the head: once its lanes may
+        open)."""
+        if not self.accepts_stages:
+            raise AssignError("this daemon runs the stages its command line or configuration gave it; start it "
+                              "with neither --topology nor --model to deploy to it")
+        async with self._lock:
+            if self.index == index and self._text == topology_text:
+                return {**self.describe(), "unchanged": True}  # running it already: its sessions go on
+            topology = self._read_topology(topology_text, index)
+            await self._release()
+            await self._start(topology, index)
+            self._text = topology_text
+            return {**self.describe(), "unchanged": False}
+
+    async def release(self) -> dict | None:
+        async with self._lock:
+            was = self.describe()
+            await self._release()
+            return was
+
+    def _read_topology(self, text: str, index: int) -> Topology:
+        """Check the topology and that this host holds its stage's slice; written where the stage files are
+        (its `file` keys name them relative to it)."""
+        self.slices.dir.mkdir(parents=True, exist_ok=True)
+        path = self.slices.dir / TOPOLOGY_NAME
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        try:
+            topology = Topology.load(tmp)
+        except TopologyError as exc:
+            raise AssignError(str(exc).replace(str(tmp), "the topology")) from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        try:
+            spec = topology.stage(index)
+        except TopologyError as exc:
+            raise AssignError(str(exc)) from None
+        if not self.slices.is_held(spec.sha256):
+            raise AssignError(f"stage {index}'s slice {spec.sha256[:12]} is not held here: send it first")
+        if spec.file.resolve() != self.slices.path(spec.sha256).resolve():
+            raise AssignError(f"stage {index}'s file must be its slice, {spec.sha256}.gguf")
+        path.write_text(text)
+        return Topology.load(path)
+
+    async def _start(self, topology: Topology, index: int) -> None:
+        from skippyd.head.node import HeadNode
+        from skippyd.stage.server import StageServer
+
+        daemon, config = self.daemon, self.daemon.config
+        machines = daemon.machines
+        n_local = stages_on_this_host(topology, index, machines)
+        groups = config.runtime.decode_groups or machines.count([s.host for s in topology.stages])
+        cfg = stage_config(config, n_local, groups, daemon.link_auth)
+        if index == 0:
+            runner = HeadNode(cfg, topology=topology, **head_options(config).kwargs())
+        else:
+            runner = StageServer(topology, index, cfg)
+        scope, done = trio.CancelScope(), trio.Event()
+        spec = topology.stage(index)
+        log.info("deploy: starting stage %d of %s (layers %d-%d)", index, topology.model_name, spec.layer_start,
+                 spec.layer_end)
+        try:
+            await self.nursery.start(self._run, runner, scope, done, index)
+        except Exception as exc:
+            raise AssignError(f"stage {index} did not start: {_why(exc)}", "failed") from None
+        self._scope, self._done = scope, done
+        self.topology, self.index, self.since, self.failure = topology, index, time.time(), None
+        daemon.topology = topology
+        if index == 0:
+            daemon.head = runner
+        else:
+            daemon.stages.append(runner)
+
+    async def _run(self, runner, scope: trio.CancelScope, done: trio.Event, index: int,
+                   task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The stage (and, on the head, the OpenAI API if the daemon serves it) until cancelled or failed."""
+        config = self.daemon.config
+        started = False
+        try:
+            with scope:
+                async with trio.open_nursery() as inner:
+                    await inner.start(runner.run)
+                    if index == 0 and config.openai.listen:
+                        from skippyd.openai.server import OpenAIServer
+
+                        self.daemon.head = runner  # the API reads the head from the daemon
+                        self.daemon.openai = await inner.start(OpenAIServer(
+                            self.daemon, *parse_hostport(config.openai.listen), model_id=config.openai.model_id).run)
+                    started = True
+                    task_status.started()
+        except Exception as exc:
+            if not started:
+                if self.daemon.head is runner:
+                    self.daemon.head = None
+                raise
+            log.error("deploy: stage %d stopped: %s; waiting for a new assignment", index, exc)
+            self.failure = f"stage {index} stopped: {exc}"
+        finally:
+            if started:
+                self._forget(runner)
+            done.set()
+
+    def _forget(self, runner) -> None:
+        daemon = self.daemon
+        if daemon.head is runner:
+            daemon.head = None
+            daemon.openai = None
+        if runner in daemon.stages:
+            daemon.stages.remove(runner)
+        if not daemon.stages and daemon.head is None:
+            daemon.topology = None
+        self.index = self.topology = self.since = None
+        self._scope = self._text = None
+
+    async def _release(self) -> None:
+        if self._scope is None:
+            return
+        log.info("deploy: releasing stage %d", self.index)
+        self._scope.cancel()
+        await self._done.wait()
+
+
+def _why(exc: BaseException) -> str:
+    """The messages of an exception, its group's leaves joined (a nursery wraps what a stage raised)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_why(e) for e in exc.exceptions)
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,243 @@
+"""`skippyctl deploy` onto three hosts of their own: each a network namespace (tests/netns.py) running
+`skippyd` with neither a topology nor a model, waiting; `skippyctl` runs on host 0, as an operator would on
+one of the machines, and reaches the others over the data network (10.77.0.0/24), where their stages then
+listen. The test itself reads each daemon's status over its management link.
+
+What these show: a deploy from a clean state answers with the single process's greedy tokens; a second
+deploy of the same model sends nothing; an interrupted transfer resumes; a damaged slice is found and sent
+again; a host without the memory, and a wrong token, are refused before anything is sent; the planner gives
+a slower host fewer layers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from skippyctl.client import call_once
+from skippyd.control import messages as m
+from skippyd.control.token import load_or_create_token
+from tests import netns
+from tests.cpu_limit import SlowHost
+from tests.procs import REPO, Daemon, SingleStage
+
+pytestmark = pytest.mark.slow  # real daemon processes in network namespaces
+
+FLAGS = ["--lanes", "2", "--ctx", "512"]
+PROMPT = "The three primary colours are"
+
+
+class Hosts:
+    """One waiting skippyd per host of `net`, sharing one control token; slices in `work`/slices-K."""
+
+    def __init__(self, net: netns.Network, work: Path, *, flags: list[list[str]] | None = None,
+                 prefixes: list[list[str]] | None = None):
+        self.net, self.work = net, work
+        self.daemons: list[Daemon] = []
+        token = load_or_create_token(work / "seed.token")
+        for k, host in enumerate(net.hosts):
+            (work / f"host{k}.token").write_text(token + "\n")
+            os.chmod(work / f"host{k}.token", 0o600)
+            extra = (flags[k] if flags else []) + ["--slices-dir", str(self.slices(k))]
+            d = Daemon([*FLAGS, *extra], work, f"host{k}",
+                       prefix=[*(prefixes[k] if prefixes else []), *host.exec_prefix()], control_host="0.0.0.0")
+            d.control_host = host.control_host  # the test's way in: the management link
+            self.daemons.append(d)
+        for d in self.daemons:
+            d.wait_ready()
+        self.token_file = work / "host0.token"
+
+    def slices(self, k: int) -> Path:
+        return self.work / f"slices-{k}"
+
+    def data_hosts(self, which=None) -> str:
+        """--hosts: every host's data address and control port."""
+        ks = range(len(self.daemons)) if which is None else which
+        return ",".join(f"{self.net.hosts[k].address}:{self.daemons[k].control_port}" for k in ks)
+
+    def skippyctl(self, *args: str, token_file: Path | None = None, timeout: float = 240,
+                  background: bool = False):
+        """skippyctl on host 0, as the operator; its cache and state under `work`."""
+        cmd = [*self.net.hosts[0].exec_prefix(), sys.executable, "-m", "skippyctl.app",
+               "--token-file", str(token_file or self.token_file), *args]
+        env = {**os.environ, "XDG_CACHE_HOME": str(self.work / "cache"), "XDG_STATE_HOME": str(self.work / "state")}
+        if background:
+            return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True)
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+    def deploy(self, model: Path, *args: str, **kw) -> dict:
+        proc = self.skippyctl("deploy", str(model), "--hosts", self.data_hosts(), "--json", *args, **kw)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    def head_generate(self, **kw) -> dict:
+        return generate(self.daemons[0], **kw)
+
+    def stop(self) -> None:
+        for d in self.daemons:
+            assert d.stop() == 0, d.log()
+
+
+def generate(daemon: Daemon, **kw) -> dict:
+    return call_once(daemon.url, daemon.token_file, lambda i: m.Generate(id=i, stream=False, **kw))
+
+
+@pytest.fixture(scope="module")
+def net():
+    why = netns.unavailable()
+    if why:
+        pytest.skip(why)
+    with netns.Network(3) as network:
+        yield network
+
+
+@pytest.fixture(scope="module")
+def single(default_model_path, tmp_path_factory):
+    pipe = SingleStage(default_model_path, tmp_path_factory.mktemp("single"), FLAGS)
+    yield pipe
+    pipe.stop_cleanly()
+
+
+def test_deploy_from_clean_answers_like_one_process_and_a_second_deploy_sends_nothing(
+        net, default_model_path, single, tmp_path):
+    hosts = Hosts(net, tmp_path)
+    try:
+        first = hosts.deploy(default_model_path, "--stages", "3")
+        stages = first["plan"]["stages"]
+        assert [s["host"] for s in stages] == hosts.data_hosts().split(",")
+        assert [s["layers"] for s in stages][0][0] == 0 and stages[-1]["layers"][1] == 30
+        sizes = {name: t["size"] for name, t in first["transfers"].items()}
+        assert first["bytes_sent"] == sum(sizes.values()) and not any(t["held"] for t in first["transfers"].values())
+        for k, d in enumerate(hosts.daemons):  # every host runs its stage, its slice kept by its sha256
+            status = d.status()
+            assert status["deployment"]["assigned"]["stage"] == k, status
+            assert status["deployment"]["assigned"]["layers"] == stages[k]["layers"]
+            assert sorted(p.name for p in hosts.slices(k).glob("*.gguf"))
+        want = generate(single.stages[0], prompt=PROMPT, raw=True, max_tokens=24)
+        got = hosts.head_generate(prompt=PROMPT, raw=True, max_tokens=24)
+        assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
+
+        again = hosts.deploy(default_model_path, "--stages", "3")
+        assert again["plan"]["stages"] == stages  # the hosts remember their timing: the same plan
+        assert again["bytes_sent"] == 0 and all(t["held"] for t in again["transfers"].values()), again["transfers"]
+        assert hosts.head_generate(prompt=PROMPT, raw=True, max_tokens=24)["tokens"] == want["tokens"]
+
+        proc = hosts.skippyctl("undeploy", "--json")
+        assert proc.returncode == 0, proc.stderr
+        released = json.loads(proc.stdout)["released"]
+        assert [released[h]["stage"] for h in hosts.data_hosts().split(",")] == [0, 1, 2]
+        for d in hosts.daemons:
+            status = d.status()
+            assert status["role"] == "waiting for a deployment" and status["deployment"]["assigned"] is None
+            assert status["stages"] == [] and status["head"] is None
+    finally:
+        hosts.stop()
+
+
+def _part_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.part")) if folder.is_dir() else 0
+
+
+def test_an_interrupted_transfer_resumes_and_a_damaged_slice_is_sent_again(net, default_model_path, tmp_path):
+    hosts = Hosts(net, tmp_path)
+    try:
+        # slowly (5 MB/s), so that it is still under way when the deploy is killed
+        proc = hosts.skippyctl("deploy", str(default_model_path), "--hosts", hosts.data_hosts(), "--stages", "3",
+                               "--max-rate", "5", background=True)
+        deadline = time.monotonic() + 120
+        # every host has timed the calibration slice (sent at full speed, host by host) before the stage slices
+        while (not all(any(hosts.slices(k).glob("*.gguf")) for k in range(3))
+               or _part_bytes(hosts.slices(1)) < 4 << 20):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kept = _part_bytes(hosts.slices(1))
+        assert kept >= 4 << 20 and not list(hosts.slices(1).glob("*.gguf"))[1:]  # at most the calibration slice
+
+        resumed = hosts.deploy(default_model_path, "--stages", "3")
+        t1 = resumed["transfers"][hosts.data_hosts([1])]
+        assert t1["resumed_from"] == kept and t1["sent"] == t1["size"] - kept, t1
+        assert _part_bytes(hosts.slices(1)) == 0
+        want = hosts.head_generate(prompt=PROMPT, raw=True, max_tokens=12)["tokens"]
+
+        # a held slice damaged on host 2's disk: found at the next deploy, deleted, sent again whole
+        spec = next(s for s in resumed["plan"]["stages"] if s["index"] == 2)
+        assert spec["host"] == hosts.data_hosts([2])
+        topology = (Path(resumed["topology"])).read_text()
+        sha = [line.split('"')[1] for line in topology.splitlines() if line.startswith("sha256")][2]
+        slice_path = hosts.slices(2) / f"{sha}.gguf"
+        with open(slice_path, "r+b") as f:
+            f.seek(slice_path.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        repaired = hosts.deploy(default_model_path, "--stages", "3")
+        t2 = repaired["transfers"][hosts.data_hosts([2])]
+        assert not t2["held"] and t2["sent"] == t2["size"], t2
+        assert all(t["held"] for name, t in repaired["transfers"].items() if name != hosts.data_hosts([2]))
+        assert "no longer matches its sha256" in hosts.daemons[2].log()
+        assert hosts.head_generate(prompt=PROMPT, raw=True, max_tokens=12)["tokens"] == want
+    finally:
+        hosts.stop()
+
+
+def test_too_little_memory_and_a_wrong_token_are_refused_before_anything_is_sent(
+        net, default_model_path, tmp_path):
+    # host 2 may use 60 MiB: not even one layer with the embedding every slice carries
+    hosts = Hosts(net, tmp_path, flags=[[], [], ["--memory-limit-mb", "60"]])
+    try:
+        proc = hosts.skippyctl("deploy", str(default_model_path), "--hosts", hosts.data_hosts(), "--stages", "3")
+        assert proc.returncode != 0
+        assert hosts.data_hosts([2]) in proc.stderr and "short" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+        for k in range(3):  # nothing sent: not even the calibration slice
+            assert not hosts.slices(k).exists() or not any(hosts.slices(k).iterdir())
+        # without --stages: one host, the model fitting on either of the others (the faster one), not host 2
+        planned = hosts.skippyctl("plan", str(default_model_path), "--hosts", hosts.data_hosts(), "--json")
+        assert planned.returncode == 0, planned.stderr
+        chosen = [s["host"] for s in json.loads(planned.stdout)["stages"]]
+        assert len(chosen) == 1 and chosen[0] in hosts.data_hosts([0, 1]).split(","), chosen
+
+        wrong = tmp_path / "wrong.token"
+        wrong.write_text("not-the-token\n")
+        held = [sorted(hosts.slices(k).iterdir()) for k in range(3)]  # the plan's calibration slices
+        proc = hosts.skippyctl("deploy", str(default_model_path), "--hosts", hosts.data_hosts([0, 1]),
+                               token_file=wrong)
+        assert proc.returncode != 0 and "refused the control token" in proc.stderr, proc.stderr
+        assert [sorted(hosts.slices(k).iterdir()) for k in range(3)] == held
+        for d in hosts.daemons:
+            assert d.status()["deployment"]["assigned"] is None
+    finally:
+        hosts.stop()
+
+
+def test_a_slower_host_is_given_fewer_layers(net, default_model_path, tmp_path):
+    slow = SlowHost(0.3)
+    try:
+        hosts = Hosts(net, tmp_path, prefixes=[[], [], slow.prefix])
+        try:
+            proc = hosts.skippyctl("plan", str(default_model_path), "--hosts", hosts.data_hosts(), "--stages", "3",
+                                   "--json")
+            assert proc.returncode == 0, proc.stderr
+            plan = json.loads(proc.stdout)
+            names = hosts.data_hosts().split(",")
+            speed = {name: plan["hosts"][name]["ms_per_layer"] for name in names}
+            assert speed[names[2]] > 1.3 * max(speed[names[0]], speed[names[1]]), (slow.how, speed)
+            layers = {s["host"]: s["layer_end"] - s["layer_start"] for s in plan["stages"]}
+            assert layers[names[2]] < min(layers[names[0]], layers[names[1]]), (slow.how, plan)
+            # the stage times come out closer than the layer counts: that is what the split is for
+            ms = [s["ms_per_token"] for s in plan["stages"]]
+            assert max(ms) < 1.6 * min(ms), plan
+        finally:
+            hosts.stop()
+    finally:
+        slow.close()
