@@ -207,14 +207,18 @@ def test_a_slower_host_gets_fewer_layers(shape):
     speeds = [1.0, 2.0, 1.0]
     hosts = [HostInfo(f"10.77.0.{i + 2}:7390", 1 << 40, ms) for i, ms in enumerate(speeds)]
     plan = make_plan(shape, hosts, ctx=4096, lanes=4, stages=3)
-    layers = [b - a for a, b in plan.ranges]
-    assert plan.hosts == [h.name for h in hosts]
-    assert layers[1] < layers[0] and layers[1] < layers[2]
-    # the final stage also runs the LM head (worth ~8 layers here): it gets fewer layers than the head stage
-    assert layers[2] < layers[0]
+    layers = {s.host: s.layer_end - s.layer_start for s in plan.stages}
+    slow = hosts[1].name
+    assert sorted(plan.hosts) == sorted(h.name for h in hosts)
+    assert layers[slow] < min(n for host, n in layers.items() if host != slow)
+    # the final stage also runs the LM head (worth ~8 layers here): not on the slow host, and with fewer
+    # layers than the other fast one
+    assert plan.hosts[-1] != slow
+    assert plan.stages[-1].layer_end - plan.stages[-1].layer_start < max(layers.values())
+    placed = [speeds[[h.name for h in hosts].index(name)] for name in plan.hosts]
     slowest = max(s.ms_per_token for s in plan.stages)
-    assert slowest == pytest.approx(_slowest(shape, plan.ranges, speeds))
-    assert slowest <= _slowest(shape, plan_ranges(shape.n_layer, stages=3), speeds)
+    assert slowest == pytest.approx(_slowest(shape, plan.ranges, placed))
+    # better than the even split and the compute balance, on these hosts in the order given
     assert slowest <= _slowest(shape, balanced_ranges(shape.layer_costs, shape.head_cost, 3), speeds)
     assert slowest < _slowest(shape, plan_ranges(shape.n_layer, stages=3), speeds)
     # one token's trip: every stage, and a hop between each two
@@ -251,13 +255,14 @@ def test_too_little_memory_in_all_names_every_host(shape):
 
 
 def test_enough_memory_in_all_but_no_contiguous_split_says_so():
-    # the final stage needs at least a layer and the 80 MiB head: no host but the first can take it
-    hosts = [_host("big", 2_000), _host("small", 150)]
+    # 1,340 MiB for a model of 1,330 (12 layers of 100, the 50 MiB embedding first, the 80 MiB head last): in
+    # either order, the whole layers the first host holds leave the second more than it has
+    hosts = [_host("a", 640), _host("b", 700)]
     with pytest.raises(PlanRefused, match="together enough, but no split"):
-        make_plan(UNIFORM, hosts, ctx=1, lanes=1, stages=2, **NO_MARGIN)
+        make_plan(UNIFORM, hosts, ctx=1, lanes=1, **NO_MARGIN)
 
 
-def test_deterministic_host_order_kept_and_the_head_on_the_first_chosen():
+def test_deterministic_and_of_equals_the_order_given():
     hosts = [_host("c", 10), _host("d", 700, 1.0), _host("a", 700, 1.0), _host("b", 700, 1.0)]
     plans = [make_plan(UNIFORM, hosts, ctx=1, lanes=1, **NO_MARGIN) for _ in range(3)]
     assert plans[0] == plans[1] == plans[2]
@@ -266,8 +271,22 @@ def test_deterministic_host_order_kept_and_the_head_on_the_first_chosen():
     assert plan.hosts == ["d", "a"]
     assert plan.stages[0].layer_start == 0 and plan.stages[0].host == "d"
     assert [s.index for s in plan.stages] == [0, 1]
-    # a different order is a different pipeline
     assert make_plan(UNIFORM, hosts[::-1], ctx=1, lanes=1, **NO_MARGIN).hosts == ["b", "a"]
+
+
+def test_the_hosts_go_in_the_order_that_is_fastest():
+    """The final stage also runs the LM head: on a host much slower than the others it would be the slowest
+    stage whatever it held, so the slow host goes where the stage is cheapest, given first or not."""
+    shape = ModelShape(name="m", n_layer=12, layer_bytes=(MIB,) * 12, first_bytes=MIB, last_bytes=MIB,
+                       layer_costs=(1,) * 12, head_cost=6, kv_bytes_per_layer_token=0)
+    hosts = [_host("fast1", 1_000, 1.0), _host("fast2", 1_000, 1.0), _host("slow", 1_000, 4.0)]
+    for given in (hosts, hosts[::-1], [hosts[2], hosts[0], hosts[1]]):
+        plan = make_plan(shape, given, ctx=1, lanes=1, stages=3, **NO_MARGIN)
+        assert plan.hosts[-1] != "slow"
+        assert max(s.ms_per_token for s in plan.stages) < 4.0 * (1 + 6)  # the head on the slow host, one layer
+        layers = {s.host: s.layer_end - s.layer_start for s in plan.stages}
+        assert layers["slow"] <= min(layers["fast1"], layers["fast2"])
+        assert layers["slow"] < max(layers["fast1"], layers["fast2"])
 
 
 def test_as_dict_is_json_ready():
@@ -304,13 +323,13 @@ def test_bad_requests_get_a_clear_error(kwargs, hosts, match):
 
 def _exhaustive(shape: ModelShape, hosts: list[HostInfo], *, ctx: int, lanes: int, stages: int | None,
                 margins: dict) -> tuple[list[str], list[tuple[int, int]]] | None:
-    """Every host subset and every boundary set, compared exactly by the planner's rule."""
+    """Every order of every host subset and every boundary set, compared exactly by the planner's rule."""
     n = shape.n_layer
     mean = Fraction(sum(shape.layer_costs), n)
     counts = [stages] if stages else range(1, min(len(hosts), n) + 1)
     for k in counts:
         best = None
-        for subset in itertools.combinations(range(len(hosts)), k):
+        for subset in itertools.permutations(range(len(hosts)), k):
             for cuts in itertools.combinations(range(1, n), k - 1):
                 bounds = (0, *cuts, n)
                 ranges = list(zip(bounds[:-1], bounds[1:]))

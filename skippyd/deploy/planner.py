@@ -5,9 +5,10 @@ first and final stages hold besides their layers, the KV cache per layer and tok
 the memory skippy may use there and a calibration (milliseconds of one decode step per layer of this model).
 
 The rule: as few stages as the model fits in, because every extra stage adds a network hop to each token;
-for that count, the hosts and layer ranges whose slowest stage is fastest. Hosts keep the order the user gave
-(the pipeline runs through them in that order, the head on the first chosen one). Everything is exact
-integer arithmetic, so the same inputs always give the same plan, ties included.
+for that count, the hosts, their order and the layer ranges whose slowest stage is fastest (where a host goes
+matters: the final stage also runs the LM head, the first only looks up the embedding). Of equal plans, the
+hosts in the order the user gave. Everything is exact integer arithmetic, so the same inputs always give the
+same plan, ties included.
 
 Memory counts what a stage reads. A stage file also carries the token embedding and the output norm, which
 the llama loader insists on even where a stage never uses them; libllama maps (and pre-faults) the whole
@@ -269,7 +270,8 @@ def make_plan(
 
     `stages=None`: the fewest stages that fit (one host if any can hold the whole model). `stages=N`: exactly
     N stages on N of the hosts. Among the placements of that many stages: the smallest slowest-stage time,
-    then the smallest sum of stage times, then the earliest layer boundaries, then the earliest hosts.
+    then the smallest sum of stage times, then the earliest layer boundaries, then the hosts in the order given
+    (any order of up to ORDERS_UP_TO hosts is considered; of more, the order given).
     Raises `PlanError` for bad arguments and `PlanRefused` when nothing fits.
     """
     _check_arguments(shape, hosts, ctx, lanes, stages, hop_ms, margin_bytes, margin_fraction)
@@ -293,7 +295,7 @@ def make_plan(
     counts = [stages] if stages is not None else range(1, min(len(hosts), n) + 1)
     for k in counts:
         best: tuple | None = None
-        for subset in itertools.combinations(range(len(hosts)), k):
+        for subset in _orders(len(hosts), k):
             found = _best_ranges(n, [hosts[i].memory_bytes for i in subset], [speed[i] for i in subset],
                                  needs, cost)
             if found is not None and (best is None or found + (subset,) < best):
@@ -354,6 +356,18 @@ def _best_ranges(n: int, memory: list[int], speed: list[int], needs: list[list[i
         best = nxt2
     total, bounds = best[n]
     return bound, total, bounds
+
+
+ORDERS_UP_TO = 6  # hosts: up to this many, every order of them is tried; more, the order given
+
+
+def _orders(n_hosts: int, k: int):
+    """The hosts (indices) a k-stage pipeline may run through, in order. Every order where the hosts are few:
+    where the slow host goes matters (the final stage also runs the LM head, worth several layers; the first
+    only looks up the embedding), and the order given comes first among equals."""
+    if n_hosts <= ORDERS_UP_TO:
+        return itertools.permutations(range(n_hosts), k)
+    return itertools.combinations(range(n_hosts), k)
 
 
 def _plan(shape: ModelShape, hosts: Sequence[HostInfo], subset: tuple[int, ...], bounds: tuple[int, ...],
@@ -458,7 +472,7 @@ def _refusal(shape: ModelShape, hosts: Sequence[HostInfo], stages: int | None, n
     )
     if total <= have:
         message += (
-            "; together enough, but no split into contiguous layers, through the hosts in the order given, "
-            "fits each host's share"
+            "; together enough, but no split into contiguous layers, in any order of the hosts, fits each "
+            "host's share"
         )
     return message
