@@ -31,6 +31,7 @@ from skippyctl.render import EXIT_USAGE, emit, fail, host_progress, human_bytes,
 from skippyd.control import messages as m
 from skippyd.deploy.planner import HostInfo, PlanError, make_plan, model_shape
 from skippyd.runtime.gguf_info import ModelFileError
+from skippyd.runtime.pypi import cache_root
 from skippyd.runtime.slicing import RangeError, SliceError, split_model, write_middle_slice
 from skippyd.topology import TOPOLOGY_VERSION, Topology, TopologyError
 
@@ -61,8 +62,8 @@ def _state_dir() -> Path:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "skippy" / "deploy"
+    """Where the slices deploy cuts are kept: beside the fetched models (~/.cache/skippy, $SKIPPY_CACHE_DIR)."""
+    return cache_root() / "deploy"
 
 
 OutOption = Annotated[Path | None, typer.Option(

@@ -39,9 +39,10 @@ PROMPT = "The three primary colours are"
 class Hosts:
     """One waiting skippyd per host of `net`, sharing one control token; slices in `work`/slices-K."""
 
-    def __init__(self, net: netns.Network, work: Path, *, flags: list[list[str]] | None = None,
+    def __init__(self, net: netns.Network, work: Path, cache: Path, *, flags: list[list[str]] | None = None,
                  prefixes: list[list[str]] | None = None):
         self.net, self.work = net, work
+        self.cache = cache  # skippyctl's: the slices it cuts, kept for the next test
         self.daemons: list[Daemon] = []
         token = load_or_create_token(work / "seed.token")
         for k, host in enumerate(net.hosts):
@@ -69,7 +70,7 @@ class Hosts:
         """skippyctl on host 0, as the operator; its cache and state under `work`."""
         cmd = [*self.net.hosts[0].exec_prefix(), sys.executable, "-m", "skippyctl.app",
                "--token-file", str(token_file or self.token_file), *args]
-        env = {**os.environ, "XDG_CACHE_HOME": str(self.work / "cache"), "XDG_STATE_HOME": str(self.work / "state")}
+        env = {**os.environ, "SKIPPY_CACHE_DIR": str(self.cache), "XDG_STATE_HOME": str(self.work / "state")}
         if background:
             return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True)
@@ -104,6 +105,11 @@ def net():
 
 
 @pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("skippyctl-cache")
+
+
+@pytest.fixture(scope="module")
 def single(default_model_path, tmp_path_factory):
     pipe = SingleStage(default_model_path, tmp_path_factory.mktemp("single"), FLAGS)
     yield pipe
@@ -111,8 +117,8 @@ def single(default_model_path, tmp_path_factory):
 
 
 def test_deploy_from_clean_answers_like_one_process_and_a_second_deploy_sends_nothing(
-        net, default_model_path, single, tmp_path):
-    hosts = Hosts(net, tmp_path)
+        net, cache, default_model_path, single, tmp_path):
+    hosts = Hosts(net, tmp_path, cache)
     try:
         first = hosts.deploy(default_model_path, "--stages", "3")
         stages = first["plan"]["stages"]
@@ -154,8 +160,8 @@ def _part_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.part")) if folder.is_dir() else 0
 
 
-def test_an_interrupted_transfer_resumes_and_a_damaged_slice_is_sent_again(net, default_model_path, tmp_path):
-    hosts = Hosts(net, tmp_path)
+def test_an_interrupted_transfer_resumes_and_a_damaged_slice_is_sent_again(net, cache, default_model_path, tmp_path):
+    hosts = Hosts(net, tmp_path, cache)
     try:
         # slowly (5 MB/s), so that it is still under way when the deploy is killed
         proc = hosts.skippyctl("deploy", str(default_model_path), "--hosts", hosts.data_hosts(), "--stages", "3",
@@ -198,9 +204,9 @@ def test_an_interrupted_transfer_resumes_and_a_damaged_slice_is_sent_again(net, 
 
 
 def test_too_little_memory_and_a_wrong_token_are_refused_before_anything_is_sent(
-        net, default_model_path, tmp_path):
+        net, cache, default_model_path, tmp_path):
     # host 2 may use 60 MiB: not even one layer with the embedding every slice carries
-    hosts = Hosts(net, tmp_path, flags=[[], [], ["--memory-limit-mb", "60"]])
+    hosts = Hosts(net, tmp_path, cache, flags=[[], [], ["--memory-limit-mb", "60"]])
     try:
         proc = hosts.skippyctl("deploy", str(default_model_path), "--hosts", hosts.data_hosts(), "--stages", "3")
         assert proc.returncode != 0
@@ -227,10 +233,10 @@ def test_too_little_memory_and_a_wrong_token_are_refused_before_anything_is_sent
         hosts.stop()
 
 
-def test_a_slower_host_is_given_fewer_layers(net, default_model_path, tmp_path):
+def test_a_slower_host_is_given_fewer_layers(net, cache, default_model_path, tmp_path):
     slow = SlowHost(0.3)
     try:
-        hosts = Hosts(net, tmp_path, prefixes=[[], [], slow.prefix])
+        hosts = Hosts(net, tmp_path, cache, prefixes=[[], [], slow.prefix])
         try:
             proc = hosts.skippyctl("plan", str(default_model_path), "--hosts", hosts.data_hosts(), "--stages", "3",
                                    "--json")
