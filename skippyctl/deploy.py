@@ -29,10 +29,10 @@ from rich.table import Table
 from skippyctl.client import ControlError, open_control
 from skippyctl.render import EXIT_USAGE, emit, fail, host_progress, human_bytes, listing
 from skippyd.control import messages as m
-from skippyd.deploy.planner import HostInfo, PlanError, make_plan, model_shape
+from skippyd.deploy.planner import HostInfo, PlanError, make_plan, model_shape, place
 from skippyd.runtime.gguf_info import ModelFileError
 from skippyd.runtime.pypi import cache_root
-from skippyd.runtime.slicing import RangeError, SliceError, split_model, write_middle_slice
+from skippyd.runtime.slicing import RangeError, SliceError, parse_ranges, split_model, write_middle_slice
 from skippyd.topology import TOPOLOGY_VERSION, Topology, TopologyError
 
 DEFAULT_CONTROL_PORT = 7390
@@ -258,17 +258,24 @@ def _host_infos(targets: list[Target], reports: dict[str, dict], timings: dict[s
 
 
 async def plan_on(model: Path, targets: list[Target], token_file: Path | None, stages: int | None,
-                  hop_ms: float, recalibrate: bool = False) -> tuple[Any, dict, dict]:
-    """Probe, check that a plan fits the hosts' memory (before anything is sent), calibrate, plan."""
+                  hop_ms: float, recalibrate: bool = False, ranges: list[tuple[int, int]] | None = None
+                  ) -> tuple[Any, dict, dict]:
+    """Probe, check that a plan fits the hosts' memory (before anything is sent), calibrate, plan (or, with
+    `ranges`, place those on the hosts in the order given)."""
     shape = await trio.to_thread.run_sync(model_shape, model)
     reports = await probe(targets, token_file)
     ctx = max(r["ctx"] for r in reports.values())
     lanes = max(r["lanes"] for r in reports.values())
-    make_plan(shape, _host_infos(targets, reports, None), ctx=ctx, lanes=lanes, stages=stages, hop_ms=hop_ms)
+
+    def choose(timings):
+        hosts = _host_infos(targets, reports, timings)
+        if ranges is not None:
+            return place(shape, hosts, ranges, ctx=ctx, lanes=lanes, hop_ms=hop_ms)
+        return make_plan(shape, hosts, ctx=ctx, lanes=lanes, stages=stages, hop_ms=hop_ms)
+
+    choose(None)
     timings = await calibrate(targets, token_file, model, shape.n_layer, recalibrate)
-    plan = make_plan(shape, _host_infos(targets, reports, timings), ctx=ctx, lanes=lanes, stages=stages,
-                     hop_ms=hop_ms)
-    return plan, reports, timings
+    return choose(timings), reports, timings
 
 
 def _plan_data(plan, reports: dict[str, dict], timings: dict[str, dict]) -> dict:
@@ -385,6 +392,9 @@ def deploy(
                                             "all hosts together (0: as fast as the links go).")] = 0.0,
     hop_ms: HopOption = 1.0,
     recalibrate: RecalibrateOption = False,
+    ranges: Annotated[str | None, typer.Option(
+        "--ranges", help="These layer ranges (0:10,10:20,20:30) on the first hosts, in the order given, "
+        "instead of a plan (their memory is still checked).")] = None,
     out: OutOption = None,
     json_mode: JsonOption = False,
 ) -> None:
@@ -396,10 +406,20 @@ def deploy(
     targets = parse_hosts(hosts)
     token_file = ctx.obj.token_file
     out_dir = out or _state_dir()
+    chosen = None
+    if ranges is not None:
+        if stages is not None:
+            fail("give --stages or --ranges, not both", EXIT_USAGE)
+        try:
+            chosen = parse_ranges(ranges)
+        except RangeError as exc:
+            fail(f"--ranges: {exc}", EXIT_USAGE)
+        if len(chosen) > len(targets):
+            fail(f"--ranges: {len(chosen)} stages need {len(chosen)} hosts, {len(targets)} given", EXIT_USAGE)
 
     async def go():
         started = time.monotonic()
-        plan_, reports, timings = await plan_on(model, targets, token_file, stages, hop_ms, recalibrate)
+        plan_, reports, timings = await plan_on(model, targets, token_file, stages, hop_ms, recalibrate, chosen)
         by_name = {t.name: t for t in targets}
         placed = [by_name[s.host] for s in plan_.stages]
         addresses = [f"{t.host}:{stage_port + k}" if ":" not in t.host else f"[{t.host}]:{stage_port + k}"

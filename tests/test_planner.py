@@ -20,6 +20,7 @@ from skippyd.deploy.planner import (
     PlanRefused,
     make_plan,
     model_shape,
+    place,
     stage_memory,
 )
 from skippyd.runtime.gguf_info import ModelFileError, field_value, open_gguf
@@ -376,3 +377,17 @@ def test_the_choice_is_the_best_of_every_placement():
         seen[len(plan.stages)] = seen.get(len(plan.stages), 0) + 1
     # the cases cover refusals and pipelines of one to four stages
     assert all(seen.get(k, 0) >= 5 for k in ("refused", 1, 2, 3)) and seen.get(4, 0) >= 1, seen
+
+
+def test_given_ranges_are_placed_in_the_order_given_and_checked():
+    hosts = [_host("a", 700, 1.0), _host("b", 700, 2.0), _host("c", 200, 1.0)]
+    plan = place(UNIFORM, hosts, [(0, 6), (6, 12)], ctx=1, lanes=1, hop_ms=0.5, **NO_MARGIN)
+    assert plan.hosts == ["a", "b"] and plan.ranges == [(0, 6), (6, 12)]
+    assert [s.memory_bytes for s in plan.stages] == [650 * MIB, 680 * MIB]
+    # a mean layer costs the host's ms per layer; the head is worth two layers here
+    assert [s.ms_per_token for s in plan.stages] == [pytest.approx(6.0), pytest.approx(2.0 * 8)]
+    assert plan.ms_per_token == pytest.approx(6.0 + 16.0 + 0.5)
+    with pytest.raises(PlanRefused, match=r"host c has 200 MiB for skippy; layers 10:12 need 280 MiB: 80 MiB short"):
+        place(UNIFORM, hosts, [(0, 5), (5, 10), (10, 12)], ctx=1, lanes=1, **NO_MARGIN)
+    with pytest.raises(PlanError, match="must end at 12"):
+        place(UNIFORM, hosts, [(0, 5), (5, 11)], ctx=1, lanes=1, **NO_MARGIN)

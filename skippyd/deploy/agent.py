@@ -95,7 +95,8 @@ class Assignment:
         async with self._lock:
             if self.index == index and self._text == topology_text:
                 return {**self.describe(), "unchanged": True}  # running it already: its sessions go on
-            topology = self._read_topology(topology_text, index)
+            # hashes the slice unless known unchanged: seconds for a big one, off the event loop
+            topology = await trio.to_thread.run_sync(self._read_topology, topology_text, index)
             await self._release()
             await self._start(topology, index)
             self._text = topology_text

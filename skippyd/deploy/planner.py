@@ -38,7 +38,7 @@ from skippyd.runtime.gguf_info import (
     field_value,
     open_gguf,
 )
-from skippyd.runtime.slicing import compute_costs, plan_ranges
+from skippyd.runtime.slicing import RangeError, compute_costs, plan_ranges
 
 MIB = 1 << 20
 DEFAULT_MARGIN_BYTES = 64 * MIB
@@ -356,6 +356,37 @@ def _best_ranges(n: int, memory: list[int], speed: list[int], needs: list[list[i
         best = nxt2
     total, bounds = best[n]
     return bound, total, bounds
+
+
+def place(
+    shape: ModelShape,
+    hosts: Sequence[HostInfo],
+    ranges: Sequence[tuple[int, int]],
+    *,
+    ctx: int,
+    lanes: int,
+    hop_ms: float = 1.0,
+    margin_bytes: int = DEFAULT_MARGIN_BYTES,
+    margin_fraction: float = DEFAULT_MARGIN_FRACTION,
+) -> DeployPlan:
+    """The given layer ranges on the first hosts, in the order given (the operator chose them): their memory
+    checked, their expected times. Raises `PlanError` for ranges that do not fit the model or the hosts'
+    count, `PlanRefused` naming every host that lacks the memory for its stage."""
+    _check_arguments(shape, hosts, ctx, lanes, len(ranges), hop_ms, margin_bytes, margin_fraction)
+    try:
+        ranges = plan_ranges(shape.n_layer, ranges=list(ranges))
+    except RangeError as exc:
+        raise PlanError(str(exc)) from None
+    needs = {(a, b): stage_memory(shape, a, b, ctx=ctx, lanes=lanes, margin_bytes=margin_bytes,
+                                  margin_fraction=margin_fraction) for a, b in ranges}
+    short = [f"host {h.name} has {_mib(h.memory_bytes, up=False)} for skippy; layers {a}:{b} need "
+             f"{_mib(needs[a, b])}: {_mib(needs[a, b] - h.memory_bytes)} short"
+             for h, (a, b) in zip(hosts, ranges) if needs[a, b] > h.memory_bytes]
+    if short:
+        raise PlanRefused(f"cannot run {shape.name} in these ranges: " + "; ".join(short))
+    table = [[needs.get((a, b), 0) for b in range(shape.n_layer + 1)] for a in range(shape.n_layer + 1)]
+    prefix = list(itertools.accumulate(shape.layer_costs, initial=0))
+    return _plan(shape, hosts, tuple(range(len(ranges))), tuple(b for _, b in ranges), table, prefix, hop_ms)
 
 
 ORDERS_UP_TO = 6  # hosts: up to this many, every order of them is tried; more, the order given

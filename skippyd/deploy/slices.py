@@ -25,7 +25,8 @@ from skippyd.control.messages import RequestFailed
 
 log = logging.getLogger("skippyd.deploy")
 
-CHUNK_MAX = 1 << 20  # the most bytes one chunk may carry (a control message holds it, base64 in JSON)
+# the most bytes one chunk may carry: base64 in a JSON control message, under the websocket's 1 MiB per message
+CHUNK_MAX = 640 << 10
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 

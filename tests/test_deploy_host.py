@@ -1,0 +1,183 @@
+"""A host's side of a deployment: the slice store, what it reports, and a waiting daemon's answers to bad
+requests (real daemon processes on loopback, for those)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+
+from skippyctl.client import ControlError, call_once
+from skippyd.control import messages as m
+from skippyd.deploy.resources import cgroup_memory_room, memory_for_skippy
+from skippyd.deploy.slices import CHUNK_MAX, SliceError, SliceStore, default_slices_dir
+from tests.procs import Daemon
+
+DATA = bytes(range(256)) * 4096  # 1 MiB
+SHA = hashlib.sha256(DATA).hexdigest()
+
+
+def _code(exc_info) -> str:
+    return exc_info.value.code
+
+
+def _write(store: SliceStore, data: bytes, start: int = 0) -> None:
+    """`data` from byte `start` on, in chunks as a sender sends them."""
+    for at in range(start, len(data), 512 << 10):
+        store.write(SHA, at, data[at:min(at + (512 << 10), len(data))])
+
+
+# ---------------------------------------------------------------- the store
+def test_a_slice_arrives_in_order_is_checked_and_kept(tmp_path):
+    store = SliceStore(tmp_path / "slices")
+    offer = store.offer(SHA, len(DATA))
+    assert (offer.held, offer.received) == (False, 0)
+    assert store.write(SHA, 0, DATA[:300_000]) == 300_000
+    with pytest.raises(SliceError) as out_of_order:
+        store.write(SHA, 200_000, DATA[200_000:400_000])
+    assert _code(out_of_order) == "conflict" and "must come in order" in str(out_of_order.value)
+    with pytest.raises(SliceError) as early:
+        store.commit(SHA, len(DATA))
+    assert _code(early) == "conflict" and "300000 of 1048576 bytes" in str(early.value)
+    # an interrupted transfer: the next offer says where to go on
+    assert store.offer(SHA, len(DATA)).received == 300_000
+    _write(store, DATA, 300_000)
+    store.commit(SHA, len(DATA))
+    assert store.path(SHA).read_bytes() == DATA and not list(store.dir.glob("*.part"))
+    assert store.offer(SHA, len(DATA)).held and store.held() == [{"sha256": SHA, "size": len(DATA)}]
+
+
+def test_a_damaged_slice_is_deleted_whether_it_arrived_so_or_was_damaged_since(tmp_path):
+    store = SliceStore(tmp_path)
+    store.offer(SHA, len(DATA))
+    _write(store, DATA[:-1] + b"\0")
+    with pytest.raises(SliceError) as damaged:
+        store.commit(SHA, len(DATA))
+    assert _code(damaged) == "corrupt" and not list(tmp_path.iterdir())
+    _write(store, DATA)
+    store.commit(SHA, len(DATA))
+    with open(store.path(SHA), "r+b") as f:  # on disk, later
+        f.seek(1000)
+        f.write(b"\xff")
+    offer = store.offer(SHA, len(DATA))
+    assert (offer.held, offer.received, offer.replaced) == (False, 0, True)
+    assert not store.path(SHA).exists()
+
+
+def test_bad_requests_are_refused_with_their_reason(tmp_path):
+    store = SliceStore(tmp_path)
+    with pytest.raises(SliceError, match="not a sha256"):
+        store.offer("../../etc/passwd", 10)
+    with pytest.raises(SliceError) as not_offered:
+        store.write(SHA, 10, b"x")
+    assert _code(not_offered) == "not_found"
+    with pytest.raises(SliceError, match="at most"):
+        store.write(SHA, 0, bytes(CHUNK_MAX + 1))
+    with pytest.raises(SliceError) as no_room:
+        store.offer(SHA, 1 << 62)
+    assert _code(no_room) == "unavailable" and "not enough disk space" in str(no_room.value)
+    # a part longer than the slice it claims to be is not a prefix of it: started over
+    _write(store, DATA)
+    assert store.offer(SHA, 100).received == 0
+
+
+def test_where_slices_are_kept_by_default():
+    assert default_slices_dir({"STATE_DIRECTORY": "/var/lib/skippy:/x"}) == Path("/var/lib/skippy/slices")
+    assert default_slices_dir({"XDG_STATE_HOME": "/s", "HOME": "/h"}) == Path("/s/skippy/slices")
+
+
+def test_memory_for_skippy_is_the_least_of_the_host_its_cgroup_and_the_limit(tmp_path):
+    root = tmp_path / "cg"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "a" / "memory.max").write_text(f"{500 << 20}\n")
+    (root / "a" / "memory.current").write_text(f"{100 << 20}\n")
+    (root / "a" / "b" / "memory.max").write_text("max\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/a/b\n")
+    assert cgroup_memory_room(str(proc), str(root)) == 400 << 20
+    proc.write_text("4:memory:/a\n")  # no unified hierarchy line
+    assert cgroup_memory_room(str(proc), str(root)) is None
+    assert 0 < memory_for_skippy(64) <= 64 << 20
+
+
+# ---------------------------------------------------------------- a waiting daemon
+@pytest.fixture
+def waiting(tmp_path):
+    d = Daemon(["--slices-dir", str(tmp_path / "slices"), "--lanes", "1", "--ctx", "256"], tmp_path, "waiting")
+    d.wait_ready()
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def _call(d: Daemon, make):
+    return call_once(d.url, d.token_file, make)
+
+
+@pytest.mark.slow
+def test_a_waiting_daemon_reports_its_host_and_refuses_bad_deployments_without_going_down(waiting, tmp_path):
+    host = _call(waiting, lambda i: m.Host(id=i))
+    assert host["accepts_stages"] and host["assigned"] is None and host["cores"] >= 1
+    assert host["memory_bytes"] > 0 and host["disk_free_bytes"] > 0 and host["features"]
+    assert host["ctx"] == 256 and host["lanes"] == 1 and host["slices_dir"] == str(tmp_path / "slices")
+
+    with pytest.raises(ControlError, match="not base64"):
+        _call(waiting, lambda i: m.SliceChunk(id=i, sha256=SHA, offset=0, data="@@@"))
+    with pytest.raises(ControlError, match="must be a sha256"), attrs.validators.disabled():  # the daemon checks
+        _call(waiting, lambda i: m.SliceOffer(id=i, sha256="../x", size=1))
+    with pytest.raises(ControlError, match="is not held here"):
+        _call(waiting, lambda i: m.Calibrate(id=i, sha256=SHA))
+    with pytest.raises(ControlError, match="invalid TOML"):
+        _call(waiting, lambda i: m.StageAssign(id=i, topology="[[stages", stage=0))
+
+    # a slice sent, then a topology whose stage cannot start (its port is taken): refused, the daemon waits on
+    _call(waiting, lambda i: m.SliceOffer(id=i, sha256=SHA, size=len(DATA)))
+    for at in range(0, len(DATA), 512 << 10):
+        block = base64.b64encode(DATA[at:at + (512 << 10)]).decode()
+        _call(waiting, lambda i, at=at, block=block: m.SliceChunk(id=i, sha256=SHA, offset=at, data=block))
+    assert _call(waiting, lambda i: m.SliceCommit(id=i, sha256=SHA, size=len(DATA))) == {"held": True}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        topology = _one_stage_topology(SHA, port)
+        with pytest.raises(ControlError, match="stage 0 did not start") as failed:
+            _call(waiting, lambda i: m.StageAssign(id=i, topology=topology, stage=0))
+    assert failed.value.code == "failed"
+    with pytest.raises(ControlError, match="no stage 3"):
+        _call(waiting, lambda i: m.StageAssign(id=i, topology=topology, stage=3))
+    status = waiting.status()
+    assert status["role"] == "waiting for a deployment" and status["deployment"]["assigned"] is None
+    assert _call(waiting, lambda i: m.StageRelease(id=i)) == {"released": None}
+
+
+def _one_stage_topology(sha: str, port: int) -> str:
+    return (f'version = 1\nmodel_name = "m"\nsource_sha256 = "{"0" * 64}"\narchitecture = "llama"\n'
+            f'n_layer = 30\nn_embd = 576\nn_vocab = 49152\n\n[[stages]]\nindex = 0\nfile = "{sha}.gguf"\n'
+            f'sha256 = "{sha}"\nlayer_start = 0\nlayer_end = 30\nhost = "127.0.0.1"\nport = {port}\n'
+            f'output = "logits"\n')
+
+
+@pytest.mark.slow
+def test_a_daemon_given_a_model_takes_no_assignment(default_model_path, tmp_path):
+    d = Daemon(["--model", str(default_model_path), "--lanes", "1", "--ctx", "256",
+                "--slices-dir", str(tmp_path / "slices")], tmp_path, "fixed")
+    try:
+        d.wait_ready()
+        assert not _call(d, lambda i: m.Host(id=i))["accepts_stages"]
+        with pytest.raises(ControlError, match="runs the stages its command line"):
+            _call(d, lambda i: m.StageAssign(id=i, topology=_one_stage_topology(SHA, 1), stage=0))
+        assert d.status()["deployment"] is None
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_nothing_to_run_and_no_control_channel_is_a_usage_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "skippyd.daemon", "--no-control"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "nothing to run" in proc.stderr and "Traceback" not in proc.stderr
