@@ -41,7 +41,7 @@ from tests import netns
 from tests.cpu_limit import SlowHost
 from tests.deploy_hosts import Hosts, generate
 
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+PROMPT = "Once upon a time, in a small village by the sea, there lived a lighthouse keeper who"
 FLAGS = ["--lanes", "4", "--ctx", "512"]
 
 
@@ -51,6 +51,8 @@ def _ranges_text(ranges) -> str:
 
 def one_client(hosts: Hosts, deployed: dict, tokens: int) -> float:
     result = hosts.head_generate(deployed, prompt=PROMPT, raw=True, max_tokens=tokens)
+    if result["usage"]["completion_tokens"] < tokens:
+        raise RuntimeError(f"the generation stopped after {result['usage']['completion_tokens']} tokens")
     return result["timings"]["decode_tokens_per_s"]
 
 
@@ -60,7 +62,7 @@ def four_clients(hosts: Hosts, deployed: dict, tokens: int) -> float:
     counts: list[int] = []
 
     def run(k: int) -> None:
-        result = generate(daemon, prompt=f"{PROMPT} ({k})", raw=True, max_tokens=tokens)
+        result = generate(daemon, prompt=f"Story {k + 1}. {PROMPT}", raw=True, max_tokens=tokens)
         counts.append(result["usage"]["completion_tokens"])
 
     started = time.monotonic()
