@@ -497,22 +497,19 @@ def undeploy(
     record = (out or _state_dir()) / "deployment.json"
     if hosts is None:
         try:
-            hosts = ",".join(json.loads(record.read_text())["hosts"])
+            hosts = ",".join(json.loads(record.read_text())["hosts"])  # in pipeline order
         except (OSError, ValueError, KeyError) as exc:
             fail(f"no --hosts, and no deployment record at {record} ({exc})", EXIT_USAGE)
     targets = parse_hosts(hosts)
 
     async def go():
         released = {}
-
-        async def one(target: Target) -> None:
+        # in pipeline order: the head first, whose generations end with a clear reason before the stages
+        # after it go
+        for target in targets:
             reply = await _call(target, ctx.obj.token_file, lambda i: m.StageRelease(id=i))
             released[target.name] = reply["released"]
-
-        async with trio.open_nursery() as nursery:
-            for target in targets:
-                nursery.start_soon(one, target)
-        return {"released": {t.name: released[t.name] for t in targets}}
+        return {"released": released}
 
     def table(data: dict) -> Table:
         t = listing(title="released")

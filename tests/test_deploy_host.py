@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -12,12 +14,14 @@ from pathlib import Path
 
 import attrs
 import pytest
+import trio
 
-from skippyctl.client import ControlError, call_once
+from skippyctl.client import ControlError, call_once, open_control
 from skippyd.control import messages as m
+from skippyd.control.token import load_or_create_token
 from skippyd.deploy.resources import cgroup_memory_room, memory_for_skippy
 from skippyd.deploy.slices import CHUNK_MAX, SliceError, SliceStore, default_slices_dir
-from tests.procs import Daemon
+from tests.procs import REPO, Daemon, free_ports
 
 DATA = bytes(range(256)) * 4096  # 1 MiB
 SHA = hashlib.sha256(DATA).hexdigest()
@@ -181,3 +185,88 @@ def test_nothing_to_run_and_no_control_channel_is_a_usage_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "skippyd.daemon", "--no-control"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "nothing to run" in proc.stderr and "Traceback" not in proc.stderr
+
+
+
+def _two_free_ports() -> int:
+    """A port P with P + 1 free too (stage K listens on --stage-port + K)."""
+    for _ in range(50):
+        port = free_ports(1)[0]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _skippyctl(tmp_path: Path, token: Path, *args: str) -> dict:
+    env = {**os.environ, "SKIPPY_CACHE_DIR": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    proc = subprocess.run([sys.executable, "-m", "skippyctl.app", "--token-file", str(token), *args, "--json"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+async def _undeploy_mid_stream(head: Daemon, tmp_path: Path) -> m.Result | m.Error | None:
+    """A generation streaming from `head`, undeploy run after its fifth piece; how it ended."""
+    pieces, end = 0, None
+
+    async def stream():
+        nonlocal pieces, end
+        async with open_control(head.url, head.token_file) as client:
+            async for reply in client.replies(m.Generate(id=client.new_id(), prompt="Count: 1, 2, 3,", raw=True,
+                                                         max_tokens=400)):
+                if isinstance(reply, m.Piece):
+                    pieces += 1
+                else:
+                    end = reply
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream)
+        with trio.fail_after(60):
+            while pieces < 5:
+                await trio.sleep(0.02)
+        await trio.to_thread.run_sync(lambda: _skippyctl(tmp_path, tmp_path / "seed.token", "undeploy"))
+    return end
+
+
+@pytest.mark.slow
+def test_undeploy_mid_generation_releases_the_sessions_and_the_hosts_take_a_new_deployment(
+        default_model_path, tmp_path):
+    """Two waiting daemons on loopback: a generation streams through the deployed pipeline when undeploy
+    releases it. The client gets a clear error, every stage lets the session go, each daemon waits again and
+    takes the next deployment (the hosts the other way round)."""
+    token = load_or_create_token(tmp_path / "seed.token")
+    for k in range(2):
+        (tmp_path / f"host{k}.token").write_text(token + "\n")
+    daemons = [Daemon(["--slices-dir", str(tmp_path / f"slices{k}"), "--lanes", "2", "--ctx", "512"], tmp_path,
+                      f"host{k}") for k in range(2)]
+    try:
+        for d in daemons:
+            d.wait_ready()
+        hosts = ",".join(f"127.0.0.1:{d.control_port}" for d in daemons)
+        deployed = _skippyctl(tmp_path, tmp_path / "seed.token", "deploy", str(default_model_path), "--hosts", hosts,
+                              "--stages", "2", "--stage-port", str(_two_free_ports()))
+        head = daemons[[f"127.0.0.1:{d.control_port}" for d in daemons].index(deployed["plan"]["stages"][0]["host"])]
+        end = trio.run(_undeploy_mid_stream, head, tmp_path)
+        # the generation's result: cancelled, the reason with it
+        assert isinstance(end, m.Result) and end.result["finish_reason"] == "cancelled", end
+        assert "the deployment running this generation was released" in end.result["error"]
+        for d in daemons:
+            status = d.status()
+            assert status["role"] == "waiting for a deployment" and status["load"]["live_generations"] == 0
+            assert status["stages"] == [] and status["head"] is None, status
+        # the other way round: each host now runs the other stage (the slices are sent, the old ones kept)
+        reverse = ",".join(reversed(hosts.split(",")))
+        ranges = ",".join(f"{s['layer_start']}:{s['layer_end']}" for s in deployed["plan"]["stages"])
+        again = _skippyctl(tmp_path, tmp_path / "seed.token", "deploy", str(default_model_path), "--hosts", reverse,
+                           "--ranges", ranges, "--stage-port", str(_two_free_ports()))
+        assert [s["host"] for s in again["plan"]["stages"]] == reverse.split(",")
+        head = daemons[[f"127.0.0.1:{d.control_port}" for d in daemons].index(reverse.split(",")[0])]
+        assert len(call_once(head.url, head.token_file, lambda i: m.Generate(
+            id=i, prompt="Hello", raw=True, max_tokens=4))["tokens"]) == 4
+    finally:
+        for d in daemons:
+            assert d.stop() == 0, d.log()

@@ -84,6 +84,7 @@ def _check_against_split(shape: ModelShape, directory: Path, n_stages: int) -> N
             assert extras == 0
 
 
+@pytest.mark.slow  # writes two splits of the default model (each stage file parses the vocabulary)
 @pytest.mark.parametrize("n_stages", [2, 3])
 def test_shape_matches_the_stage_files_split_model_writes(shape, default_splits, n_stages):
     _check_against_split(shape, default_splits[n_stages], n_stages)

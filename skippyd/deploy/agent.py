@@ -30,6 +30,7 @@ from skippyd.topology import Topology, TopologyError
 log = logging.getLogger("skippyd.deploy")
 
 TOPOLOGY_NAME = "deployed-topology.toml"
+KILL_WAIT_S = 5.0  # a released head's generations get this long to end through their cleanup
 
 
 class AssignError(RequestFailed):
@@ -206,6 +207,14 @@ class Assignment:
         if self._scope is None:
             return
         log.info("deploy: releasing stage %d", self.index)
+        engine = self.daemon.head.engine if self.daemon.head is not None else None
+        if engine is not None:  # the head's generations end first, each client told why, through their cleanup
+            for session_id in list(engine.live):
+                engine.kill(session_id, "the deployment running this generation was released (skippyctl "
+                                        "undeploy, or a new deploy)")
+            with trio.move_on_after(KILL_WAIT_S):
+                while engine.live:
+                    await trio.sleep(0.02)
         self._scope.cancel()
         await self._done.wait()
 
