@@ -20,7 +20,6 @@ FLAG_KEYS = {
     "stage": "pipeline.stage",
     "model": "pipeline.model",
     "slices_dir": "pipeline.slices_dir",
-    "memory_limit_mb": "runtime.memory_limit_mb",
     "lanes": "runtime.lanes",
     "ctx": "runtime.ctx",
     "threads": "runtime.threads",
@@ -134,9 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where slices sent by `skippyctl deploy` are kept (default: $STATE_DIRECTORY/slices, "
                           "else ~/.local/state/skippy/slices); with neither --topology nor --model the daemon "
                           "waits to be given a stage")
-    src.add_argument("--memory-limit-mb", type=_non_negative_int, default=None, metavar="N",
-                     help="the most memory skippy may use on this host, for a deployment's planner "
-                          "(default 0: what the host has available)")
     run = p.add_argument_group("runtime")
     run.add_argument("--lanes", type=int, default=None, metavar="N",
                      help="concurrent sessions per stage (KV sequences, default 4)")

@@ -32,7 +32,7 @@ def generate(daemon: Daemon, **kw) -> dict:
 class Hosts:
     """One waiting skippyd per host of `net`, sharing one control token; slices in `work`/slices-K."""
 
-    def __init__(self, net: netns.Network, work: Path, cache: Path, *, flags: list[list[str]] | None = None,
+    def __init__(self, net: netns.Network, work: Path, cache: Path, *, configs: list[dict] | None = None,
                  prefixes: list[list[str]] | None = None, common: list[str] = FLAGS):
         self.net, self.work = net, work
         self.cache = cache  # skippyctl's: the slices it cuts, kept for the next test
@@ -41,8 +41,8 @@ class Hosts:
         for k, host in enumerate(net.hosts):
             (work / f"host{k}.token").write_text(token + "\n")
             os.chmod(work / f"host{k}.token", 0o600)
-            extra = (flags[k] if flags else []) + ["--slices-dir", str(self.slices(k))]
-            d = Daemon([*common, *extra], work, f"host{k}",
+            d = Daemon([*common, "--slices-dir", str(self.slices(k))], work, f"host{k}",
+                       config=configs[k] if configs else None,
                        prefix=[*(prefixes[k] if prefixes else []), *host.exec_prefix()], control_host="0.0.0.0")
             d.control_host = host.control_host  # the test's way in: the management link
             self.daemons.append(d)

@@ -141,7 +141,7 @@ def test_an_interrupted_transfer_resumes_and_a_damaged_slice_is_sent_again(net, 
 def test_too_little_memory_and_a_wrong_token_are_refused_before_anything_is_sent(
         net, cache, default_model_path, tmp_path):
     # host 2 may use 60 MiB: not even one layer with the embedding every slice carries
-    hosts = Hosts(net, tmp_path, cache, flags=[[], [], ["--memory-limit-mb", "60"]])
+    hosts = Hosts(net, tmp_path, cache, configs=[{}, {}, {"runtime.memory_limit_mb": 60}])
     try:
         proc = hosts.skippyctl("deploy", str(default_model_path), "--hosts", hosts.data_hosts(), "--stages", "3")
         assert proc.returncode != 0
