@@ -437,9 +437,13 @@ def deploy(
                 for k, target in enumerate(placed):
                     nursery.start_soon(send, k, target)
         text = _wire_topology(topology)
-        for k in reversed(range(len(placed))):  # downstream first: each stage finds the next one listening
-            await _call(placed[k], token_file, lambda i, k=k: m.StageAssign(id=i, topology=text, stage=k))
-        ready_s = await _wait_answering(placed[0], token_file, READY_TIMEOUT_S)
+        try:
+            for k in reversed(range(len(placed))):  # downstream first: each stage finds the next one listening
+                await _call(placed[k], token_file, lambda i, k=k: m.StageAssign(id=i, topology=text, stage=k))
+            ready_s = await _wait_answering(placed[0], token_file, READY_TIMEOUT_S)
+        except ControlError:
+            await _release_quietly(placed, token_file)  # no half pipeline left running
+            raise
         for target in targets:  # hosts the plan left out: released, should they run an older deployment
             if target not in placed:
                 await _call(target, token_file, lambda i: m.StageRelease(id=i))
@@ -447,6 +451,16 @@ def deploy(
                        time.monotonic() - started)
 
     emit(_run(go), json_mode, _deploy_table)
+
+
+async def _release_quietly(targets: list[Target], token_file: Path | None) -> None:
+    """Release what a failed deploy started (in pipeline order); a host that does not answer is left as it is."""
+    for target in targets:
+        with trio.move_on_after(10):
+            try:
+                await _call(target, token_file, lambda i: m.StageRelease(id=i))
+            except ControlError:
+                pass
 
 
 def _record(out_dir: Path, model: Path, topology: Topology, plan_, reports, timings, placed: list[Target],

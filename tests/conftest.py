@@ -30,9 +30,10 @@ def default_model_path() -> Path:
     return fetch_default_model()
 
 
-@pytest.fixture(scope="module")
-def splits(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """The default model split in 2 and in 3 stages on free loopback ports: {n: topology.toml}."""
+@pytest.fixture(scope="session")
+def split_files(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The default model split in 2 and in 3 stages, once per run: {n: topology.toml} (its stage files beside
+    it). Modules take :func:`splits`, the same files on ports of their own."""
     from tests.procs import split_for_test
 
     out = {}
@@ -41,6 +42,14 @@ def splits(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -
         split_for_test(default_model_path, n, work)
         out[n] = work / "topology.toml"
     return out
+
+
+@pytest.fixture(scope="module")
+def splits(split_files: dict[int, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The default model split in 2 and in 3 stages on free loopback ports: {n: topology.toml}."""
+    from tests.procs import retarget
+
+    return {n: retarget(path, tmp_path_factory.mktemp(f"split{n}ports")) for n, path in split_files.items()}
 
 
 @pytest.fixture(scope="session")

@@ -119,6 +119,21 @@ def waiting(tmp_path):
     assert d.stop() == 0, d.log()
 
 
+@pytest.mark.slow
+def test_the_service_on_a_fresh_host_waits_with_its_slices_in_its_state_directory(tmp_path):
+    """skippyd.service's command line on a host with no skippyd.toml: the defaults, waiting."""
+    (tmp_path / "etc").mkdir()
+    d = Daemon([], tmp_path, "fresh", env={"CONFIGURATION_DIRECTORY": str(tmp_path / "etc"),
+                                           "STATE_DIRECTORY": str(tmp_path / "state")})
+    try:
+        d.wait_ready()
+        status = d.status()
+        assert status["role"] == "waiting for a deployment" and status["config"] is None
+        assert status["deployment"]["slices_dir"] == str(tmp_path / "state" / "slices")
+    finally:
+        assert d.stop() == 0, d.log()
+
+
 def _call(d: Daemon, make):
     return call_once(d.url, d.token_file, make)
 
@@ -201,10 +216,14 @@ def _two_free_ports() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
-def _skippyctl(tmp_path: Path, token: Path, *args: str) -> dict:
+def _skippyctl_proc(tmp_path: Path, token: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "SKIPPY_CACHE_DIR": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
-    proc = subprocess.run([sys.executable, "-m", "skippyctl.app", "--token-file", str(token), *args, "--json"],
+    return subprocess.run([sys.executable, "-m", "skippyctl.app", "--token-file", str(token), *args, "--json"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+
+
+def _skippyctl(tmp_path: Path, token: Path, *args: str) -> dict:
+    proc = _skippyctl_proc(tmp_path, token, *args)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -233,24 +252,33 @@ async def _undeploy_mid_stream(head: Daemon, tmp_path: Path) -> m.Result | m.Err
 
 
 @pytest.mark.slow
-def test_undeploy_mid_generation_releases_the_sessions_and_the_hosts_take_a_new_deployment(
-        default_model_path, tmp_path):
-    """Two waiting daemons on loopback: a generation streams through the deployed pipeline when undeploy
-    releases it. The client gets a clear error, every stage lets the session go, each daemon waits again and
-    takes the next deployment (the hosts the other way round)."""
+def test_undeploy_mid_generation_a_failed_deploy_and_a_new_one_on_the_same_daemons(default_model_path, tmp_path):
+    """Two waiting daemons on loopback; host 0 cannot serve its OpenAI endpoint at first (the port is taken).
+
+    A generation streams through a deployment headed by host 1 when undeploy releases it: the client gets the
+    reason, every host waits again. A deployment the other way round fails when host 0's head cannot start,
+    after host 1's stage did: the deploy names host 0, and host 1's stage is released, not left waiting for a
+    head. With the port free, the same deployment runs (the slices sent the first time)."""
     token = load_or_create_token(tmp_path / "seed.token")
     for k in range(2):
         (tmp_path / f"host{k}.token").write_text(token + "\n")
-    daemons = [Daemon(["--slices-dir", str(tmp_path / f"slices{k}"), "--lanes", "2", "--ctx", "512"], tmp_path,
-                      f"host{k}") for k in range(2)]
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    openai = ["--openai", f"127.0.0.1:{taken.getsockname()[1]}"]
+    daemons = [Daemon(["--slices-dir", str(tmp_path / f"slices{k}"), "--lanes", "2", "--ctx", "512",
+                       *(openai if k == 0 else [])], tmp_path, f"host{k}") for k in range(2)]
+    names = [f"127.0.0.1:{d.control_port}" for d in daemons]
+    seed = tmp_path / "seed.token"
     try:
         for d in daemons:
             d.wait_ready()
-        hosts = ",".join(f"127.0.0.1:{d.control_port}" for d in daemons)
-        deployed = _skippyctl(tmp_path, tmp_path / "seed.token", "deploy", str(default_model_path), "--hosts", hosts,
-                              "--stages", "2", "--stage-port", str(_two_free_ports()))
-        head = daemons[[f"127.0.0.1:{d.control_port}" for d in daemons].index(deployed["plan"]["stages"][0]["host"])]
-        end = trio.run(_undeploy_mid_stream, head, tmp_path)
+        deployed = _skippyctl(tmp_path, seed, "deploy", str(default_model_path), "--hosts", f"{names[1]},{names[0]}",
+                              "--ranges", "0:15,15:30", "--stage-port", str(_two_free_ports()))
+        assert [s["host"] for s in deployed["plan"]["stages"]] == [names[1], names[0]]
+        # what a running stage holds counts as the host's to give to the next deployment
+        assert all(_call(d, lambda i: m.Host(id=i))["memory_held_bytes"] > 0 for d in daemons)
+        end = trio.run(_undeploy_mid_stream, daemons[1], tmp_path)
         # the generation's result: cancelled, the reason with it
         assert isinstance(end, m.Result) and end.result["finish_reason"] == "cancelled", end
         assert "the deployment running this generation was released" in end.result["error"]
@@ -258,15 +286,23 @@ def test_undeploy_mid_generation_releases_the_sessions_and_the_hosts_take_a_new_
             status = d.status()
             assert status["role"] == "waiting for a deployment" and status["load"]["live_generations"] == 0
             assert status["stages"] == [] and status["head"] is None, status
-        # the other way round: each host now runs the other stage (the slices are sent, the old ones kept)
-        reverse = ",".join(reversed(hosts.split(",")))
-        ranges = ",".join(f"{s['layer_start']}:{s['layer_end']}" for s in deployed["plan"]["stages"])
-        again = _skippyctl(tmp_path, tmp_path / "seed.token", "deploy", str(default_model_path), "--hosts", reverse,
-                           "--ranges", ranges, "--stage-port", str(_two_free_ports()))
-        assert [s["host"] for s in again["plan"]["stages"]] == reverse.split(",")
-        head = daemons[[f"127.0.0.1:{d.control_port}" for d in daemons].index(reverse.split(",")[0])]
-        assert len(call_once(head.url, head.token_file, lambda i: m.Generate(
+            assert _call(d, lambda i: m.Host(id=i))["memory_held_bytes"] == 0
+
+        args = ["deploy", str(default_model_path), "--hosts", ",".join(names), "--ranges", "0:15,15:30",
+                "--stage-port", str(_two_free_ports())]
+        proc = _skippyctl_proc(tmp_path, seed, *args)
+        assert proc.returncode == 1 and names[0] in proc.stderr and "stage 0 did not start" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+        for d in daemons:
+            assert d.status()["deployment"]["assigned"] is None
+        assert daemons[1].log().count("deploy: releasing stage 1") == 1
+
+        taken.close()
+        again = _skippyctl(tmp_path, seed, *args)
+        assert again["bytes_sent"] == 0, again["transfers"]  # the failed attempt left them there
+        assert len(call_once(daemons[0].url, daemons[0].token_file, lambda i: m.Generate(
             id=i, prompt="Hello", raw=True, max_tokens=4))["tokens"]) == 4
     finally:
+        taken.close()
         for d in daemons:
             assert d.stop() == 0, d.log()

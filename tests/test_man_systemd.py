@@ -151,7 +151,10 @@ def test_unit_settings(name):
     assert one["Type"] == "notify" and one["Restart"] == "on-failure"
     assert "man:skippyd(8)" in one["Documentation"]
     assert float(one["TimeoutStopSec"]) > cfgmod.DaemonSection().drain_grace
-    assert "--config %E/skippy/" in one["ExecStart"]
+    if name.startswith("skippyd@"):  # an instance's file must exist; the plain unit finds /etc/skippy's if any
+        assert "--config %E/skippy/%i.toml" in one["ExecStart"]
+    else:
+        assert one["ExecStart"] == "/usr/local/bin/skippyd" and one["ConfigurationDirectory"] == "skippy"
     assert one["NoNewPrivileges"] == "yes" and one["ProtectSystem"] == "strict" and one["PrivateTmp"] == "yes"
     assert one["DynamicUser"] == "yes" or one.get("User") not in (None, "root")
     for key in ("RuntimeDirectory", "StateDirectory", "ConfigurationDirectory", "ExecReload"):

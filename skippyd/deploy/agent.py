@@ -21,7 +21,7 @@ import trio
 from skippyd.config import parse_hostport
 from skippyd.control.messages import RequestFailed
 from skippyd.deploy.calibrate import calibrate
-from skippyd.deploy.resources import host_report
+from skippyd.deploy.resources import anon_rss, host_report
 from skippyd.deploy.slices import SliceError, SliceStore
 from skippyd.plan import head_options, stage_config, stages_on_this_host
 from skippyd.stage.threads import usable_cores
@@ -54,11 +54,13 @@ class Assignment:
         self._lock = trio.Lock()  # one assignment or release at a time
         self._calibrations: dict[str, dict] = {}  # slice sha256 → its timing here
         self._text: str | None = None  # the running assignment's topology, as sent
+        self._baseline_rss = anon_rss()  # before any stage: what a running one holds is the growth over it
 
     # ---------------------------------------------------------------- what the host offers
     def host(self) -> dict:
         runtime = self.daemon.config.runtime
-        report = host_report(runtime.memory_limit_mb, self.slices)
+        held = max(0, anon_rss() - self._baseline_rss) if self.index is not None else 0
+        report = host_report(runtime.memory_limit_mb, self.slices, held)
         report.update(assigned=self.describe(), accepts_stages=self.accepts_stages, ctx=runtime.ctx,
                       lanes=runtime.lanes, threads=runtime.threads or report["cores"])
         return report

@@ -48,24 +48,40 @@ def cgroup_memory_room(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str 
     return None if room is None else max(0, room)
 
 
-def memory_for_skippy(limit_mb: int) -> int:
+def anon_rss(status: str = "/proc/self/status") -> int:
+    """This process's anonymous resident bytes (RssAnon): the KV cache and buffers a stage allocated; its
+    weights are file pages, which the kernel counts as available already."""
+    try:
+        with open(status) as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def memory_for_skippy(limit_mb: int, held: int = 0) -> int:
     """What skippy may use here: the host's available memory, within its cgroup's limit and within
-    runtime.memory_limit_mb if set."""
-    room = [memory_available()]
+    runtime.memory_limit_mb if set. `held`: what the stage running here holds, counted as available (a new
+    deployment replaces it)."""
+    room = [memory_available() + held]
     cgroup = cgroup_memory_room()
     if cgroup is not None:
-        room.append(cgroup)
+        room.append(cgroup + held)
     if limit_mb:
         room.append(limit_mb << 20)
     return min(r for r in room if r >= 0)
 
 
-def host_report(limit_mb: int, slices) -> dict:
-    """The `host` request's answer (a SliceStore `slices` adds what it holds and the disk it has)."""
+def host_report(limit_mb: int, slices, held: int = 0) -> dict:
+    """The `host` request's answer (a SliceStore `slices` adds what it holds and the disk it has; `held`: the
+    memory of the stage running here)."""
     return {
         "cores": usable_cores(),
         "cpu_count": os.cpu_count() or 1,
-        "memory_bytes": memory_for_skippy(limit_mb),
+        "memory_bytes": memory_for_skippy(limit_mb, held),
+        "memory_held_bytes": held,
         "memory_available_bytes": memory_available(),
         "memory_limit_mb": limit_mb,
         "disk_free_bytes": slices.disk_free(),
