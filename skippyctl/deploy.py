@@ -128,7 +128,9 @@ async def _call(target: Target, token_file: Path | None, make) -> Any:
     except HostError:
         raise
     except ControlError as exc:
-        raise HostError(target, str(exc), exc.code) from None
+        message = str(exc).replace("(is it running? see --url)", "(is skippyd running there, its control channel "
+                                   "on that address?)")
+        raise HostError(target, message, exc.code) from None
 
 
 async def probe(targets: list[Target], token_file: Path | None) -> dict[str, dict]:
