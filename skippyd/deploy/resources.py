@@ -9,16 +9,21 @@ from skippyd.runtime.llama import system_info
 from skippyd.stage.threads import usable_cores
 
 
-def memory_available(meminfo: str = "/proc/meminfo") -> int:
-    """Bytes the kernel says a new program could use (MemAvailable), 0 if unknown."""
+def _kib_line(path: str, key: str) -> int:
+    """Bytes of a "Key:  N kB" line of a /proc file; 0 if it is not there."""
     try:
-        with open(meminfo) as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+def memory_available(meminfo: str = "/proc/meminfo") -> int:
+    """Bytes the kernel says a new program could use (MemAvailable), 0 if unknown."""
+    return _kib_line(meminfo, "MemAvailable:")
 
 
 def cgroup_memory_room(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
@@ -51,14 +56,7 @@ def cgroup_memory_room(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str 
 def anon_rss(status: str = "/proc/self/status") -> int:
     """This process's anonymous resident bytes (RssAnon): the KV cache and buffers a stage allocated; its
     weights are file pages, which the kernel counts as available already."""
-    try:
-        with open(status) as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    return _kib_line(status, "RssAnon:")
 
 
 def memory_for_skippy(limit_mb: int, held: int = 0) -> int:
