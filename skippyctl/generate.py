@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import sys
 from pathlib import Path
@@ -16,6 +17,14 @@ from skippyd.control import messages as m
 from skippyd.sampling import InvalidSampling, SamplingParams
 
 _SAMPLING = SamplingParams()  # the defaults of every surface
+
+
+class Speculate(enum.StrEnum):
+    """--speculate's values (skippyd's runtime.speculate)."""
+
+    off = "off"
+    ngram = "ngram"
+    on = "on"
 
 
 def generate(
@@ -40,9 +49,10 @@ def generate(
     logprobs: Annotated[int | None, typer.Option(
         "--logprobs", min=0, max=20, help="Each token's logprob and its N most likely alternatives' (0-20).",
         metavar="N")] = None,
-    speculate: Annotated[bool | None, typer.Option(
-        "--speculate/--no-speculate", help="Draft tokens from the context and verify several per trip round the "
-        "pipeline (the output is the same); default: the daemon's setting.")] = None,
+    speculate: Annotated[Speculate | None, typer.Option(
+        "--speculate", help="ngram: draft tokens from the context and verify several per trip round the "
+        "pipeline (the output is the same; on is the same); off: token by token. Default: the daemon's setting.",
+        case_sensitive=False)] = None,
 ) -> None:
     """Generate a reply; text streams to the terminal. Ctrl-C cancels it on the daemon."""
     g = ctx.obj
@@ -59,7 +69,7 @@ def generate(
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=list(stop or []),
                              stream=not json_mode, json_schema=files.get("--json-schema"), json_object=json_object,
                              grammar=files.get("--grammar"), logprobs=logprobs,
-                             speculate=speculate)
+                             speculate=None if speculate is None else speculate is not Speculate.off)
         request.sampling()
     except (m.Invalid, InvalidSampling) as exc:
         fail(f"--{(exc.field or 'value').replace('_', '-')}: {exc}", EXIT_USAGE)

@@ -149,10 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the most memory (MiB) each stage's prefix cache may hold: the KV of prompts it has "
                           "computed, so that a prompt that begins the same computes only the rest; 0: off "
                           "(default 512)")
-    run.add_argument("--speculate", choices=("on", "off"), default=None,
+    run.add_argument("--speculate", choices=cfgmod.SPECULATE_MODES, default=None,
                      help="the head: draft tokens from each session's own context (its prompt and reply) and "
                           "verify several at once in one trip round the pipeline; a session drafts only while "
-                          "that pays, and the output is what decoding token by token gives (default off)")
+                          "that pays, and the output is what decoding token by token gives: ngram (default; on "
+                          "is the same) or off")
     net = p.add_argument_group("network and security")
     net.add_argument("--listen", type=_hostport, default=None, metavar="HOST:PORT",
                      help="this stage's listener (default: from the topology)")

@@ -29,6 +29,7 @@ SYSTEM_CONFIG_DIR = Path("/etc/skippy")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 TELEMETRY = ("off", "summary", "debug")
 DEFAULT_CONTROL = "127.0.0.1:7390"
+SPECULATE_MODES = ("off", "ngram", "on")  # on: ngram, the one proposer there is
 
 
 class ConfigError(Exception):
@@ -145,7 +146,9 @@ class RuntimeSection:
     # the most memory (MiB) a stage's prefix cache may hold: the KV of prompts it has computed; 0: no cache
     prefix_cache_mb: int = attrs.field(default=512, validator=_at_least(0))
     # the head: draft tokens from the session's own context and verify them in windows (speculative decoding)
-    speculate: str = attrs.field(default="off", validator=_one_of(("on", "off")))
+    # ngram: drafts from n-grams of the session's own context, windows sized and gated by what they measure
+    # (on: the same); off: token by token
+    speculate: str = attrs.field(default="ngram", validator=_one_of(SPECULATE_MODES))
     speculate_max_draft: int = attrs.field(default=16, validator=_in_range(1, 16))  # drafts in one window at most
     # the most memory (MiB) skippy may use on this host, as reported to a deployment's planner; 0: what the
     # host (or its cgroup) has available

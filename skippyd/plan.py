@@ -147,7 +147,7 @@ def head_options(config: Config) -> HeadOptions:
     rt = config.runtime
     return HeadOptions(prefill_chunk=rt.prefill_chunk, receipts_file=config.daemon.receipts,
                        queue_timeout=rt.queue_timeout, resume_window=rt.resume_window if rt.resume else None,
-                       speculate_max_draft=rt.speculate_max_draft if rt.speculate == "on" else 0)
+                       speculate_max_draft=rt.speculate_max_draft if rt.speculate != "off" else 0)
 
 
 def _link_auth(config: Config) -> bytes:

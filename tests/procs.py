@@ -123,7 +123,9 @@ class Daemon:
         # the prefix cache off unless the test turns it on (a later --prefix-cache-mb wins): a restored prefix
         # followed by a suffix prefill rounds differently from a whole prefill, and most tests compare the
         # tokens of one run with another's
-        args = ["--prefix-cache-mb", "0", *args]
+        # speculative decoding off likewise (a later --speculate wins): a verify window computes its rows in one
+        # batch, which rounds a little differently from steps one by one
+        args = ["--prefix-cache-mb", "0", "--speculate", "off", *args]
         if config:
             args = ["--config", str(write_config(workdir / f"{name}.toml", config)), *args]
         self.args = [*(prefix or ()), sys.executable, "-m", "skippyd.daemon", *args,

@@ -93,3 +93,18 @@ def test_shadow_acceptance_turns_drafting_back_on():
     assert s.choose() == 0
     s.plain_step(shadow_draft=None, produced=2)  # no proposal: nothing learnt
     assert s.choose() == 0
+
+
+def test_the_daemon_drafts_by_ngram_unless_told_off():
+    """runtime.speculate: "ngram" by default ("on" the same), "off" decodes token by token; the flag takes the
+    same values."""
+    from skippyd.cli import build_parser, read_settings
+    from skippyd.config import Config, with_values
+    from skippyd.plan import head_options
+
+    assert Config().runtime.speculate == "ngram"
+    for mode, drafts in (("ngram", 16), ("on", 16), ("off", 0)):
+        config = with_values(Config(), {"runtime.speculate": mode})
+        assert head_options(config).speculate_max_draft == drafts
+        flags = read_settings(build_parser().parse_args(["--speculate", mode]), environ={}).config
+        assert flags.runtime.speculate == mode

@@ -10,8 +10,12 @@ must be within NEAR_TIE of each other (the reference asks for its logprobs); any
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
+import openai
 import pytest
 import trio
 
@@ -185,8 +189,9 @@ def api(default_model_path, tmp_path):
 
 
 async def test_the_openai_endpoint_takes_speculate_per_request_and_reports_it(api):
-    """A daemon without --speculate: a request with ``speculate: true`` drafts, one without does not; the
-    usage says so and the Prometheus counters count the windows."""
+    """A daemon with --speculate off: a request with ``speculate: true`` drafts, one without does not; the
+    usage says so and the Prometheus counters count the windows. ``"ngram"`` and ``"off"`` say the same, and
+    anything else is a 400 naming the field."""
     messages = [{"role": "user", "content": f"{CODE}\nRepeat the code above exactly."}]
     plain = await run(api.client.chat.completions.create, model=MODEL_ID, messages=messages, max_tokens=48,
                       temperature=0)
@@ -198,3 +203,41 @@ async def test_the_openai_endpoint_takes_speculate_per_request_and_reports_it(ap
     metrics = await run(api.metrics)
     assert metrics[("skippy_speculative_windows_total", ())] == counts["windows"]
     assert metrics[("skippy_speculative_accepted_tokens_total", ())] == counts["accepted"]
+    named = await run(api.client.chat.completions.create, model=MODEL_ID, messages=messages, max_tokens=48,
+                      temperature=0, extra_body={"speculate": "ngram"})
+    assert named.usage.model_extra["speculation"]["windows"] >= 1
+    off = await run(api.client.chat.completions.create, model=MODEL_ID, messages=messages, max_tokens=8,
+                    temperature=0, extra_body={"speculate": "off"})
+    assert "speculation" not in (off.usage.model_extra or {})
+    with pytest.raises(openai.BadRequestError) as bad:
+        await run(api.client.chat.completions.create, model=MODEL_ID, messages=messages, max_tokens=8,
+                  extra_body={"speculate": "fast"})
+    assert bad.value.body["param"] == "speculate"
+
+
+async def test_skippyctl_generate_speculate_reports_timings_and_status_the_acceptance_per_session(api):
+    """`skippyctl generate --speculate ngram --json`: timings carry the drafted and accepted tokens and the
+    windows; `--speculate off`: none. While a drafting generation runs, status shows its acceptance."""
+    head = api.pipe.head
+    base = [sys.executable, "-m", "skippyctl.app", "--url", head.url, "--token-file", str(head.token_file),
+            "generate", "--raw", "-p", f"{CODE}\n{CODE}", "-n", "40", "--json"]
+    on = json.loads((await trio.to_thread.run_sync(lambda: subprocess.run(
+        [*base, "--speculate", "ngram"], capture_output=True, text=True, check=True, timeout=120))).stdout)
+    assert on["timings"]["windows"] >= 1 and 1 <= on["timings"]["accepted"] <= on["timings"]["drafted"], on
+    off = json.loads((await trio.to_thread.run_sync(lambda: subprocess.run(
+        [*base, "--speculate", "off"], capture_output=True, text=True, check=True, timeout=120))).stdout)
+    assert (off["timings"]["windows"], off["timings"]["drafted"], off["timings"]["accepted"]) == (0, 0, 0)
+    seen = {}
+    async with trio.open_nursery() as nursery:
+        async def generate():
+            async with open_control(head.url, head.token_file) as client:
+                await client.call(m.Generate(id=client.new_id(), prompt=f"{CODE}\n{CODE}", raw=True,
+                                             max_tokens=200, speculate=True))
+
+        nursery.start_soon(generate)
+        with trio.fail_after(60):
+            while not seen:
+                await trio.sleep(0.05)
+                seen = (await head.astatus())["head"]["speculation"]["sessions"]
+    assert all(a is None or 0 <= a <= 1 for a in seen.values()), seen
+    assert (await head.astatus())["head"]["speculation"]["sessions"] == {}

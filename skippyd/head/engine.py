@@ -99,7 +99,11 @@ class GenerationResult:
                       "total_tokens": self.prompt_tokens + len(self.tokens), "cached_tokens": self.cached_tokens,
                       **({} if self.speculation is None else {"speculation": self.speculation})},
             "timings": {"ttft_ms": round(self.ttft_ms, 3), "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
-                        "elapsed_ms": round(self.elapsed_ms, 3)},
+                        "elapsed_ms": round(self.elapsed_ms, 3),
+                        # speculative decoding: draft tokens verified, those accepted, verify windows sent
+                        "drafted": self.speculation["drafted"] if self.speculation else 0,
+                        "accepted": self.speculation["accepted"] if self.speculation else 0,
+                        "windows": self.speculation["windows"] if self.speculation else 0},
             "error": self.error,
             "stage_stats": self.stage_stats,
             **({} if self.logprobs is None else {"logprobs": [

@@ -26,12 +26,14 @@ class LiveGeneration:
     resumes: int = 0  # replays after a stage failure
     first_token_at: float | None = None  # perf_counter: the first token in hand ...
     last_token_at: float | None = None  # ... and the latest (the decode rate so far)
+    speculation: object | None = None  # its drafting state (head.speculation.Speculation), once it drafts
 
     def describe(self) -> dict:
         return {"session_id": self.session_id, "request_id": self.request_id, "state": self.state,
                 "prompt_tokens": self.prompt_tokens, "generated": self.generated, "position": self.position,
                 "age_s": round(time.monotonic() - self.started, 3), "lane": self.lane_id, "resumes": self.resumes,
                 "decode_tokens_per_s": None if (rate := self.decode_rate()) is None else round(rate, 2),
+                "speculation": None if self.speculation is None else self.speculation.describe(),
                 "stages": {"0": {"seq": self.seq}}}
 
     def decode_rate(self) -> float | None:

@@ -161,8 +161,16 @@ class HeadNode:
                     lanes_task=None if self.pool is None else {"failures": self.lanes_task_failures,
                                                                "last_error": self.lanes_task_error},
                     prefix_cache=self.engine.prefix_cache.stats().to_json() if self.engine else None,
-                    speculation=self.engine.speculation.describe() if self.engine else None)
+                    speculation=self._speculation())
         return snap
+
+    def _speculation(self) -> dict | None:
+        """The daemon's totals, and the acceptance of every running generation that drafts."""
+        if self.engine is None:
+            return None
+        sessions = {str(sid): live.speculation.describe()["acceptance"]
+                    for sid, live in self.engine.live.items() if live.speculation is not None}
+        return {**self.engine.speculation.describe(), "sessions": sessions}
 
 
 def _stats(engine: HeadEngine | None) -> dict:

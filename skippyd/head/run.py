@@ -333,7 +333,7 @@ class GenerationRun:
         live, tokens, text, clock = self.live, self.tokens, self.text, self.clock
         is_eog = self.head.model.is_eog
         if self.speculation is None:
-            self.speculation = Speculation(self.max_draft, self.head.speculation)
+            self.speculation = live.speculation = Speculation(self.max_draft, self.head.speculation)
         spec = self.speculation
         spec.begin([*self.prompt.tolist(), *tokens])  # (again after a replay: the context so far)
         answer = [token]  # predicted, not yet emitted; the last one's hidden state is owed

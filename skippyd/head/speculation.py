@@ -85,6 +85,7 @@ class Speculation:
     def describe(self) -> dict:
         sizer = self.sizer
         return {"windows": self.windows, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
                 # what the last window was sized from: the acceptance, and a draft's cost in plain steps
                 "acceptance_estimate": round(sizer.a, 4), "draft_cost": round(sizer.b, 4),
                 "step_ms": None if sizer.step_s is None else round(sizer.step_s * 1e3, 3)}

@@ -131,7 +131,8 @@ class _Sampling:
     top_k: int | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
-    speculate: bool | None = None  # speculative decoding for this request (None: the daemon's setting)
+    # speculative decoding for this request: true or "ngram" ("on"), false or "off"; None: the daemon's setting
+    speculate: Any = None
 
     @property
     def streaming(self) -> bool:
@@ -176,7 +177,7 @@ class _Sampling:
         except InvalidSampling as exc:
             raise BadParameter(str(exc), exc.field) from exc
         return dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens, sampling=sampling,
-                    stop=_stops(self.stop), speculate=self.speculate)
+                    stop=_stops(self.stop), speculate=_speculate(self.speculate))
 
     def _max_tokens_param(self) -> str:
         return "max_tokens"
@@ -271,6 +272,14 @@ def _in_range(value: float | None, lo: float, hi: float, param: str) -> None:
         raise BadParameter(f"{value} is less than the minimum of {lo:g}", param)
     if value > hi:
         raise BadParameter(f"{value} is greater than the maximum of {hi:g}", param)
+
+
+def _speculate(value: Any) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if value in ("off", "ngram", "on"):
+        return value != "off"
+    raise BadParameter(f'speculate must be true, false, "ngram", "on" or "off", not {json.dumps(value)}', "speculate")
 
 
 def _stops(stop: Any) -> tuple[str, ...]:
