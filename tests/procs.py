@@ -7,14 +7,17 @@ cleanup on stages that are not the head.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import random
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -76,10 +79,23 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+_splits: dict[tuple, Path] = {}  # (model, its size and mtime, stages, balance) → the run's split of it
+
+
 def split_for_test(model: Path, n_stages: int, out_dir: Path, *, balance: str = "layers") -> Topology:
-    ports = free_ports(n_stages)
-    return split_model(model, None, out_dir, stages=n_stages, hosts=[f"127.0.0.1:{p}" for p in ports],
-                       balance=balance)
+    """`model` split in `n_stages`, its topology.toml in `out_dir` on free loopback ports. The stage files are
+    written once per run (a split parses the vocabulary for every stage: seconds) and shared; the tests only
+    read them."""
+    st = Path(model).stat()
+    key = (Path(model).resolve(), st.st_size, st.st_mtime_ns, n_stages, balance)
+    cached = _splits.get(key)
+    if cached is None or not cached.exists():
+        folder = Path(tempfile.mkdtemp(prefix="skippy-test-split-"))
+        atexit.register(shutil.rmtree, folder, True)
+        split_model(model, None, folder, stages=n_stages, balance=balance)
+        cached = _splits[key] = folder / "topology.toml"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return Topology.load(retarget(cached, out_dir))
 
 
 def retarget(topology_path: Path, out_dir: Path) -> Path:

@@ -31,6 +31,7 @@ from skippyd.stage.downstream import DownstreamLink
 from skippyd.stage.execution import Job
 from skippyd.stage.scheduler import Scheduler
 from skippyd.stage.server import StageConfig, StageServer
+from skippyd.topology import Topology
 from skippyd.wire.messages import (
     Ack,
     ConfigureGeneration,
@@ -61,8 +62,15 @@ def split2(tiny_model_small_vocab_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def split3(tiny_model_small_vocab_path, tmp_path_factory):
-    return split_for_test(tiny_model_small_vocab_path, 3, tmp_path_factory.mktemp("vw-split3"))
+def split3_path(tiny_model_small_vocab_path, tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("vw-split3")
+    split_for_test(tiny_model_small_vocab_path, 3, work)
+    return work / "topology.toml"
+
+
+@pytest.fixture(scope="module")
+def split3(split3_path):
+    return Topology.load(split3_path)
 
 
 @pytest.fixture(scope="module")
@@ -382,10 +390,10 @@ async def test_three_stages_direct_return_windows(head3, split3, nursery, refere
 
 
 @pytest.mark.slow
-async def test_three_stage_daemons_verify_windows(head3, split3, tmp_path, reference):
+async def test_three_stage_daemons_verify_windows(head3, split3, split3_path, tmp_path, reference):
     """The same through real skippyd processes (stages 1 and 2 of 3; the test is stage 0)."""
     prompt, ref = reference
-    pipe = Pipeline(Path(split3.stage(0).file).parent / "topology.toml", tmp_path)
+    pipe = Pipeline(split3_path, tmp_path)
     try:
         for k in (2, 1):
             await pipe.astart_stage(k)
