@@ -25,6 +25,7 @@ from skippyd.deploy.planner import (
 )
 from skippyd.runtime.gguf_info import ModelFileError, field_value, open_gguf
 from skippyd.runtime.slicing import balanced_ranges, compute_costs, plan_ranges, split_model
+from skippyd.topology import Topology
 from tests.tiny_model import write_tiny_llama
 
 
@@ -78,7 +79,7 @@ def _check_against_split(shape: ModelShape, directory: Path, n_stages: int) -> N
 @pytest.mark.slow  # the run's splits of the default model (written once; each stage file parses the vocabulary)
 @pytest.mark.parametrize("n_stages", [2, 3])
 def test_shape_matches_the_stage_files_split_model_writes(shape, split_files, n_stages):
-    _check_against_split(shape, split_files[n_stages].parent, n_stages)
+    _check_against_split(shape, Topology.load(split_files[n_stages]).stage(0).file.parent, n_stages)
 
 
 def test_shape_of_the_default_model(shape, default_model_path):
