@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -306,3 +307,18 @@ def test_undeploy_mid_generation_a_failed_deploy_and_a_new_one_on_the_same_daemo
         taken.close()
         for d in daemons:
             assert d.stop() == 0, d.log()
+
+
+@pytest.mark.slow
+def test_clients_that_go_before_their_refusal_or_handshake_leave_the_daemon_up(waiting):
+    """Upgrade requests (wrong token, right token) whose client closes at once, before the answer: the daemon
+    answers the next client as before."""
+    token = waiting.token_file.read_text().strip()
+    for bearer in ("wrong", token) * 20:
+        with socket.create_connection((waiting.control_host, waiting.control_port)) as s:
+            s.sendall(f"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                      f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+                      f"Authorization: Bearer {bearer}\r\n\r\n".encode())
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, not a FIN
+    assert waiting.status()["role"] == "waiting for a deployment"
+    assert waiting.proc.poll() is None

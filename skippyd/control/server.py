@@ -126,10 +126,14 @@ class ControlServer:
                                    hashlib.sha256(self.token.encode()).digest())
 
     async def _handle(self, request: WebSocketRequest) -> None:
-        if not self._authorized(request):
-            await request.reject(401, body=b"missing or wrong control token")
+        # a client that goes before its answer (a refusal, or the handshake's end) is no error of the daemon's
+        try:
+            if not self._authorized(request):
+                await request.reject(401, body=b"missing or wrong control token")
+                return
+            ws = await request.accept()
+        except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
             return
-        ws = await request.accept()
         self._open.add(ws)
         try:
             async with trio.open_nursery() as nursery:
