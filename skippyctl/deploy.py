@@ -33,7 +33,7 @@ from skippyd.deploy.planner import HostInfo, PlanError, make_plan, model_shape, 
 from skippyd.runtime.gguf_info import ModelFileError
 from skippyd.runtime.pypi import cache_root
 from skippyd.runtime.slicing import RangeError, SliceError, parse_ranges, split_model, write_middle_slice
-from skippyd.topology import TOPOLOGY_VERSION, Topology, TopologyError
+from skippyd.topology import TOPOLOGY_VERSION, Topology, TopologyError, format_address, parse_address
 
 DEFAULT_CONTROL_PORT = 7390
 DEFAULT_STAGE_PORT = 7400
@@ -81,7 +81,7 @@ class Target:
 
     @property
     def url(self) -> str:
-        return f"ws://[{self.host}]:{self.port}" if ":" in self.host else f"ws://{self.host}:{self.port}"
+        return f"ws://{format_address(self.host, self.port)}"
 
 
 def parse_hosts(text: str) -> list[Target]:
@@ -99,7 +99,7 @@ def parse_hosts(text: str) -> list[Target]:
             port = _port(item, raw)
         if not host:
             fail(f"--hosts: {item!r} names no host", EXIT_USAGE)
-        targets.append(Target(f"{host}:{port}" if ":" not in host else f"[{host}]:{port}", host, port))
+        targets.append(Target(format_address(host, port), host, port))
     if not targets:
         fail("--hosts: give at least one host", EXIT_USAGE)
     if len({t.name for t in targets}) != len(targets):
@@ -353,8 +353,8 @@ def _slices_for(model: Path, ranges: list[tuple[int, int]], addresses: list[str]
     try:
         cached = Topology.load(folder / "topology.toml")
         if cached.ranges == ranges and all(s.file.exists() for s in cached.stages):
-            stages = [attrs.evolve(s, host=a.rpartition(":")[0].strip("[]"), port=int(a.rpartition(":")[2]))
-                      for s, a in zip(cached.stages, addresses)]
+            stages = [attrs.evolve(s, host=host, port=port)
+                      for s, (host, port) in zip(cached.stages, map(parse_address, addresses))]
             return attrs.evolve(cached, stages=stages)
     except TopologyError:
         pass
@@ -424,8 +424,7 @@ def deploy(
         plan_, reports, timings = await plan_on(model, targets, token_file, stages, hop_ms, recalibrate, chosen)
         by_name = {t.name: t for t in targets}
         placed = [by_name[s.host] for s in plan_.stages]
-        addresses = [f"{t.host}:{stage_port + k}" if ":" not in t.host else f"[{t.host}]:{stage_port + k}"
-                     for k, t in enumerate(placed)]
+        addresses = [format_address(t.host, stage_port + k) for k, t in enumerate(placed)]
         topology = await trio.to_thread.run_sync(_slices_for, model, plan_.ranges, addresses)
         sender = Sender(token_file, max_rate * 1e6)
         sent: dict[str, Sent] = {}
