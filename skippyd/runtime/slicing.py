@@ -1,10 +1,11 @@
 """Cut a GGUF model into stage files ("slices") by contiguous layer ranges.
 
-A stage file for layers [a, b) is a complete GGUF model that libllama loads
-as is:
+A stage file for layers [a, b) is a complete GGUF model that the patched
+libllama loads as is:
 
-* every metadata key of the source, except `{arch}.block_count = b - a` and
-  per-layer `{arch}.*` arrays cut to [a:b];
+* every metadata key of the source, per-layer arrays whole, except
+  `{arch}.block_count = b - a` (the loader reads the hyperparameters for the
+  whole model, then keeps those of its absolute layers);
 * `skippy.layer_start`, `skippy.layer_end`, `skippy.n_layer_total` (u32),
   `skippy.output` ("hidden" for non-final stages, which is what the patched
   libllama keys on, "logits" for the final one) and `skippy.source_sha256`;
@@ -30,6 +31,7 @@ from typing import Any
 import attrs
 import gguf
 
+from skippyd.runtime.architectures import support
 from skippyd.runtime.gguf_info import (
     SKIPPY_LAYER_END,
     SKIPPY_LAYER_START,
@@ -54,60 +56,15 @@ Progress = Callable[[int, int], None]
 
 TOPOLOGY_FILE = "topology.toml"
 
-# Architectures verified to split faithfully: the graph names each layer's
-# output `l_out-<il>`, does not rescale embedding input, and nothing depends on
-# a layer's absolute index. Everything else is refused until it is handled.
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
-
-_SCALES_INPUT = (
-    "scales the embedding input (by sqrt(n_embd) or a scale factor) even when a stage receives hidden states"
-)
-_LAYER_PATTERN = "chooses layer behaviour (sliding-window or no-RoPE layers) by absolute layer index"
-_NO_L_OUT = "its graph has no per-layer output `l_out` to cut at"
-
-# Why a known architecture is refused; unknown ones get a generic message.
-_REFUSED: dict[str, str] = {
-    "gemma": _SCALES_INPUT,
-    "gemma2": f"{_SCALES_INPUT}, and {_LAYER_PATTERN}",
-    "gemma3": f"{_SCALES_INPUT}, and {_LAYER_PATTERN}",
-    "gemma3n": f"{_SCALES_INPUT}, uses per-layer token inputs, and {_LAYER_PATTERN}",
-    "gemma4": f"{_SCALES_INPUT}, and {_LAYER_PATTERN}",
-    "gemma-embedding": f"{_SCALES_INPUT}, and {_LAYER_PATTERN}",
-    "afmoe": _SCALES_INPUT,
-    "minicpm": _SCALES_INPUT,
-    "minicpm3": _SCALES_INPUT,
-    "granite": _SCALES_INPUT,
-    "granitemoe": _SCALES_INPUT,
-    "llama4": _LAYER_PATTERN,
-    "cohere2": _LAYER_PATTERN,
-    "bert": f"it is an encoder and {_NO_L_OUT}",
-    "modern-bert": f"it is an encoder and {_NO_L_OUT}",
-    "nomic-bert": f"it is an encoder and {_NO_L_OUT}",
-    "nomic-bert-moe": f"it is an encoder and {_NO_L_OUT}",
-    "jina-bert-v2": f"it is an encoder and {_NO_L_OUT}",
-    "jina-bert-v3": f"it is an encoder and {_NO_L_OUT}",
-    "t5": f"it is an encoder-decoder model and {_NO_L_OUT}",
-    "t5encoder": f"it is an encoder and {_NO_L_OUT}",
-    "mamba": f"it is a recurrent model and {_NO_L_OUT}",
-    "mamba2": f"it is a recurrent model and {_NO_L_OUT}",
-    "rwkv6": f"it is a recurrent model and {_NO_L_OUT}",
-    "rwkv6qwen2": f"it is a recurrent model and {_NO_L_OUT}",
-    "rwkv7": f"it is a recurrent model and {_NO_L_OUT}",
-    "arwkv7": f"it is a recurrent model and {_NO_L_OUT}",
-}
-
-# Metadata that makes layers depend on their absolute index (or rescale the
-# input) even in an otherwise supported architecture.
-_INDEX_DEPENDENT_KEYS: dict[str, str] = {
-    "attention.sliding_window_pattern": "sliding-window layers are chosen by absolute layer index",
-    "attention.shared_kv_layers": "layers share KV caches by absolute layer index",
-    "interleave_moe_layer_step": "MoE layers are chosen by absolute layer index",
-    "moe_every_n_layers": "MoE layers are chosen by absolute layer index",
-    "leading_dense_block_count": "dense layers are counted from absolute layer 0",
-    "rescale_every_n_layers": "rescaling happens every n absolute layers",
-    "nextn_predict_layers": "extra next-token-prediction layers follow the main stack",
-    "n_deepstack_layers": "deepstack inputs are injected by absolute layer index",
-    "embedding_scale": "the embedding input is rescaled",
+# Metadata that a stage cannot honour whatever its architecture (variants of architectures that split).
+_UNSPLITTABLE_KEYS: dict[str, str] = {
+    "nextn_predict_layers": "its next-token-prediction layers follow the main stack and read its last hidden state",
+    "rope.dimension_sections": "its M-RoPE takes several positions per token and a stage after the first "
+                               "receives one",
+    "n_deepstack_layers": "deepstack inputs join the residual stream at layers that may be on another stage",
+    "deepstack_mapping": "deepstack inputs join the residual stream at layers that may be on another stage",
+    "embedding_length_per_layer_input": "per-layer token inputs travel beside the residual stream",
+    "attention.shared_kv_layers": "later layers attend with the KV cache of earlier layers",
 }
 
 # Tensors only the final stage needs: the LM head (tied models have none and
@@ -303,21 +260,14 @@ def check_splittable(source: gguf.GGUFReader | Mapping[str, Any]) -> str:
     arch = get(gguf.Keys.General.ARCHITECTURE)
     if not isinstance(arch, str) or not arch:
         raise SliceError("the model has no general.architecture, so it cannot be split")
-    supported = ", ".join(SUPPORTED_ARCHITECTURES)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        reason = _REFUSED.get(
-            arch,
-            "it has not been verified for splitting (its graph may rescale the input, "
-            "depend on absolute layer indices, or not name the per-layer output `l_out`)",
-        )
-        raise SliceError(f"cannot split architecture {arch!r}: {reason}. Supported architectures: {supported}")
-
-    for suffix, reason in _INDEX_DEPENDENT_KEYS.items():
+    verdict = support(arch)
+    if not verdict.splits:
+        raise SliceError(f"cannot split architecture {arch!r}: {verdict.reason}")
+    for suffix, reason in _UNSPLITTABLE_KEYS.items():
         key = f"{arch}.{suffix}"
-        if key in keys:
-            raise SliceError(
-                f"cannot split this {arch} model: it sets {key} ({reason}); slices would compute something else"
-            )
+        value = get(key)
+        if key in keys and value not in (None, 0):
+            raise SliceError(f"cannot split this {arch} model: it sets {key} ({reason})")
     if get(SKIPPY_OUTPUT) is not None:
         raise SliceError(
             f"this file is already a stage slice (layers {get(SKIPPY_LAYER_START)}..{get(SKIPPY_LAYER_END)} "
@@ -558,20 +508,15 @@ def _copyable_kv(reader: gguf.GGUFReader) -> list[_KV]:
 
 
 def _stage_kv(kv: list[_KV], arch: str, plan: _StagePlan, n_layer: int) -> list[_KV]:
-    """The source metadata adjusted for one stage, plus the skippy.* stage keys."""
+    """The source metadata adjusted for one stage, plus the skippy.* stage keys.
+
+    Per-layer arrays stay whole: the patched loader reads every hyperparameter for the whole model (its
+    layer patterns are counted from layer 0) and then keeps those of layers [layer_start, layer_end)."""
     u32, string = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.STRING
-    prefix = f"{arch}."
     out = []
     for item in kv:
         if item.key == f"{arch}.block_count":
             item = attrs.evolve(item, value=plan.end - plan.start)
-        elif (
-            item.key.startswith(prefix)
-            and item.vtype == gguf.GGUFValueType.ARRAY
-            and len(item.value) == n_layer
-        ):
-            # Per-layer hyperparameters (e.g. head counts per layer) follow their layers.
-            item = attrs.evolve(item, value=item.value[plan.start:plan.end])
         out.append(item)
     return out + [
         _KV(SKIPPY_LAYER_START, plan.start, u32, None),
