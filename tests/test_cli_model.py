@@ -108,9 +108,28 @@ def test_split_unknown_balance_is_refused_by_the_option_parser(run, tiny_model_s
     assert not (tmp_path / "topology.toml").exists()
 
 
-def test_split_refuses_gemma(run, gemma_model_path, tmp_path):
-    result = run("model", "split", gemma_model_path, "--stages", "2", "--out", tmp_path)
-    assert_clean_error(result, 1, "cannot split architecture 'gemma'", "Supported architectures: llama")
+def test_architectures_lists_every_verdict(run):
+    result = run("model", "architectures", "--json")
+    assert result.exit_code == 0
+    rows = {r["architecture"]: r for r in json.loads(result.stdout)}
+    assert rows["gemma3"] == {"architecture": "gemma3", "verdict": "splits (verified by test)", "reason": None}
+    assert rows["mamba"]["verdict"] == "refused" and "rolled back" in rows["mamba"]["reason"]
+    table = run("model", "architectures").stdout
+    assert "gemma3" in table and "splits (verified by test)" in table and "refused" in table
+
+
+def test_fetch_lists_the_models_it_knows(run):
+    result = run("model", "fetch", "--list", "--json")
+    assert result.exit_code == 0
+    names = [r["name"] for r in json.loads(result.stdout)]
+    assert names == ["smollm2-135m", "gemma3-270m"]
+    bad = run("model", "fetch", "no-such-model")
+    assert bad.exit_code == 2 and "no-such-model" in bad.stderr
+
+
+def test_split_refuses_a_recurrent_model(run, refused_model_path, tmp_path):
+    result = run("model", "split", refused_model_path, "--stages", "2", "--out", tmp_path)
+    assert_clean_error(result, 1, "cannot split architecture 'mamba'", "rolled back")
 
 
 def test_split_missing_and_bad_files(run, tmp_path):

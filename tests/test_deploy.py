@@ -23,6 +23,7 @@ from skippyd.runtime.slicing import balanced_ranges, plan_ranges
 from tests import netns
 from tests.cpu_limit import SlowHost
 from tests.deploy_hosts import FLAGS, Hosts, generate
+from tests.gemma3 import LONG_PROMPT
 from tests.procs import SingleStage
 
 pytestmark = pytest.mark.slow  # real daemon processes in network namespaces
@@ -198,3 +199,29 @@ def test_a_slower_host_is_given_fewer_layers(net, cache, default_model_path, tmp
             hosts.stop()
     finally:
         slow.close()
+
+
+# Gemma 3 270M's prompt is longer than its sliding window: a stage that took the wrong layers' pattern would
+# answer otherwise. Every daemon prefills in chunks of 512, the single process as the pipeline.
+GEMMA3_FLAGS = ["--lanes", "1", "--ctx", "2048"]
+GEMMA3_CONFIG = {"runtime.prefill_chunk": 512}
+
+
+@pytest.fixture(scope="module")
+def gemma3_single(gemma3_path, tmp_path_factory):
+    pipe = SingleStage(gemma3_path, tmp_path_factory.mktemp("gemma3-single"), GEMMA3_FLAGS, config=GEMMA3_CONFIG)
+    yield pipe
+    pipe.stop_cleanly()
+
+
+def test_a_deployment_of_gemma3_answers_like_one_process(net, cache, gemma3_path, gemma3_single, tmp_path):
+    hosts = Hosts(net, tmp_path, cache, configs=[GEMMA3_CONFIG] * 3, common=GEMMA3_FLAGS)
+    try:
+        deployed = hosts.deploy(gemma3_path, "--stages", "3")
+        stages = deployed["plan"]["stages"]
+        assert len(stages) == 3 and stages[-1]["layers"][1] == 18
+        want = generate(gemma3_single.stages[0], prompt=LONG_PROMPT, raw=True, max_tokens=32)
+        got = hosts.head_generate(deployed, prompt=LONG_PROMPT, raw=True, max_tokens=32)
+        assert got["finish_reason"] == "length" and got["tokens"] == want["tokens"], (stages, got, want)
+    finally:
+        hosts.stop()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from skippyd.runtime import models
+from skippyd.runtime.architectures import support
 from skippyd.runtime.gguf_info import ModelFileError
 from skippyd.runtime.models import (
     DEFAULT_MODEL_SHA256,
@@ -89,10 +90,16 @@ def test_inspect_stage_file(tiny_model_small_vocab_path, tmp_path):
     assert last["stage"]["output"] == "logits" and last["has_output_weight"] is True
 
 
-def test_inspect_refused_architecture(gemma_model_path):
-    info = inspect_gguf(gemma_model_path)
-    assert info["architecture"] == "gemma" and info["splittable"] is False
-    assert "gemma" in info["split_refusal"]
+def test_inspect_refused_architecture(refused_model_path):
+    info = inspect_gguf(refused_model_path)
+    assert info["architecture"] == "mamba" and info["splittable"] is False
+    reason = support("mamba").reason
+    assert "mamba" in info["split_refusal"] and reason in info["split_refusal"]
+    assert info["split_support"] == f"refused: {reason}"
+
+
+def test_inspect_says_how_an_architecture_splits(default_model_path):
+    assert inspect_gguf(default_model_path)["split_support"] == "splits (verified by test)"
 
 
 @pytest.mark.parametrize("keep", [3, 100, 5_000, 200_000, -1000])

