@@ -20,6 +20,7 @@ FLAG_KEYS = {
     "stage": "pipeline.stage",
     "model": "pipeline.model",
     "slices_dir": "pipeline.slices_dir",
+    "chat_template": "pipeline.chat_template_file",
     "lanes": "runtime.lanes",
     "ctx": "runtime.ctx",
     "threads": "runtime.threads",
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where slices sent by `skippyctl deploy` are kept (default: $STATE_DIRECTORY/slices, "
                           "else ~/.local/state/skippy/slices); with neither --topology nor --model the daemon "
                           "waits to be given a stage")
+    src.add_argument("--chat-template", type=Path, metavar="FILE",
+                     help="the head: a Jinja chat template for chat requests, in place of the model's own "
+                          "(for a base model, which has none)")
     run = p.add_argument_group("runtime")
     run.add_argument("--lanes", type=int, default=None, metavar="N",
                      help="concurrent sessions per stage (KV sequences, default 4)")

@@ -113,6 +113,8 @@ class PipelineSection:
     # where slices sent by `skippyctl deploy` are kept; None: $STATE_DIRECTORY/slices, else
     # ~/.local/state/skippy/slices
     slices_dir: Path | None = None
+    # a Jinja chat template for chat requests in place of the model's own (a base model has none)
+    chat_template_file: Path | None = None
 
 
 @attrs.frozen

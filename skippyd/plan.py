@@ -38,6 +38,7 @@ class HeadOptions:
     queue_timeout: float
     resume_window: float | None  # None: a generation a stage failure interrupts fails (no replay)
     speculate_max_draft: int = 0  # drafts per verify window at most; 0: no speculative decoding
+    chat_template: str | None = None  # the operator's chat template (Jinja source); None: the model's own
 
     def kwargs(self) -> dict[str, Any]:
         return attrs.asdict(self, recurse=False)
@@ -147,7 +148,26 @@ def head_options(config: Config) -> HeadOptions:
     rt = config.runtime
     return HeadOptions(prefill_chunk=rt.prefill_chunk, receipts_file=config.daemon.receipts,
                        queue_timeout=rt.queue_timeout, resume_window=rt.resume_window if rt.resume else None,
-                       speculate_max_draft=rt.speculate_max_draft if rt.speculate != "off" else 0)
+                       speculate_max_draft=rt.speculate_max_draft if rt.speculate != "off" else 0,
+                       chat_template=_chat_template(config.pipeline.chat_template_file))
+
+
+def _chat_template(path: Path | None) -> str | None:
+    """The operator's chat template file, read and compiled now: a missing file or a template that does not
+    compile stops the daemon with one line, not the first chat request."""
+    if path is None:
+        return None
+    from skippyd.runtime.chat_template import TemplateRefused, check_template
+
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanError(f"chat template {path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        check_template(source)
+    except TemplateRefused as exc:
+        raise PlanError(f"chat template {path}: {exc}") from None
+    return source
 
 
 def _link_auth(config: Config) -> bytes:

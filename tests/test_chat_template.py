@@ -11,7 +11,7 @@ import attrs
 import jinja2
 import pytest
 
-from skippyd.runtime.chat_template import ChatTemplate, TemplateRefused, render_chat, template_for
+from skippyd.runtime.chat_template import ChatTemplate, TemplateRefused, check_template, render_chat, template_for
 from skippyd.runtime.llama import InvalidArgumentError, Model
 from tests.tiny_model import write_tiny_llama
 
@@ -151,3 +151,38 @@ def test_a_template_that_fails_at_render_time_falls_back_once(tmp_path_factory, 
         assert render_chat(model, chat) == model.apply_chat_template(chat)
         assert render_chat(model, chat) == model.apply_chat_template(chat)
     assert sum("failed to render" in r.getMessage() for r in caplog.records) == 1
+
+
+GEMMA_TURNS = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else "
+               "m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
+               "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory, small_tokenizer_fields):
+    """A model whose GGUF has no chat template (a base model)."""
+    fields = [f for f in small_tokenizer_fields if f.key != "tokenizer.chat_template"]
+    path = write_tiny_llama(tmp_path_factory.mktemp("base") / "base.gguf", tokenizer_from=fields, n_layer=2)
+    with Model(path) as m:
+        yield m
+
+
+def test_a_model_without_a_template_names_the_way_to_give_one(base_model):
+    assert base_model.chat_template is None
+    with pytest.raises(InvalidArgumentError, match=r"has no chat template.*skippyd --chat-template FILE"):
+        render_chat(base_model, [{"role": "user", "content": "Hi"}])
+
+
+def test_the_operators_template_renders_where_the_model_has_none(base_model, smol):
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    bos = base_model.token_piece(base_model.bos, special=True).decode()
+    assert render_chat(base_model, chat, template_source=GEMMA_TURNS) == (
+        f"{bos}<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nYo<end_of_turn>\n<start_of_turn>model\n")
+    # and in place of a model's own
+    assert render_chat(smol, chat, template_source=GEMMA_TURNS).startswith("<|im_start|><start_of_turn>user")
+
+
+@pytest.mark.parametrize("source, message", [("", "empty"), ("{% for m in messages %}", "does not compile")])
+def test_a_template_that_cannot_be_used_is_refused_before_any_chat(source, message):
+    with pytest.raises(TemplateRefused, match=message):
+        check_template(source)

@@ -146,7 +146,7 @@ listen = "0.0.0.0:7400"
 def test_tuning_is_set_in_the_file_and_its_old_flags_name_the_key():
     parser = build_parser()
     shown = [a for a in parser._actions if a.help != "==SUPPRESS=="]
-    assert len(shown) <= 23, [a.option_strings for a in shown]  # -h and what an operator gives by hand
+    assert len(shown) <= 24, [a.option_strings for a in shown]  # -h and what an operator gives by hand
     for flag, key in moved_flags().items():
         assert key in dict(cfgmod.DEFAULTS.items()), key
         assert not any(flag in a.option_strings for a in shown), flag
@@ -157,6 +157,22 @@ def test_tuning_is_set_in_the_file_and_its_old_flags_name_the_key():
     assert proc.returncode == 2 and "runtime.direct_return" in proc.stderr, proc.stderr
     help_text = run_skippyd("--help").stdout
     assert "--keep-warm-ms" not in help_text and "--drain-grace" not in help_text and "--lanes" in help_text
+
+
+def test_a_chat_template_that_cannot_be_used_stops_the_daemon_with_one_line(tmp_path, default_model_path):
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    for flags, expected in (
+        (["--chat-template", str(tmp_path / "none.jinja")], f"chat template {tmp_path / 'none.jinja'}: cannot read"),
+        (["--chat-template", str(bad)], f"chat template {bad}: does not compile"),
+    ):
+        proc = run_skippyd("--model", str(default_model_path), "--no-control", *flags)
+        assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+    path = tmp_path / "skippyd.toml"
+    path.write_text(f'[pipeline]\nchat_template_file = "{bad}"\n')
+    proc = run_skippyd("--config", str(path), "--check-config")
+    assert proc.returncode == 0 and f'chat_template_file = "{bad}"  # file' in proc.stdout, proc.stderr
 
 
 def test_check_config_prints_the_settings_in_force(tmp_path):

@@ -136,8 +136,10 @@ class HeadEngine:
                  pool: LanePool | None, *, prefill_chunk: int = 256, receipts_file: Path | None = None,
                  receipts_kept: int = 256, queue_timeout: float = 30.0, hub: TokenReturnHub | None = None,
                  watch: StageWatch | None = None, resume_window: float | None = None,
-                 prefix_cache: PrefixCache | None = None, speculate_max_draft: int = 0):
+                 prefix_cache: PrefixCache | None = None, speculate_max_draft: int = 0,
+                 chat_template: str | None = None):
         self.model = model
+        self.chat_template = chat_template  # the operator's, in place of the model's own (None: the model's)
         self.context = context
         self.scheduler = scheduler
         self.pool = pool
@@ -200,7 +202,8 @@ class HeadEngine:
         if req.system and not any(m.get("role") == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": req.system})
         try:
-            text = chat_template.render_chat(self.model, messages, tools=req.tools or None)
+            text = chat_template.render_chat(self.model, messages, tools=req.tools or None,
+                                             template_source=self.chat_template)
         except llama.InvalidArgumentError as exc:
             raise GenerationError(f"{exc} (send a raw prompt instead)", status=400) from exc
         return self.model.tokenize(text, add_special=False, parse_special=True)

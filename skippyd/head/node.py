@@ -31,7 +31,8 @@ log = logging.getLogger("skippyd.head")
 class HeadNode:
     def __init__(self, config: StageConfig, *, topology: Topology | None = None, model_path: Path | None = None,
                  prefill_chunk: int = 256, receipts_file: Path | None = None, queue_timeout: float = 30.0,
-                 resume_window: float | None = None, speculate_max_draft: int = 0):
+                 resume_window: float | None = None, speculate_max_draft: int = 0,
+                 chat_template: str | None = None):
         if topology is None and model_path is None:
             raise ValueError("the head needs a topology or a model file")
         self.config = config
@@ -42,6 +43,7 @@ class HeadNode:
         self.queue_timeout = queue_timeout
         self.resume_window = resume_window  # None: a stage failure fails the generation
         self.speculate_max_draft = speculate_max_draft  # 0: no speculative decoding unless a request asks
+        self.chat_template = chat_template  # the operator's chat template (None: the model's own)
         self.engine: HeadEngine | None = None
         self.pool: LanePool | None = None
         self.hub: TokenReturnHub | None = None
@@ -89,7 +91,8 @@ class HeadNode:
                                      receipts_file=self.receipts_file, queue_timeout=self.queue_timeout,
                                      hub=self.hub, watch=self.watch, resume_window=self.resume_window,
                                      prefix_cache=PrefixCache(cfg.prefix_cache_mb << 20, stage_index=0),
-                                     speculate_max_draft=self.speculate_max_draft)
+                                     speculate_max_draft=self.speculate_max_draft,
+                                     chat_template=self.chat_template)
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(scheduler.serve)

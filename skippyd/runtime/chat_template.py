@@ -35,7 +35,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from skippyd.runtime.llama import InvalidArgumentError
 
-__all__ = ["ChatTemplate", "TemplateRefused", "render_chat", "template_for"]
+__all__ = ["ChatTemplate", "TemplateRefused", "check_template", "render_chat", "template_for"]
 
 log = logging.getLogger("skippyd.chat_template")
 
@@ -130,9 +130,20 @@ def _token_text(model, token: int) -> str:
     return model.token_piece(token, special=True).decode("utf-8", "replace")
 
 
-def template_for(model) -> ChatTemplate | None:
-    """The model's chat template, compiled (cached by its text); None if it has none or it does not compile."""
-    source = model.chat_template
+def check_template(source: str) -> None:
+    """TemplateRefused if `source` is not a chat template that compiles."""
+    if not source.strip():
+        raise TemplateRefused("the template is empty")
+    try:
+        ChatTemplate(source)
+    except jinja2.TemplateError as exc:
+        raise TemplateRefused(f"does not compile: {exc}") from None
+
+
+def template_for(model, source: str | None = None) -> ChatTemplate | None:
+    """`source` (an operator's template), else the model's own chat template, compiled (cached by its text);
+    None if there is none or it does not compile."""
+    source = source or model.chat_template
     if not source:
         return None
     return _compiled(source, _token_text(model, model.bos), _token_text(model, model.eos))
@@ -143,12 +154,15 @@ def _plain(messages: Sequence[Mapping[str, Any]]) -> bool:
 
 
 def render_chat(model, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-    """``messages`` as the model's prompt: its Jinja template, or llama.cpp's built-in renderer when the
-    template cannot render them (logged once per template). InvalidArgumentError when neither can."""
-    template = template_for(model)
-    if template is None and model.chat_template is None:
-        raise InvalidArgumentError("apply chat template", f"{model.name} has no chat template; use a raw prompt")
+                tools: Sequence[Mapping[str, Any]] | None = None, template_source: str | None = None) -> str:
+    """``messages`` as the model's prompt: its Jinja template (or `template_source`, the operator's, in its
+    place), or llama.cpp's built-in renderer when the template cannot render them (logged once per template).
+    InvalidArgumentError when neither can."""
+    source = template_source or model.chat_template
+    template = template_for(model, source)
+    if source is None:
+        raise InvalidArgumentError("apply chat template", f"{model.name} has no chat template (a base model?); "
+                                   "start the head with skippyd --chat-template FILE")
     refusal = None
     if template is not None:
         try:
@@ -159,13 +173,13 @@ def render_chat(model, messages: Sequence[Mapping[str, Any]], *, add_generation_
         raise InvalidArgumentError("apply chat template", f"the chat template cannot render these messages: "
                                    f"{refusal or 'it does not compile'}")
     try:
-        text = model.apply_chat_template(messages, add_assistant=add_generation_prompt)
+        text = model.apply_chat_template(messages, add_assistant=add_generation_prompt, template=source)
     except InvalidArgumentError:
         if refusal is not None:
             raise InvalidArgumentError("apply chat template", f"the chat template refused the messages: "
                                        f"{refusal}") from None
         raise
     if refusal is not None:
-        _warn_once("render", model.chat_template, "the model's chat template failed to render a chat (%s); "
+        _warn_once("render", source, "the chat template failed to render a chat (%s); "
                    "llama.cpp's built-in renderer is used when it does", refusal)
     return text
