@@ -28,6 +28,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from skippyd.runtime.slicing import _copyable_kv
 from tests.arch_models import _Model, _qwen2
 from tests.tiny_model import MetadataField
 
@@ -69,14 +70,7 @@ def write_smolvlm_text_model(src: str | os.PathLike[str], path: str | os.PathLik
     path = Path(path)
     reader = gguf.GGUFReader(src)
     arch = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
-    fields = []
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == gguf.Keys.General.ARCHITECTURE:
-            continue
-        vtype = field.types[0]
-        sub_type = gguf.GGUFValueType(int(field.parts[3][0])) if vtype == gguf.GGUFValueType.ARRAY else None
-        fields.append(MetadataField(field.name, field.contents(), vtype, sub_type))
-    fields = _extended_tokenizer(fields, SMOLVLM_TOKENS)
+    fields = _extended_tokenizer(_copyable_kv(reader), SMOLVLM_TOKENS)
     n_vocab = len(next(f.value for f in fields if f.key == gguf.Keys.Tokenizer.LIST))
     writer = gguf.GGUFWriter(path, arch=arch, endianess=reader.endianess)
     writer.data_alignment = int(reader.alignment)

@@ -26,7 +26,15 @@ import gguf
 import numpy as np
 
 from skippyd.runtime.gguf_info import ModelFileError, field_value, open_gguf
-from skippyd.runtime.llama import ClosedError, InvalidArgumentError, LlamaError, Model, backend_init, ffi, lib
+from skippyd.runtime.llama import (
+    InvalidArgumentError,
+    LlamaError,
+    Model,
+    _NativeObject,
+    backend_init,
+    ffi,
+    lib,
+)
 
 # M-RoPE takes this many positions per embedding row (llama.cpp's GGML_MROPE_SECTIONS): time, row, column and
 # a fourth section that images and text leave at 0
@@ -120,9 +128,11 @@ def _looks_like_audio(data: bytes) -> bool:
     )
 
 
-class Bitmap:
+class Bitmap(_NativeObject):
     """An image decoded to RGB by libmtmd (stb_image: PNG, JPEG, BMP, GIF, ...), with its id: the sha256 of
     the encoded bytes, which libmtmd carries into the image's chunks."""
+
+    _kind = "bitmap"
 
     def __init__(self, ptr, nbytes: int):
         self._ptr = ptr
@@ -156,27 +166,10 @@ class Bitmap:
         """(width, height) in pixels."""
         return self.nx, self.ny
 
-    def _live(self, op: str):
-        if self._ptr == ffi.NULL:
-            raise ClosedError(op, "bitmap is closed")
-        return self._ptr
-
     def close(self) -> None:
         if self._ptr != ffi.NULL:
             lib.mtmd_bitmap_free(self._ptr)
             self._ptr = ffi.NULL
-
-    def __enter__(self) -> Bitmap:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 # --------------------------------------------------------------------------- chunks
@@ -200,7 +193,7 @@ class TextChunk:
         return text_positions(start, self.n_tokens)
 
 
-class ImageChunk:
+class ImageChunk(_NativeObject):
     """One image (or one tile of it) of a multimodal prompt: ``n_tokens`` embedding rows taking ``n_pos``
     positions. :meth:`encode` runs the projector; :meth:`positions` gives the rows' positions.
 
@@ -208,6 +201,8 @@ class ImageChunk:
     one image has the same id (a cache keyed by it must also key on the tile's place). ``grid`` is the rows'
     layout ``(nx, ny)`` for an M-RoPE model (None otherwise); ``non_causal`` says that its rows attend to each
     other both ways (the context must decode them with causal attention off, in one batch)."""
+
+    _kind = "image chunk"
 
     def __init__(self, projector: Projector, chunk_ptr, *, n_tokens: int, n_pos: int, id: str,
                  grid: tuple[int, int] | None, non_causal: bool):
@@ -225,20 +220,12 @@ class ImageChunk:
     def encode(self) -> np.ndarray:
         """The image's embedding rows, float32 ``[n_tokens, n_embd]`` (a copy; the projector's CPU threads)."""
         op = "encode image"
-        if self._ptr == ffi.NULL:
-            raise ClosedError(op, "image chunk is closed")
-        return self._projector._encode(self._ptr, self.n_tokens, op)
+        return self._projector._encode(self._live(op), self.n_tokens, op)
 
     def close(self) -> None:
         if self._ptr != ffi.NULL:
             lib.mtmd_input_chunk_free(self._ptr)
             self._ptr = ffi.NULL
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         return f"ImageChunk(n_tokens={self.n_tokens}, n_pos={self.n_pos}, id={self.id[:12]!r}, grid={self.grid})"
@@ -275,12 +262,14 @@ def _projector_info(path: Path) -> dict[str, object]:
     return {"projector_type": str(kind) if kind else "unknown"}
 
 
-class Projector:
+class Projector(_NativeObject):
     """A multimodal projector file loaded for `model` (the text model its embeddings feed; a whole model or
     the first stage of one, whose input width they must have).
 
     ``n_threads`` CPU threads encode images; ``warmup`` runs one encode at load time (llama.cpp's default: it
     sizes the compute buffers up front, at the cost of an encode of the largest image the projector takes)."""
+
+    _kind = "projector"
 
     def __init__(self, model: Model, path: str | os.PathLike[str], *, n_threads: int = 2, warmup: bool = True,
                  use_gpu: bool = False):
@@ -320,27 +309,13 @@ class Projector:
         self.n_pos_per_embd = MROPE_SECTIONS if self.uses_mrope else 1
 
     def _live(self, op: str):
-        if self._ptr == ffi.NULL:
-            raise ClosedError(op, "projector is closed")
-        self.model._live(op)
-        return self._ptr
+        self.model._live(op)  # the projector reads the text model's vocabulary
+        return super()._live(op)
 
     def close(self) -> None:
         if self._ptr != ffi.NULL:
             lib.mtmd_free(self._ptr)
             self._ptr = ffi.NULL
-
-    def __enter__(self) -> Projector:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     # -- prompts
     def tokenize(self, text: str, bitmaps: Sequence[Bitmap], *, add_special: bool = True,
