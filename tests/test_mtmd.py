@@ -303,6 +303,19 @@ def test_context_positions_are_checked(qwen2vl):
         assert ctx.kv_pos_range(0) == (0, 0)
 
 
+def test_a_non_causal_batch_leaves_the_context_causal(tiny_model_small_vocab_path: Path):
+    """causal=False (an image whose rows attend both ways) changes that batch only."""
+    tokens, seq = np.array([5, 77, 301], dtype=np.int32), np.zeros(3, dtype=np.int32)
+    params = ContextParams(n_ctx_per_seq=64, n_seq_max=2, n_batch=64, n_ubatch=64)
+    with LocalPipeline([tiny_model_small_vocab_path], params) as both_ways, \
+            LocalPipeline([tiny_model_small_vocab_path], params) as causal:
+        both_ways.decode(tokens, np.arange(3), seq, causal=False)
+        causal.decode(tokens, np.arange(3), seq)
+        assert not np.allclose(both_ways.last.logits(0), causal.last.logits(0))
+        both_ways.decode(tokens, np.arange(3), seq + 1)
+        np.testing.assert_array_equal(both_ways.last.logits(1), causal.last.logits(0))
+
+
 # --------------------------------------------------------------------------- refusals
 
 
