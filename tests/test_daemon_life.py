@@ -201,7 +201,7 @@ class SlowToAnswerEngine(FakeEngine):
         self.killed = why
         self.live[session_id].cancel()
 
-    async def generate(self, req, on_piece=None):
+    async def generate(self, req, sink=None):
         with trio.CancelScope() as self.live[1]:
             await self.release.wait()
         if self.killed is not None:

@@ -370,7 +370,7 @@ def test_text_output_emits_up_to_a_stop_string_spanning_tokens():
     out = TextOutput(pieces.__getitem__, ("END",), got.append)
     assert [out.push(t) for t in (1, 2, 3, 4, 5)] == [False, False, False, False, True]
     assert out.text == "".join(got) == "Hello world "
-    out = TextOutput(pieces.__getitem__, ("END",), None)
+    out = TextOutput(pieces.__getitem__, ("END",), lambda text: None)
     assert not any(out.push(t) for t in (1, 4))
     out.finish()  # the held back " E" is no stop string: it goes out at the end
     assert out.text == "Hello E"

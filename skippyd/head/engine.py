@@ -37,8 +37,8 @@ from skippyd.head.lanes import LanePool
 from skippyd.head.live import LiveGeneration
 from skippyd.head.liveness import StageWatch
 from skippyd.head.run import GenerationRun, HeadParts
+from skippyd.head.sink import DISCARD, GenerationSink
 from skippyd.head.speculation import DEFAULT_MAX_DRAFT, SpeculationTotals
-from skippyd.head.text_output import PieceCallback
 from skippyd.head.token_return import TokenReturnHub
 from skippyd.runtime import chat_template, llama
 from skippyd.sampling import InvalidSampling, SamplingParams
@@ -48,8 +48,8 @@ from skippyd.stage.sessions import SessionTable
 from skippyd.telemetry import span
 from skippyd.wire.messages import StageStats
 
-__all__ = ["Draining", "GenerationError", "GenerationRequest", "GenerationResult", "HeadEngine", "LiveGeneration",
-           "PieceCallback", "PromptTooLong", "QueueTimeout", "Receipt"]
+__all__ = ["Draining", "GenerationError", "GenerationRequest", "GenerationResult", "GenerationSink", "HeadEngine",
+           "LiveGeneration", "PromptTooLong", "QueueTimeout", "Receipt"]
 
 log = logging.getLogger("skippyd.head")
 
@@ -206,9 +206,9 @@ class HeadEngine:
         return self.model.tokenize(text, add_special=False, parse_special=True)
 
     # ------------------------------------------------------------------ generate
-    async def generate(self, req: GenerationRequest, on_piece: PieceCallback | None = None) -> GenerationResult:
-        """Check, admit and run one generation. Raises GenerationError: QueueTimeout when it found no place
-        within the queue timeout."""
+    async def generate(self, req: GenerationRequest, sink: GenerationSink = DISCARD) -> GenerationResult:
+        """Check, admit and run one generation, its output handed to ``sink`` as it is made. Raises
+        GenerationError: QueueTimeout when it found no place within the queue timeout."""
         started = time.perf_counter()
         sampling = req.sampling
         try:
@@ -225,7 +225,7 @@ class HeadEngine:
         session_id = secrets.randbits(63)
         live = LiveGeneration(request_id, session_id, len(prompt), time.monotonic(), trio.CancelScope())
         self.live[session_id] = live
-        run = GenerationRun(self.parts, live, prompt, max_tokens, sampling, req.stop, req.ignore_eos, on_piece,
+        run = GenerationRun(self.parts, live, prompt, max_tokens, sampling, req.stop, req.ignore_eos, sink,
                             started, max_draft=self._max_draft(req.speculate))
         try:
             with live.cancel_scope, span("head.generation", request=request_id, session=session_id) as sp:

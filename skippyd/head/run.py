@@ -39,9 +39,10 @@ from skippyd.head.lane_client import InFlight, LaneClient, LaneServices, Relayed
 from skippyd.head.lanes import Draining, Lane, LanePool, NoLaneAvailable
 from skippyd.head.live import LiveGeneration
 from skippyd.head.resume import ResumePolicy
+from skippyd.head.sink import GenerationSink
 from skippyd.head.speculation import Speculation, SpeculationTotals
 from skippyd.head.step_clock import StepClock
-from skippyd.head.text_output import PieceCallback, TextOutput
+from skippyd.head.text_output import TextOutput
 from skippyd.runtime import llama
 from skippyd.sampling import SamplingParams
 from skippyd.stage.downstream import DownstreamError
@@ -81,7 +82,7 @@ class GenerationRun:
 
     def __init__(self, head: HeadParts, live: LiveGeneration, prompt: np.ndarray, max_tokens: int,
                  sampling: SamplingParams, stops: tuple[str, ...],
-                 ignore_eos: bool, on_piece: PieceCallback | None, started: float, *, max_draft: int = 0):
+                 ignore_eos: bool, sink: GenerationSink, started: float, *, max_draft: int = 0):
         self.head, self.live = head, live
         self.scheduler = head.scheduler
         # the request id on the wire: a new one for each replay, so that a reply owed to an attempt given up
@@ -100,17 +101,17 @@ class GenerationRun:
         self.cached_tokens = 0  # prompt positions restored from the prefix caches, not computed
         self._prompt_unrecorded = False  # a single stage: the prompt goes to the prefix cache after the 1st token
         self.ttft_ms = 0.0
-        self.text = TextOutput(head.model.token_piece, stops, on_piece)
+        self.sink = sink
+        self.text = TextOutput(head.model.token_piece, stops, sink.piece)
         self.clock = StepClock(head.scheduler.hot_path)
         self.resume = ResumePolicy(head.resume_window, head.lane_services.watch)
         self._stats = StatsTotal()  # every stage's reports for this generation, merged as they come
         self.lane: LaneClient | None = None
         self.session = None
         self.sampler: llama.Sampler | llama.GuidedSampler | None = None
-        # each generated token's logprobs (sampling.logprobs set), in order; an on_piece holding a ``logprobs``
-        # list (a streaming client's) gets each appended too, before the token's text is pushed
+        # each generated token's logprobs (sampling.logprobs set), in order; the sink gets each too, before the
+        # token's text
         self.logprobs: list[llama.TokenLogprobs] | None = [] if sampling.logprobs is not None else None
-        self._logprobs_sink: list | None = getattr(on_piece, "logprobs", None) if self.logprobs is not None else None
         self.acked_steps = 0  # direct return: a generation's first decode steps are acknowledged (DirectLane)
         self.batched = False  # the last compute was one llama_decode with other sessions' steps
         # this generation's prefill chunk, chosen once: a replay (resume) must chunk the prompt the same way,
@@ -287,20 +288,14 @@ class GenerationRun:
             if live.first_token_at is None:  # (with last_token_at, the decode rate: see LiveGeneration)
                 live.first_token_at = now
                 self.ttft_ms = (now - self.started) * 1e3
+            if not self.ignore_eos and is_eog(token):  # end-of-generation is not part of the answer
+                text.finish()
+                self.finish_reason = "stop"
+                return
             tokens.append(token)
             if self.logprobs is not None:
                 self._keep_logprobs(token)
             live.generated = len(tokens)
-            if not self.ignore_eos and is_eog(token):
-                tokens.pop()  # end-of-generation is not part of the answer
-                if self.logprobs is not None:
-                    self.logprobs.pop()
-                    if self._logprobs_sink is not None and self._logprobs_sink:
-                        self._logprobs_sink.pop()
-                live.generated -= 1  # (nor of the rate so far, while the session is released)
-                text.finish()
-                self.finish_reason = "stop"
-                return
             live.last_token_at = now
             in_flight = None
             if lane is not None and len(tokens) < self.max_tokens:
@@ -385,9 +380,7 @@ class GenerationRun:
         window = np.array([token, *drafts], dtype=np.int32)
         pos = self.position
         if self.lane is None:
-            let_out = self.text.let_out
-            if let_out is not None:
-                await let_out()
+            await self.sink.let_out()
             await self._record_prompt()
             if isinstance(self.sampler, llama.GuidedSampler):
                 self.sampler.advance(token)
@@ -428,22 +421,16 @@ class GenerationRun:
         if got is None or got.token != token:
             got = llama.TokenLogprobs(token, float("nan"))  # not reported: never expected, kept in step
         self.logprobs.append(got)
-        if self._logprobs_sink is not None:
-            self._logprobs_sink.append(got)
+        self.sink.logprobs(got)
 
     async def _step(self, token: int) -> int:
         """One decode step, whole: its token's prediction."""
         if self.lane is None:
-            let_out = self.text.let_out
-            if let_out is not None:
-                await let_out()  # the text so far goes out before the compute may block the loop
+            await self.sink.let_out()  # the text so far goes out before the compute may block the loop
             await self._record_prompt()
             if isinstance(self.sampler, llama.GuidedSampler):
                 self.sampler.advance(token)  # the constraint follows the tokens the sequence is given
-            token = int(await self._compute(np.array([token], dtype=np.int32), self.position, want_token=True))
-            if let_out is None:
-                await trio.lowlevel.checkpoint()  # the compute may not have been one (Scheduler.submit)
-            return token
+            return int(await self._compute(np.array([token], dtype=np.int32), self.position, want_token=True))
         return await self._predict_finish(await self._step_begin(token))
 
     async def _record_prompt(self) -> None:

@@ -40,6 +40,7 @@ from skippyd.head.engine import (
     QueueTimeout,
 )
 from skippyd.head.piece_relay import ClientStalled, PieceRelay
+from skippyd.head.sink import DISCARD, GenerationSink
 from skippyd.openai import schemas, tools
 from skippyd.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from skippyd.openai.metrics import Metrics
@@ -459,14 +460,14 @@ class OpenAIApp:
                         nursery.cancel_scope.cancel()
 
                 nursery.start_soon(watch)
-                relay = PieceRelay(lambda text, _pieces: on_piece(text)) if on_piece is not None else None
-                if relay is not None:
-                    if logprobs_sink is not None:
-                        relay.logprobs = logprobs_sink  # the run appends each token's logprobs (GenerationRun)
+                relay = None
+                if on_piece is not None:
+                    relay = PieceRelay(lambda text, _pieces: on_piece(text),
+                                       on_logprobs=None if logprobs_sink is None else logprobs_sink.append)
                     nursery.start_soon(relay_pieces)
                 try:
                     try:
-                        result = await self._run(engine, greq, relay)
+                        result = await self._run(engine, greq, relay or DISCARD)
                     except Exception as exc:  # raised outside the nursery, so not wrapped in a group
                         failure = exc
                     if relay is not None:
@@ -489,10 +490,10 @@ class OpenAIApp:
                            f"the generation ended early ({result.finish_reason}): {why}", code=result.finish_reason)
         return result
 
-    async def _run(self, engine, greq: GenerationRequest, on_piece) -> GenerationResult:
+    async def _run(self, engine, greq: GenerationRequest, sink: GenerationSink) -> GenerationResult:
         """Generate; the engine admits it (its one queue, with its queue timeout: a 503 ``no_lane`` after)."""
         try:
-            return await engine.generate(greq, on_piece)
+            return await engine.generate(greq, sink)
         except GenerationError as exc:
             raise ApiError.from_generation(exc) from exc
 
