@@ -28,7 +28,7 @@ import trio
 
 from skippyd.cli import build_parser, check_config, read_settings
 from skippyd.config import Config, ConfigError, Settings, parse_hostport, with_values
-from skippyd.head.run import STOP_TIMEOUT_S
+from skippyd.head.sequence import STOP_TIMEOUT_S
 from skippyd.hosts import Machines
 from skippyd.plan import Plan, PlanError, make_plan
 from skippyd.runtime.llama import LlamaError

@@ -221,7 +221,7 @@ async def test_a_shutdown_waits_until_every_reply_is_sent_not_until_the_engine_l
     client's connection before the result."""
     from skippyd.control.server import ControlServer
     from skippyd.daemon import Daemon as SkippyDaemon
-    from skippyd.head.run import STOP_TIMEOUT_S
+    from skippyd.head.sequence import STOP_TIMEOUT_S
     from skippyd.openai.server import OpenAIServer
 
     grace = "5" if ends == "within-grace" else "0.2"

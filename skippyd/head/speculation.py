@@ -4,12 +4,14 @@ The head drafts from the session's own context (:class:`~skippyd.head.drafting.N
 each window from the acceptance and the window's cost it measures (:class:`~skippyd.head.drafting.WindowSizer`);
 while a window would not pay it sends plain decode steps and keeps measuring (the shadow acceptance), so
 drafting switches itself back on when the output starts repeating its context. The loop that sends the
-windows is :meth:`skippyd.head.run.GenerationRun._decode_speculative`.
+windows is the one decode loop (:class:`skippyd.head.decode.Decoder`); a generation that does not speculate
+has :data:`PLAIN_STEPS` for drafts: none, ever.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 
@@ -36,8 +38,51 @@ class SpeculationTotals:
                 "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None}
 
 
+class Drafts(Protocol):
+    """What the decode loop asks for each step's drafts, and tells of each step."""
+
+    def begin(self, context: Sequence[int]) -> None:
+        """Draft from ``context`` (the prompt and the reply so far) on."""
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Tokens of the reply, in order (accepted drafts and predictions alike)."""
+
+    def drafts(self, room: int) -> list[int]:
+        """Drafts for the next step (at most ``room``; none: a plain step)."""
+
+    def done(self, drafted: int, answer: Sequence[int], seconds: float) -> None:
+        """The step with ``drafted`` drafts answered ``answer`` (the accepted drafts, then the next token),
+        ``seconds`` after it began."""
+
+    def describe(self) -> dict | None:
+        """What the generation reports of its speculation (None: it did not speculate)."""
+
+
+class _PlainSteps:
+    """No drafts: every step is a plain one."""
+
+    def begin(self, context: Sequence[int]) -> None:
+        pass
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        pass
+
+    def drafts(self, room: int) -> list[int]:
+        return []
+
+    def done(self, drafted: int, answer: Sequence[int], seconds: float) -> None:
+        pass
+
+    def describe(self) -> None:
+        return None
+
+
+PLAIN_STEPS: Drafts = _PlainSteps()
+
+
 class Speculation:
-    """One generation's drafting state: the proposer over its context, the window sizer, its counters."""
+    """One generation's drafting state (its Drafts): the proposer over its context, the window sizer, its
+    counters."""
 
     def __init__(self, max_draft: int, totals: SpeculationTotals):
         self.proposer: NgramProposer | None = None  # made by begin, over the context
@@ -53,9 +98,9 @@ class Speculation:
         self.proposer.extend(context)
         self._shadow = None
 
-    def extend(self, token: int) -> None:
-        """A token of the reply, in order (accepted drafts and predictions alike)."""
-        self.proposer.extend((token,))
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Tokens of the reply, in order (accepted drafts and predictions alike)."""
+        self.proposer.extend(tokens)
 
     def drafts(self, room: int) -> list[int]:
         """Drafts for the next window (at most ``room``; none: send a plain step)."""
@@ -67,7 +112,13 @@ class Speculation:
             self._shadow = shadow[0] if shadow else None
         return drafts
 
-    def window_done(self, drafted: int, accepted: int, seconds: float) -> None:
+    def done(self, drafted: int, answer: Sequence[int], seconds: float) -> None:
+        if drafted:
+            self._window_done(drafted, len(answer) - 1, seconds)
+        else:
+            self._plain_step_done(answer[0], seconds)
+
+    def _window_done(self, drafted: int, accepted: int, seconds: float) -> None:
         self.sizer.window_done(drafted, accepted, seconds)
         self.windows += 1
         self.drafted += drafted
@@ -77,7 +128,7 @@ class Speculation:
         totals.drafted += drafted
         totals.accepted += accepted
 
-    def plain_step_done(self, produced: int, seconds: float) -> None:
+    def _plain_step_done(self, produced: int, seconds: float) -> None:
         self.sizer.plain_step(self._shadow, produced, seconds)
         self._shadow = None
         self.totals.plain_steps += 1
