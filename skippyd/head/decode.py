@@ -20,6 +20,7 @@ from skippyd.head.generation_lane import GenerationLane
 from skippyd.head.live import LiveGeneration
 from skippyd.head.sink import GenerationSink
 from skippyd.head.speculation import Drafts
+from skippyd.head.states import FinishReason
 from skippyd.head.step_clock import StepClock
 from skippyd.head.text_output import TextOutput
 from skippyd.runtime.llama import TokenLogprobs
@@ -38,7 +39,7 @@ class Reply:
         self.max_tokens = max_tokens
         self.is_eog = is_eog
         self.ignore_eos = ignore_eos  # end-of-generation tokens are generated like any other
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.ttft_ms = 0.0
 
     @property
@@ -46,18 +47,18 @@ class Reply:
         """Tokens the reply may still take."""
         return self.max_tokens - len(self.tokens)
 
-    def take(self, answer: Sequence[int], logprobs: TokenLogprobs | None) -> str | None:
+    def take(self, answer: Sequence[int], logprobs: TokenLogprobs | None) -> FinishReason | None:
         """Add a step's answer (``logprobs``: its last token's), up to the first token that ends the reply;
         how it ends, if it does (its text is not handed on yet: :meth:`hand_on`)."""
         tokens = self.tokens
         for t in answer:
             if not self.ignore_eos and self.is_eog(t):
-                return "stop"  # end-of-generation is not part of the reply
+                return FinishReason.STOP  # end-of-generation is not part of the reply
             tokens.append(t)
             if self.logprobs is not None:
                 self._keep_logprobs(t, logprobs)
             if len(tokens) >= self.max_tokens:
-                return "length"
+                return FinishReason.LENGTH
         return None
 
     def _keep_logprobs(self, token: int, got: TokenLogprobs | None) -> None:
@@ -75,11 +76,11 @@ class Reply:
                 del tokens[i + 1:]
                 if self.logprobs is not None:
                     del self.logprobs[i + 1:]
-                self.finish_reason = "stop"
+                self.finish_reason = FinishReason.STOP
                 return True
         return False
 
-    def end(self, reason: str) -> None:
+    def end(self, reason: FinishReason) -> None:
         """The reply ended without a stop string: its held-back text goes out."""
         self.text.finish()
         self.finish_reason = reason

@@ -42,6 +42,7 @@ from skippyd.head.run import GenerationRun, HeadParts
 from skippyd.head.sequence import HeadCompute
 from skippyd.head.sink import DISCARD, GenerationSink
 from skippyd.head.speculation import DEFAULT_MAX_DRAFT, SpeculationTotals
+from skippyd.head.states import FinishReason
 from skippyd.head.token_return import TokenReturnHub
 from skippyd.runtime import chat_template, llama
 from skippyd.sampling import InvalidSampling, SamplingParams
@@ -51,8 +52,8 @@ from skippyd.stage.sessions import SessionTable
 from skippyd.telemetry import span
 from skippyd.wire.messages import StageStats
 
-__all__ = ["Draining", "GenerationError", "GenerationRequest", "GenerationResult", "GenerationSink", "HeadEngine",
-           "LiveGeneration", "PromptTooLong", "QueueTimeout", "Receipt"]
+__all__ = ["Draining", "FinishReason", "GenerationError", "GenerationRequest", "GenerationResult", "GenerationSink",
+           "HeadEngine", "LiveGeneration", "PromptTooLong", "QueueTimeout", "Receipt"]
 
 log = logging.getLogger("skippyd.head")
 
@@ -78,7 +79,7 @@ class GenerationResult:
     session_id: int
     text: str
     tokens: list[int]
-    finish_reason: str  # stop | length | cancelled | error
+    finish_reason: FinishReason
     prompt_tokens: int
     ttft_ms: float
     decode_tokens_per_s: float
@@ -97,7 +98,7 @@ class GenerationResult:
             "session_id": self.session_id,
             "text": self.text,
             "tokens": self.tokens,
-            "finish_reason": self.finish_reason,
+            "finish_reason": str(self.finish_reason),
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
                       "total_tokens": self.prompt_tokens + len(self.tokens), "cached_tokens": self.cached_tokens,
                       **({} if self.speculation is None else {"speculation": self.speculation})},
@@ -128,7 +129,7 @@ class Receipt:
     prompt_tokens: int
     tokens: list[int]
     final_position: int
-    termination: str
+    termination: FinishReason
     ttft_ms: float
     elapsed_ms: float
     finished_at: float
@@ -241,7 +242,7 @@ class HeadEngine:
                     self.gate.leave()
                 sp.set(tokens=len(run.reply.tokens), finish=run.reply.finish_reason)
             if live.cancel_scope.cancelled_caught:
-                run.reply.finish_reason = "cancelled"
+                run.reply.finish_reason = FinishReason.CANCELLED
                 run.error = live.killed
         except GenerationError as exc:
             self.totals["errors"] += 1
@@ -252,7 +253,7 @@ class HeadEngine:
                     len(run.reply.tokens), exc)
             raise
         except trio.Cancelled:
-            run.reply.finish_reason = "cancelled"
+            run.reply.finish_reason = FinishReason.CANCELLED
             raise
         finally:
             self.live.pop(session_id, None)
@@ -295,7 +296,8 @@ class HeadEngine:
         live, reply = run.live, run.reply
         return GenerationResult(
             request_id=live.request_id, session_id=live.session_id, text=reply.text.text, tokens=list(reply.tokens),
-            finish_reason=reply.finish_reason or "error", prompt_tokens=len(run.prompt), ttft_ms=reply.ttft_ms,
+            finish_reason=reply.finish_reason or FinishReason.ERROR, prompt_tokens=len(run.prompt),
+            ttft_ms=reply.ttft_ms,
             decode_tokens_per_s=live.decode_rate() or 0.0, elapsed_ms=run.elapsed_ms(),
             stage_stats=attrs.asdict(run.stats), error=run.error, cached_tokens=run.cached_tokens,
             logprobs=None if reply.logprobs is None else list(reply.logprobs),
@@ -304,7 +306,7 @@ class HeadEngine:
     def _record(self, run: GenerationRun) -> None:
         reply = run.reply
         if reply.finish_reason is None:
-            reply.finish_reason = "error"
+            reply.finish_reason = FinishReason.ERROR
         self.totals["generations"] += 1
         self.totals["prompt_tokens"] += len(run.prompt)
         self.totals["completion_tokens"] += len(reply.tokens)

@@ -26,7 +26,7 @@ import trio
 
 from skippyd.head.errors import GenerationError, QueueTimeout
 from skippyd.head.lane_client import InFlight, LaneClient, LaneServices, RelayedLane
-from skippyd.head.lanes import Draining, Lane, LanePool, NoLaneAvailable
+from skippyd.head.lanes import Lane, LanePool, NoLaneAvailable, PoolDraining
 from skippyd.head.sequence import STOP_TIMEOUT_S, HeadSequence
 from skippyd.head.sink import GenerationSink
 from skippyd.runtime.llama import TokenLogprobs
@@ -85,7 +85,7 @@ class PipelineLane:
         try:
             with span("head.lane_wait", request=live.request_id, session=live.session_id):
                 return await self.lanes.pool.checkout(deadline)
-        except Draining as exc:
+        except PoolDraining as exc:
             raise GenerationError(str(exc), retryable=True, status=503) from exc
         except NoLaneAvailable as exc:
             raise QueueTimeout(str(exc)) from exc

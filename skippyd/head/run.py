@@ -32,6 +32,7 @@ from skippyd.head.resume import ResumePolicy
 from skippyd.head.sequence import HeadCompute, HeadSequence
 from skippyd.head.sink import GenerationSink
 from skippyd.head.speculation import PLAIN_STEPS, Drafts, Speculation, SpeculationTotals
+from skippyd.head.states import GenerationState
 from skippyd.head.step_clock import StepClock
 from skippyd.sampling import SamplingParams
 from skippyd.wire.messages import StageStats, StatsTotal
@@ -94,7 +95,7 @@ class GenerationRun:
                 try:
                     token = await self._catch_up(lane, deadline)
                     self.resume.recovered()  # the pipeline is whole again
-                    self.live.state = "decode"
+                    self.live.state = GenerationState.DECODE
                     decoder = Decoder(self.reply, self.live, self.clock, self._drafts(), self.started)
                     await decoder.run(lane, token, [*self.prompt.tolist(), *self.reply.tokens])
                     return
@@ -121,7 +122,7 @@ class GenerationRun:
         sequence = self.sequence
         if sequence.position:  # a replay: the head's hidden states again from position 0, as the first time
             await sequence.clear()
-        self.live.state = "prefill"
+        self.live.state = GenerationState.PREFILL
         start = await sequence.restore(lane.restore)
         if start:
             self.cached_tokens = start

@@ -33,6 +33,7 @@ import trio
 
 from skippyd.head.engine import (
     Draining,
+    FinishReason,
     GenerationError,
     GenerationRequest,
     GenerationResult,
@@ -484,10 +485,11 @@ class OpenAIApp:
             s.set(engine_request=result.request_id, session=result.session_id, tokens=len(result.tokens),
                   finish_reason=result.finish_reason)
         self.metrics.record_generation(result, source="http")
-        if result.finish_reason not in ("stop", "length"):
+        if result.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
             why = result.error or "cancelled by an operator (sessions kill) or a shutdown"
-            raise ApiError(503 if result.finish_reason == "cancelled" else 500,
-                           f"the generation ended early ({result.finish_reason}): {why}", code=result.finish_reason)
+            raise ApiError(503 if result.finish_reason == FinishReason.CANCELLED else 500,
+                           f"the generation ended early ({result.finish_reason}): {why}",
+                           code=str(result.finish_reason))
         return result
 
     async def _run(self, engine, greq: GenerationRequest, sink: GenerationSink) -> GenerationResult:

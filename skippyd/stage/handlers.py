@@ -42,7 +42,7 @@ from skippyd.runtime import llama
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.stage.execution import Job
 from skippyd.stage.prefix_cache import record_from, restore_into
-from skippyd.stage.sessions import NoFreeSlot, StageSession
+from skippyd.stage.sessions import NoFreeSlot, SessionState, StageSession
 from skippyd.stage.token_return import TokenReturnLost
 from skippyd.telemetry import span
 from skippyd.wire.codec import REPLY_COMPUTE_US_AT, decode_step_head, frame_bytes
@@ -80,7 +80,7 @@ log = logging.getLogger("skippyd.stage")
 PING_RELAY_S = 0.8
 
 
-class RequestFailed(Exception):
+class ReplyError(Exception):
     """A request error: answered with an ErrorReply, the connection stays usable."""
 
     def __init__(self, code: ErrorCode, message: str):
@@ -159,7 +159,7 @@ class StageHandlers:
         try:
             with span(self._SPANS[type(msg)], stage=self.core.index, request=msg.request_id, session=session_id):
                 await handler(msg)
-        except RequestFailed as exc:
+        except ReplyError as exc:
             await self._failed(msg, ErrorReply(msg.request_id, session_id, exc.code, exc.message[:4000],
                                                stats=self._own_stats()))
         except DownstreamError as exc:
@@ -191,10 +191,10 @@ class StageHandlers:
         try:
             session = self._session(msg, create=True)
             await self._align(session, msg.pos_start)
-            session.state = "prefill"
+            session.state = SessionState.PREFILL
             job = await self._compute(session, msg, want_token=False)
             await self._pass_on_chunk(msg, job)
-        except RequestFailed as exc:
+        except ReplyError as exc:
             self._deferred[msg.session_id] = ErrorReply(msg.request_id, msg.session_id, exc.code, exc.message)
 
     async def _on_final_prefill(self, msg: PrefillChunk) -> None:
@@ -202,7 +202,7 @@ class StageHandlers:
         session = self._session(msg, create=True)
         await self._align(session, msg.pos_start)
         job = await self._compute(session, msg, want_token=self.want_token)
-        session.state = "decode"
+        session.state = SessionState.DECODE
         await session.answer.send(session, msg, job)
         await self._record(session)  # the prompt, for the sessions that begin with it while this one runs
 
@@ -212,8 +212,8 @@ class StageHandlers:
         self._take_deferred(msg.session_id)
         session = self._session(msg, create=False)
         if msg.direct_return and not session.direct_return:
-            raise RequestFailed(ErrorCode.DIRECT_RETURN_UNAVAILABLE,
-                                f"session {msg.session_id} was not configured with direct return")
+            raise ReplyError(ErrorCode.DIRECT_RETURN_UNAVAILABLE,
+                             f"session {msg.session_id} was not configured with direct return")
         await self._align(session, msg.pos_start)
         answer = session.answer
         job = await self._compute(session, msg, want_token=self.want_token, out=answer.prepare(session, msg))
@@ -232,8 +232,8 @@ class StageHandlers:
         session = self._session(msg, create=False)
         sampler = session.sampler
         if isinstance(sampler, llama.GuidedSampler) and sampler.top_n is not None:
-            raise RequestFailed(ErrorCode.BAD_VALUE, f"session {msg.session_id} was configured with logprobs: "
-                                                     "verify windows are not answered with logprobs")
+            raise ReplyError(ErrorCode.BAD_VALUE, f"session {msg.session_id} was configured with logprobs: "
+                                                  "verify windows are not answered with logprobs")
         await self._align(session, msg.pos_start)
         job = await self._compute(session, msg, want_token=self.want_token, window=True)
         await self._answer_window(session, msg, job)
@@ -285,13 +285,13 @@ class StageHandlers:
         session = core.sessions.get(self.conn_id, msg.session_id)
         if session is None:
             if not create:
-                raise RequestFailed(ErrorCode.UNKNOWN_SESSION, f"unknown session {msg.session_id}")
+                raise ReplyError(ErrorCode.UNKNOWN_SESSION, f"unknown session {msg.session_id}")
             if core.draining:
-                raise RequestFailed(ErrorCode.SHUTTING_DOWN, f"stage {core.index} is shutting down")
+                raise ReplyError(ErrorCode.SHUTTING_DOWN, f"stage {core.index} is shutting down")
             try:
                 session = core.sessions.open(self.conn_id, msg.session_id, msg.request_id)
             except NoFreeSlot as exc:
-                raise RequestFailed(ErrorCode.NO_CAPACITY, f"stage {core.index}: {exc}") from exc
+                raise ReplyError(ErrorCode.NO_CAPACITY, f"stage {core.index}: {exc}") from exc
             session.answer = self.default_answer
         return session
 
@@ -302,25 +302,25 @@ class StageHandlers:
             await self.core.scheduler.run_kv(lambda: context.kv_trim(session.seq, pos_start))
             session.position = pos_start
         elif session.position < pos_start:
-            raise RequestFailed(ErrorCode.POSITION_GAP,
-                                f"session {session.session_id} holds {session.position} positions, "
-                                f"message starts at {pos_start}")
+            raise ReplyError(ErrorCode.POSITION_GAP,
+                             f"session {session.session_id} holds {session.position} positions, "
+                             f"message starts at {pos_start}")
 
     async def _compute(self, session: StageSession, msg, *, want_token: bool, out: PreparedFrame | None = None,
                        window: bool = False) -> Job:
         ctx = self.core.context
         if msg.pos_start + len(msg.tokens) > ctx.n_ctx_seq:
-            raise RequestFailed(ErrorCode.CONTEXT_FULL,
-                                f"positions up to {msg.pos_start + len(msg.tokens)} exceed the context of "
-                                f"{ctx.n_ctx_seq} per session")
+            raise ReplyError(ErrorCode.CONTEXT_FULL,
+                             f"positions up to {msg.pos_start + len(msg.tokens)} exceed the context of "
+                             f"{ctx.n_ctx_seq} per session")
         if window and len(msg.tokens) > self.core.scheduler.policy.max_batch_tokens:  # one batch, never split
-            raise RequestFailed(ErrorCode.BAD_VALUE, f"a verify window of {len(msg.tokens)} tokens exceeds this "
-                                f"stage's batch of {self.core.scheduler.policy.max_batch_tokens}")
+            raise ReplyError(ErrorCode.BAD_VALUE, f"a verify window of {len(msg.tokens)} tokens exceeds this "
+                             f"stage's batch of {self.core.scheduler.policy.max_batch_tokens}")
         if ctx.token_input:
             job = Job(session.seq, msg.pos_start, tokens=msg.tokens, embd=None)
         else:
             if msg.activation is None:
-                raise RequestFailed(ErrorCode.MISSING_ACTIVATION, "this stage needs the hidden states")
+                raise ReplyError(ErrorCode.MISSING_ACTIVATION, "this stage needs the hidden states")
             job = Job(session.seq, msg.pos_start, tokens=None, embd=msg.activation)
         job.sampler = session.sampler
         if window:
@@ -334,9 +334,9 @@ class StageHandlers:
         try:
             job.result = await self.core.scheduler.submit(job)
         except llama.KvCacheFullError as exc:
-            raise RequestFailed(ErrorCode.CONTEXT_FULL, str(exc)) from exc
+            raise ReplyError(ErrorCode.CONTEXT_FULL, str(exc)) from exc
         except llama.LlamaError as exc:
-            raise RequestFailed(ErrorCode.COMPUTE_FAILED, str(exc)) from exc
+            raise ReplyError(ErrorCode.COMPUTE_FAILED, str(exc)) from exc
         session.computed(msg.pos_start, msg.tokens)
         return job
 
@@ -370,7 +370,7 @@ class StageHandlers:
     def _take_deferred(self, session_id: int) -> None:
         err = self._deferred.pop(session_id, None)
         if err is not None:
-            raise RequestFailed(err.code, err.message)
+            raise ReplyError(err.code, err.message)
 
     def _own_stats(self, job: Job | None = None, *, write_us: int = 0, wait_us: int = 0,
                    sent: int = 0) -> StageStats:
@@ -409,7 +409,7 @@ class FinalStage(StageHandlers):
             else:
                 session.sampler = llama.sampler_for(self.core.model, msg.sampling)
         except llama.InvalidArgumentError as exc:  # the head checks them: a peer of another make sent these
-            raise RequestFailed(ErrorCode.BAD_VALUE, str(exc)) from exc
+            raise ReplyError(ErrorCode.BAD_VALUE, str(exc)) from exc
         await self.reply(Ack(msg.request_id, msg.session_id, stats=self._own_stats()))
 
     async def on_ping(self, msg: Ping) -> None:
@@ -432,8 +432,8 @@ class FinalStage(StageHandlers):
         if link is not None and await link.ensure():
             return
         await self.core.release(session)
-        raise RequestFailed(ErrorCode.DIRECT_RETURN_UNAVAILABLE,
-                            f"direct token return unavailable: {self.core.no_direct_return()}")
+        raise ReplyError(ErrorCode.DIRECT_RETURN_UNAVAILABLE,
+                         f"direct token return unavailable: {self.core.no_direct_return()}")
 
     # ------------------------------------------------------------------ answer paths
     def _prediction(self, msg, job: Job) -> PredictedToken:
@@ -478,7 +478,7 @@ class FinalStage(StageHandlers):
         try:
             await self.core.token_return.send(reply)
         except TokenReturnLost as exc:
-            raise RequestFailed(ErrorCode.DOWNSTREAM_FAILED, f"stage {self.core.index}: {exc}") from exc
+            raise ReplyError(ErrorCode.DOWNSTREAM_FAILED, f"stage {self.core.index}: {exc}") from exc
         await self.reply(Ack(msg.request_id, msg.session_id, stats=NO_STATS))
 
     async def _predict_on_return(self, session: StageSession, msg, job: Job) -> None:
@@ -490,7 +490,7 @@ class FinalStage(StageHandlers):
         try:
             await self.core.token_return.send(token, job.out)
         except TokenReturnLost as exc:
-            raise RequestFailed(ErrorCode.DOWNSTREAM_FAILED, f"stage {self.core.index}: {exc}") from exc
+            raise ReplyError(ErrorCode.DOWNSTREAM_FAILED, f"stage {self.core.index}: {exc}") from exc
         if returns_only(msg):
             self._returns_only["answered"] += 1
         else:
