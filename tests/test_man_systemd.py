@@ -193,7 +193,7 @@ def test_liveness_numbers_in_the_pages_are_the_codes():
     """The liveness bounds skippy-protocol(7) and skippyd(8) give are the constants the code runs with."""
     from skippyd.head.liveness import INTERVAL_S, PING_TIMEOUT_S
     from skippyd.stage.execution import INLINE_MAX_US
-    from skippyd.stage.handlers import PING_RELAY_S
+    from skippyd.stage.roles import PING_RELAY_S
 
     detected = INTERVAL_S + PING_TIMEOUT_S
     protocol = _prose("skippy-protocol.7")
