@@ -13,7 +13,6 @@ reply whatever its steps were: an end-of-generation token, a stop string,
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 
 from skippyd.head.generation_lane import GenerationLane
@@ -37,48 +36,24 @@ class Reply:
         self.text = TextOutput(token_piece, stops, sink.piece)
         self.sink = sink
         self.max_tokens = max_tokens
-        self.is_eog = is_eog
-        self.ignore_eos = ignore_eos  # end-of-generation tokens are generated like any other
+        # None: end-of-generation tokens are generated like any other (ignore_eos)
+        self.is_eog = None if ignore_eos else is_eog
         self.finish_reason: FinishReason | None = None
         self.ttft_ms = 0.0
 
-    @property
-    def room(self) -> int:
-        """Tokens the reply may still take."""
-        return self.max_tokens - len(self.tokens)
-
-    def take(self, answer: Sequence[int], logprobs: TokenLogprobs | None) -> FinishReason | None:
-        """Add a step's answer (``logprobs``: its last token's), up to the first token that ends the reply;
-        how it ends, if it does (its text is not handed on yet: :meth:`hand_on`)."""
-        tokens = self.tokens
-        for t in answer:
-            if not self.ignore_eos and self.is_eog(t):
-                return FinishReason.STOP  # end-of-generation is not part of the reply
-            tokens.append(t)
-            if self.logprobs is not None:
-                self._keep_logprobs(t, logprobs)
-            if len(tokens) >= self.max_tokens:
-                return FinishReason.LENGTH
-        return None
-
-    def _keep_logprobs(self, token: int, got: TokenLogprobs | None) -> None:
+    def keep_logprobs(self, token: int, got: TokenLogprobs | None) -> None:
+        """The logprobs of ``token``, just added: ``got``, the prediction's."""
         if got is None or got.token != token:
             got = TokenLogprobs(token, math.nan)  # not reported: never expected, kept in step
         self.logprobs.append(got)
         self.sink.logprobs(got)
 
-    def hand_on(self, since: int) -> bool:
-        """Make and hand on the text of the tokens from ``since``; True if a stop string ends the reply (with
-        the token that completed it: the tokens after it are dropped)."""
-        tokens, text = self.tokens, self.text
-        for i in range(since, len(tokens)):
-            if text.push(tokens[i]):
-                del tokens[i + 1:]
-                if self.logprobs is not None:
-                    del self.logprobs[i + 1:]
-                self.finish_reason = FinishReason.STOP
-                return True
-        return False
+    def stopped_at(self, i: int) -> None:
+        """A stop string ends the reply with its token ``i`` (whose text completed it)."""
+        del self.tokens[i + 1:]
+        if self.logprobs is not None:
+            del self.logprobs[i + 1:]
+        self.finish_reason = FinishReason.STOP
 
     def end(self, reason: FinishReason) -> None:
         """The reply ended without a stop string: its held-back text goes out."""
@@ -97,34 +72,44 @@ class Decoder:
         """From ``token`` (predicted, not yet in the reply) until the reply ends; ``context``: the prompt and
         the reply so far (again after a replay), what drafts are taken from."""
         reply, live, clock, drafts = self.reply, self.live, self.clock, self.drafts
-        tokens = reply.tokens
-        drafts.begin(context)
-        answer, drafted = [token], 0
+        tokens, text, is_eog, logprobs = reply.tokens, reply.text, reply.is_eog, reply.logprobs
+        max_tokens = reply.max_tokens
+        drafts.begin([*context, token])
+        answer = [token]
         clock.restart()
         while True:
             now = clock.tick()
             if live.first_token_at is None:  # (with last_token_at, the decode rate: see LiveGeneration)
                 live.first_token_at = now
                 reply.ttft_ms = (now - self.started) * 1e3
-            since = len(tokens)
-            end = reply.take(answer, lane.logprobs)
+            # the answer joins the reply up to the first token that ends it (its text is handed on below)
+            since, end = len(tokens), None
+            for t in answer:
+                if is_eog is not None and is_eog(t):
+                    end = FinishReason.STOP  # end-of-generation is not part of the reply
+                    break
+                tokens.append(t)
+                if logprobs is not None:
+                    reply.keep_logprobs(t, lane.logprobs)
+                if len(tokens) >= max_tokens:
+                    end = FinishReason.LENGTH
+                    break
             if len(tokens) > since:
-                drafts.extend(tokens[since:])
                 live.generated = len(tokens)
                 live.last_token_at = now
-            step = None
             if end is None:
                 # the next step goes down the pipeline first (it is the critical path); this answer's text is
                 # made and handed on while the other stages compute. A stop string found below leaves that
                 # step in flight: the lane's end collects its reply before it stops the session.
-                began = time.perf_counter()  # a step's time: what sizes the windows
-                draft = drafts.drafts(reply.room - 1)
-                step, drafted = await lane.begin(tokens[-1], draft), len(draft)
-            if reply.hand_on(since):
-                live.generated = len(tokens)
-                return
+                draft = drafts.drafts(max_tokens - len(tokens) - 1)  # (room for the step's next token)
+                step = await lane.begin(tokens[-1], draft)
+            for i in range(since, len(tokens)):
+                if text.push(tokens[i]):  # a stop string: the reply ends with this token
+                    reply.stopped_at(i)
+                    live.generated = len(tokens)
+                    return
             if end is not None:
                 reply.end(end)
                 return
             answer = await lane.finish(step)
-            drafts.done(drafted, answer, time.perf_counter() - began)
+            drafts.done(draft, answer)

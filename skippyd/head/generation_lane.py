@@ -14,6 +14,7 @@ none for a plain step (which the wire sends as its compact decode frame).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -44,7 +45,7 @@ class GenerationLane(Protocol):
         """Compute the prompt chunk ``tokens`` from ``pos``; the final one's answer is the first generated
         token (None for the others)."""
 
-    async def begin(self, token: int, drafts: list[int]) -> object:
+    async def begin(self, token: int, drafts: Sequence[int]) -> object:
         """Begin the step for ``token`` with ``drafts`` (none: a plain step); what :meth:`finish` takes."""
 
     async def finish(self, step: object) -> list[int]:

@@ -8,6 +8,8 @@ of the token before it was handed on and let out (the sink's ``let_out``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import trio
 
@@ -35,6 +37,7 @@ class LocalLane:
         self.sampler: llama.Sampler | llama.GuidedSampler | None = None  # None: greedy, the argmax in native code
         self._guided: llama.GuidedSampler | None = None  # the sampler, sampling in Python (constraint, logprobs)
         self._prompt_unrecorded = False  # the prompt goes to the prefix cache once the first token is out
+        self._step_tokens = np.empty(1, dtype=np.int32)  # a plain step's input (its compute ends before the next)
 
     @property
     def logprobs(self) -> llama.TokenLogprobs | None:
@@ -58,10 +61,10 @@ class LocalLane:
         self._prompt_unrecorded = True  # not before the first token is out: a record is not its client's wait
         return int(token)
 
-    async def begin(self, token: int, drafts: list[int]) -> tuple[int, list[int]]:
+    async def begin(self, token: int, drafts: Sequence[int]) -> tuple[int, Sequence[int]]:
         return token, drafts  # computed when its answer is awaited
 
-    async def finish(self, step: tuple[int, list[int]]) -> list[int]:
+    async def finish(self, step: tuple[int, Sequence[int]]) -> list[int]:
         token, drafts = step
         sequence = self.sequence
         await self.sink.let_out()  # the text so far goes out before the compute may block the loop
@@ -72,7 +75,8 @@ class LocalLane:
             self._guided.advance(token)  # the constraint follows the tokens the sequence is given
         pos = sequence.position
         if not drafts:
-            tokens = np.array([token], dtype=np.int32)
+            tokens = self._step_tokens
+            tokens[0] = token
             return [int(await sequence.compute(tokens, pos, want_token=True, sampler=self.sampler))]
         window = np.array([token, *drafts], dtype=np.int32)
         predicted = await sequence.compute(window, pos, want_token=True, sampler=self.sampler, window=True)

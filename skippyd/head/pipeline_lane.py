@@ -18,8 +18,9 @@ instead, which makes stage 1 release the session when it notices.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import trio
@@ -60,6 +61,8 @@ class PipelineLane:
         self.wire_request_id = sequence.live.request_id
         self.client: LaneClient | None = None
         self.acked_steps = 0  # direct return: the generation's decode steps stage 1 acknowledged (DirectLane)
+        # a prediction came back: the sequence's next step follows at once (decode groups: Scheduler.back)
+        self._back = functools.partial(sequence.scheduler.back, sequence.seq)
         self._prompt_tokens = self._prompt_us = 0  # the prompt's tokens computed so far, and their compute
 
     @property
@@ -111,9 +114,11 @@ class PipelineLane:
         self.lanes.services.chunker.observe_prefill(self._prompt_tokens, self._prompt_us)
         sent = await client.send(msg)
         await sequence.record()  # while the other stages compute
-        return await self._prediction(sent)
+        token = await client.prediction(sent)
+        self._back()
+        return token
 
-    async def begin(self, token: int, drafts: list[int]) -> InFlight:
+    async def begin(self, token: int, drafts: Sequence[int]) -> InFlight:
         sequence, client = self.sequence, self.client
         pos = sequence.position
         if drafts:
@@ -134,18 +139,15 @@ class PipelineLane:
 
     async def finish(self, step: InFlight) -> list[int]:
         if type(step.msg) is not VerifyWindow:
-            return [await self._prediction(step)]
+            token = await self.client.prediction(step)
+            self._back()
+            return [token]
         predicted = await self.client.window_predictions(step)
-        self.sequence.back()
+        self._back()
         # the head's sequence keeps the window's token and its accepted drafts; the other stages trim at the
         # next message (positions are authoritative)
         await self.sequence.keep(step.msg.pos_start + len(predicted))
         return predicted
-
-    async def _prediction(self, sent: InFlight) -> int:
-        token = await self.client.prediction(sent)
-        self.sequence.back()
-        return token
 
     async def leave(self) -> None:
         """Drop the lane that carried the failed pipeline (closing it releases whatever is left downstream)."""

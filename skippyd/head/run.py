@@ -132,7 +132,7 @@ class GenerationRun:
         for lo in range(start, n, chunk):
             token = await lane.prompt_chunk(prompt[lo:lo + chunk], lo, final=lo + chunk >= n)
         for replayed in list(self.reply.tokens):  # already emitted: their predictions are not emitted again
-            (token,) = await lane.finish(await lane.begin(replayed, []))
+            (token,) = await lane.finish(await lane.begin(replayed, ()))
         return token
 
     def _drafts(self) -> Drafts:

@@ -78,11 +78,6 @@ class HeadSequence:
         self.stats.add_compute(0, job.compute_us, job.queue_us)
         return result
 
-    def back(self) -> None:
-        """A prediction came back from the pipeline: the next step follows at once (decode groups: see
-        Scheduler)."""
-        self.scheduler.back(self.seq)
-
     async def keep(self, n: int) -> None:
         """Hold only the first ``n`` positions (a verify window's token and its accepted drafts)."""
         if n < self.position:

@@ -10,6 +10,7 @@ has :data:`PLAIN_STEPS` for drafts: none, ever.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -42,17 +43,14 @@ class Drafts(Protocol):
     """What the decode loop asks for each step's drafts, and tells of each step."""
 
     def begin(self, context: Sequence[int]) -> None:
-        """Draft from ``context`` (the prompt and the reply so far) on."""
+        """Draft from ``context`` (the prompt and the reply so far, the predicted token last) on."""
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Tokens of the reply, in order (accepted drafts and predictions alike)."""
+    def drafts(self, room: int) -> Sequence[int]:
+        """Drafts for the next step (at most ``room``; none: a plain step). The step begins now."""
 
-    def drafts(self, room: int) -> list[int]:
-        """Drafts for the next step (at most ``room``; none: a plain step)."""
-
-    def done(self, drafted: int, answer: Sequence[int], seconds: float) -> None:
-        """The step with ``drafted`` drafts answered ``answer`` (the accepted drafts, then the next token),
-        ``seconds`` after it began."""
+    def done(self, drafts: Sequence[int], answer: Sequence[int]) -> None:
+        """The step with ``drafts`` answered ``answer`` (the accepted drafts, then the next token), which the
+        context goes on with."""
 
     def describe(self) -> dict | None:
         """What the generation reports of its speculation (None: it did not speculate)."""
@@ -64,13 +62,10 @@ class _PlainSteps:
     def begin(self, context: Sequence[int]) -> None:
         pass
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        pass
+    def drafts(self, room: int) -> Sequence[int]:
+        return ()
 
-    def drafts(self, room: int) -> list[int]:
-        return []
-
-    def done(self, drafted: int, answer: Sequence[int], seconds: float) -> None:
+    def done(self, drafts: Sequence[int], answer: Sequence[int]) -> None:
         pass
 
     def describe(self) -> None:
@@ -91,19 +86,15 @@ class Speculation:
         totals.generations += 1
         self.windows = self.drafted = self.accepted = 0
         self._shadow: int | None = None  # a plain step's first draft, had there been a window
+        self._began = 0.0  # perf_counter: the step under way began (its time sizes the windows)
 
     def begin(self, context: Sequence[int]) -> None:
-        """Draft from ``context`` (the prompt and the reply so far) on."""
         self.proposer = NgramProposer()
         self.proposer.extend(context)
         self._shadow = None
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Tokens of the reply, in order (accepted drafts and predictions alike)."""
-        self.proposer.extend(tokens)
-
     def drafts(self, room: int) -> list[int]:
-        """Drafts for the next window (at most ``room``; none: send a plain step)."""
+        self._began = time.perf_counter()
         # a plain step's time first: what a window's cost is measured against
         k = min(self.sizer.choose(), room) if self.sizer.step_s is not None else 0
         drafts = self.proposer.propose(k) if k > 0 else []
@@ -112,9 +103,11 @@ class Speculation:
             self._shadow = shadow[0] if shadow else None
         return drafts
 
-    def done(self, drafted: int, answer: Sequence[int], seconds: float) -> None:
-        if drafted:
-            self._window_done(drafted, len(answer) - 1, seconds)
+    def done(self, drafts: Sequence[int], answer: Sequence[int]) -> None:
+        seconds = time.perf_counter() - self._began
+        self.proposer.extend(answer)  # (past the reply's end, if the answer ends it: then nothing drafts again)
+        if drafts:
+            self._window_done(len(drafts), len(answer) - 1, seconds)
         else:
             self._plain_step_done(answer[0], seconds)
 
