@@ -62,6 +62,10 @@ typedef struct llama_batch {
 
 typedef struct llama_chat_message { const char * role; const char * content; } llama_chat_message;
 typedef struct llama_logit_bias { llama_token token; float bias; } llama_logit_bias;
+/* whole, not partial: a guided sampler builds its candidates as a numpy array of this layout */
+typedef struct llama_token_data { llama_token id; float logit; float p; } llama_token_data;
+typedef struct llama_token_data_array { llama_token_data * data; size_t size; int64_t selected; bool sorted; ...; }
+    llama_token_data_array;
 typedef struct llama_sampler_chain_params { bool no_perf; ...; } llama_sampler_chain_params;
 
 void llama_backend_init(void);
@@ -140,6 +144,7 @@ struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t pen
 struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias,
                                                      const llama_logit_bias * logit_bias);
 llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
+void llama_sampler_apply(struct llama_sampler * smpl, llama_token_data_array * cur_p);
 void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
 void llama_sampler_reset(struct llama_sampler * smpl);
 void llama_sampler_free(struct llama_sampler * smpl);

@@ -27,7 +27,8 @@ def _table(data: dict) -> Table:
                             + _down((data.get("head") or {}).get("downstream"))
                             + _lanes_task((data.get("head") or {}).get("lanes_task"))
                             + _listening(data.get("listeners"))
-                            + _caches(data))
+                            + _caches(data)
+                            + _speculation((data.get("head") or {}).get("speculation")))
     for s in (data.get("topology") or {}).get("stages", []):
         table.add_row(str(s["index"]), s["address"], f"[{s['layers'][0]},{s['layers'][1]})",
                       "yes" if s["local"] else "no", threads.get(s["index"], "-"), _yes(s["reachable"]),
@@ -89,6 +90,24 @@ def _caches(data: dict) -> str:
         lines.append(head + f"{entries(cache['entries'])}, {human_bytes(cache['bytes_held'])} of "
                             f"{human_bytes(cache['budget_bytes'])}, {rate}")
     return "".join(lines)
+
+
+def _speculation(spec: dict | None) -> str:
+    """Speculative decoding on the head: off, or its windows and acceptance so far, and the acceptance of every
+    running generation that drafts (by session id)."""
+    if not spec:
+        return ""
+    if not spec["enabled"] and not spec["windows"]:
+        return "\nspeculation: off"
+    line = f"\nspeculation: {spec['windows']} windows, acceptance {_percent(spec['acceptance'])}"
+    sessions = spec.get("sessions") or {}
+    if sessions:
+        line += "; running: " + ", ".join(f"session {sid} {_percent(a)}" for sid, a in sessions.items())
+    return line
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.0f}%"
 
 
 def _listening(listeners: list[dict] | None) -> str:

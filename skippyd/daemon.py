@@ -28,9 +28,9 @@ import trio
 
 from skippyd.cli import build_parser, check_config, read_settings
 from skippyd.config import Config, ConfigError, Settings, parse_hostport, with_values
-from skippyd.head.run import STOP_TIMEOUT_S
+from skippyd.head.sequence import STOP_TIMEOUT_S
 from skippyd.hosts import Machines
-from skippyd.plan import Plan, PlanError, make_plan
+from skippyd.plan import Plan, SettingsRefused, plan_daemon
 from skippyd.runtime.llama import LlamaError
 from skippyd.stage.server import StageServer
 from skippyd.status import StatusReport
@@ -115,7 +115,7 @@ class Daemon:
     async def run(self) -> None:
         from skippyd.head.node import HeadNode
 
-        plan = self.plan = make_plan(self.config, self.machines)  # before any task: PlanError is exit 2
+        plan = self.plan = plan_daemon(self.config, self.machines)  # before any task: SettingsRefused is exit 2
         self.topology, self.link_auth = plan.topology, plan.link_auth
         config = self.config
         waiting = plan.model is None and plan.topology is None
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         trio.run(Daemon(config, settings=settings).run)
     except KeyboardInterrupt:
         pass
-    except PlanError as exc:
+    except SettingsRefused as exc:
         print(f"skippyd: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except (OSError, ValueError, LlamaError, TopologyError) as exc:  # startup failures: one clear line

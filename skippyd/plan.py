@@ -1,10 +1,10 @@
 """From settings to what this daemon runs: which stages, how each computes, the head's options.
 
-:func:`make_plan` reads the topology (or takes a whole model), picks the
+:func:`plan_daemon` reads the topology (or takes a whole model), picks the
 stages to run, resolves the automatic settings (threads from the cores this
 process may use, the compute lock, decode groups from the topology's machines)
 into one :class:`~skippyd.stage.server.StageConfig`, and loads the link
-secret. Whatever it refuses is a usage error (:class:`PlanError`, exit 2),
+secret. Whatever it refuses is a usage error (:class:`SettingsRefused`, exit 2),
 raised before anything is loaded.
 """
 
@@ -25,7 +25,7 @@ from skippyd.topology import Topology, TopologyError
 log = logging.getLogger("skippyd")
 
 
-class PlanError(Exception):
+class SettingsRefused(Exception):
     """The settings cannot be run; one line for the operator (exit status 2)."""
 
 
@@ -54,23 +54,23 @@ class Plan:
     link_auth: bytes  # the link secret's Hello auth (b"": none); status probes present it too
 
 
-def make_plan(config: Config, machines: Machines | None = None) -> Plan:
-    """Raises PlanError for settings that cannot run (no model, a stage outside the topology, a bad secret)."""
+def plan_daemon(config: Config, machines: Machines | None = None) -> Plan:
+    """Raises SettingsRefused for settings that cannot run (no model, a stage outside the topology, a bad secret)."""
     machines = machines if machines is not None else Machines()
     pipeline = config.pipeline
     if pipeline.topology is not None and pipeline.model is not None:
-        raise PlanError("give either --topology FILE (with --stage) or --model FILE "
-                        "(or [pipeline] topology / model in the config file), not both")
+        raise SettingsRefused("give either --topology FILE (with --stage) or --model FILE "
+                              "(or [pipeline] topology / model in the config file), not both")
     if pipeline.topology is None and pipeline.model is None and not config.control.enabled:
-        raise PlanError("nothing to run: give --topology FILE (with --stage) or --model FILE, or keep the "
-                        "control channel on to wait for `skippyctl deploy` to assign a stage")
+        raise SettingsRefused("nothing to run: give --topology FILE (with --stage) or --model FILE, or keep the "
+                              "control channel on to wait for `skippyctl deploy` to assign a stage")
     topology = None
     indices: tuple[int, ...] = ()
     if pipeline.topology is not None:
         try:
             topology = Topology.load(pipeline.topology)
         except (TopologyError, OSError) as exc:
-            raise PlanError(str(exc)) from None
+            raise SettingsRefused(str(exc)) from None
         indices = stage_indices(topology, pipeline.stage)
     link_auth = _link_auth(config)
     n_local = 1 if topology is None else stages_on_this_host(topology, indices[0], machines)
@@ -84,7 +84,7 @@ def stage_indices(topology: Topology, stage: int | str | None) -> tuple[int, ...
     if stage in (None, "all"):
         return tuple(range(n))
     if not 0 <= stage < n:
-        raise PlanError(f"--stage {stage} is outside the topology's {n} stages (0..{n - 1})")
+        raise SettingsRefused(f"--stage {stage} is outside the topology's {n} stages (0..{n - 1})")
     return (stage,)
 
 
@@ -162,11 +162,11 @@ def _chat_template(path: Path | None) -> str | None:
     try:
         source = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise PlanError(f"chat template {path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+        raise SettingsRefused(f"chat template {path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
     try:
         check_template(source)
     except TemplateRefused as exc:
-        raise PlanError(f"chat template {path}: {exc}") from None
+        raise SettingsRefused(f"chat template {path}: {exc}") from None
     return source
 
 
@@ -179,4 +179,4 @@ def _link_auth(config: Config) -> bytes:
     try:
         return load_link_secret(config.stage.link_secret_file)
     except LinkSecretError as exc:
-        raise PlanError(str(exc)) from None
+        raise SettingsRefused(str(exc)) from None

@@ -11,6 +11,7 @@ from typing import Any
 import trio
 
 from skippyd.config import parse_hostport
+from skippyd.head.lanes import LaneState
 from skippyd.wire.messages import PROTOCOL_VERSION
 
 PROBE_TTL_S = 1.0  # a stage's reachability is probed at most this often
@@ -153,7 +154,7 @@ class StatusReport:
             return {"reachable": False, "version": None, "node": None, "state": "down", "error": watch.last_error}
         if pool is not None and spec.index == 1:  # a working lane already went through the handshake
             for lane in list(pool.lanes.values()):
-                if lane.state == "busy" or (lane.state == "idle" and lane.link.looks_alive()):
+                if lane.state == LaneState.BUSY or (lane.state == LaneState.IDLE and lane.link.looks_alive()):
                     return {"reachable": True, "version": lane.link.peer.version, "node": lane.link.peer.node}
         now = trio.current_time()
         cached = self._probes.get(spec.index)

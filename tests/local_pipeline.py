@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from skippyd.runtime.llama import Context, ContextParams, InvalidArgumentError, Model, Sampler, SamplingParams
+from skippyd.runtime.llama import Context, ContextParams, InvalidArgumentError, Model, Sampler
+from skippyd.sampling import SamplingParams
 
 
 class LocalPipeline:

@@ -147,6 +147,17 @@ def test_status_table_shows_a_stage_on_fewer_threads_and_a_failing_lanes_task():
     console = Console(width=80, record=True)
     console.print(_table(data))
     assert "192.168.100.201:7401" in console.export_text(), console.export_text()
+    # speculative decoding: the head's totals, and the acceptance of each running generation that drafts
+    data["head"]["speculation"] = {"enabled": True, "windows": 40, "acceptance": 0.625,
+                                   "sessions": {"77": 0.5, "78": None}}
+    console = Console(width=160, record=True)
+    console.print(_table(data))
+    assert "speculation: 40 windows, acceptance 62%; running: session 77 50%, session 78 -" in \
+        console.export_text().splitlines(), console.export_text()
+    data["head"]["speculation"] = {"enabled": False, "windows": 0, "acceptance": None, "sessions": {}}
+    console = Console(width=160, record=True)
+    console.print(_table(data))
+    assert "speculation: off" in console.export_text().splitlines()
     # a caption line wider than the (rule-less, narrow) table goes out at the console's width, not broken at
     # the table's into several
     data["listeners"] = [{"what": what, "address": address, "loopback": False} for what, address in

@@ -217,7 +217,7 @@ class SlowToAnswerEngine(FakeEngine):
         self.killed = why
         self.live[session_id].cancel()
 
-    async def generate(self, req, on_piece=None):
+    async def generate(self, req, sink=None):
         with trio.CancelScope() as self.live[1]:
             await self.release.wait()
         if self.killed is not None:
@@ -237,7 +237,7 @@ async def test_a_shutdown_waits_until_every_reply_is_sent_not_until_the_engine_l
     client's connection before the result."""
     from skippyd.control.server import ControlServer
     from skippyd.daemon import Daemon as SkippyDaemon
-    from skippyd.head.run import STOP_TIMEOUT_S
+    from skippyd.head.sequence import STOP_TIMEOUT_S
     from skippyd.openai.server import OpenAIServer
 
     grace = "5" if ends == "within-grace" else "0.2"

@@ -1,4 +1,5 @@
-"""Drafting from the session's own context, the head's acceptance rule and the window sizing."""
+"""Drafting from the session's own context and the window sizing (the final stage's acceptance of drafts:
+test_verify_window.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import random
 
 import pytest
 
-from skippyd.head.drafting import NgramProposer, WindowSizer, accept, expected_tokens
+from skippyd.head.drafting import NgramProposer, WindowSizer, expected_tokens
 
 
 def test_proposes_what_followed_the_latest_earlier_occurrence_of_the_longest_ngram():
@@ -44,15 +45,6 @@ def test_the_index_matches_a_brute_force_search():
                 want = follow[:4]
                 break
         assert p.propose(4) == want, toks
-
-
-def test_accept_takes_drafts_while_they_equal_the_prediction_and_the_targets_next_token():
-    assert accept([7, 8, 9], [7, 8, 9, 10]) == (3, 10)  # all accepted, plus the token after them
-    assert accept([7, 8, 9], [7, 5, 9, 10]) == (1, 5)  # rejected at the 2nd: the target's own choice there
-    assert accept([7], [3, 4]) == (0, 3)
-    assert accept([], [3]) == (0, 3)  # a plain step
-    with pytest.raises(ValueError):
-        accept([1, 2], [1, 2])
 
 
 def test_expected_tokens():

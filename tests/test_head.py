@@ -370,7 +370,7 @@ def test_text_output_emits_up_to_a_stop_string_spanning_tokens():
     out = TextOutput(pieces.__getitem__, ("END",), got.append)
     assert [out.push(t) for t in (1, 2, 3, 4, 5)] == [False, False, False, False, True]
     assert out.text == "".join(got) == "Hello world "
-    out = TextOutput(pieces.__getitem__, ("END",), None)
+    out = TextOutput(pieces.__getitem__, ("END",), lambda text: None)
     assert not any(out.push(t) for t in (1, 4))
     out.finish()  # the held back " E" is no stop string: it goes out at the end
     assert out.text == "Hello E"
@@ -480,3 +480,18 @@ async def test_a_stop_that_raises_still_frees_the_session_everywhere(tiny_model_
             while engine.sessions.snapshot()["live_sessions"] or stage1.sessions.snapshot()["live_sessions"]:
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
+
+
+def test_states_and_finish_reasons_serialize_to_their_strings():
+    """The enums of a generation's state and end are, in JSON, the strings the interfaces always had."""
+    from skippyd.head.engine import GenerationResult
+    from skippyd.head.live import LiveGeneration
+    from skippyd.head.states import FinishReason, GenerationState
+
+    result = GenerationResult(request_id=1, session_id=2, text="", tokens=[], finish_reason=FinishReason.LENGTH,
+                              prompt_tokens=1, ttft_ms=0.0, decode_tokens_per_s=0.0, elapsed_ms=0.0)
+    assert json.loads(json.dumps(result.to_json()))["finish_reason"] == "length"
+    live = LiveGeneration(1, 2, 3, 0.0, trio.CancelScope(), state=GenerationState.RESUMING)
+    assert json.dumps(live.describe()["state"]) == '"resuming"'
+    assert [r.value for r in FinishReason] == ["stop", "length", "cancelled", "error"]
+    assert [s.value for s in GenerationState] == ["queued", "prefill", "decode", "resuming"]

@@ -182,3 +182,35 @@ def test_units_pass_systemd_analyze_verify(tmp_path):
         # verify exits 0 even on unknown keys: any line at all is a finding
         assert proc.returncode == 0 and proc.stderr.strip() == "" and proc.stdout.strip() == "", \
             f"{name}:\n{proc.stdout}{proc.stderr}"
+
+
+def _prose(page: str) -> str:
+    """A page's scdoc source with its lines joined: a number and its words may sit on two lines."""
+    return " ".join((MAN / f"{page}.scd").read_text().split())
+
+
+def test_liveness_numbers_in_the_pages_are_the_codes():
+    """The liveness bounds skippy-protocol(7) and skippyd(8) give are the constants the code runs with."""
+    from skippyd.head.liveness import INTERVAL_S, PING_TIMEOUT_S
+    from skippyd.stage.execution import INLINE_MAX_US
+    from skippyd.stage.roles import PING_RELAY_S
+
+    detected = INTERVAL_S + PING_TIMEOUT_S
+    protocol = _prose("skippy-protocol.7")
+    interval, timeout = re.search(r"waited on the pipeline for more than ([\d.]+) s, and waits ([\d.]+) s for the "
+                                  r"answer", protocol).groups()
+    assert (float(interval), float(timeout)) == (INTERVAL_S, PING_TIMEOUT_S)
+    assert float(re.search(r"when none comes within ([\d.]+)\^K s", protocol).group(1)) == PING_RELAY_S
+    inline, answers = re.search(r"any decode batch slower than ([\d.]+) s in a worker thread, so a busy stage "
+                                r"answers within about ([\d.]+) s", protocol).groups()
+    assert float(inline) == float(answers) == INLINE_MAX_US / 1e6
+    assert float(re.search(r"fail within about ([\d.]+) s\.", protocol).group(1)) == pytest.approx(detected)
+    assert re.search(r"Ping : down : Ack \(the final stage's, relayed by every stage before it", protocol)
+
+    daemon = _prose("skippyd.8")
+    within, interval, timeout = re.search(r"\*Stage 1 stops answering\* \(.*?\): within ([\d.]+) s\. While a "
+                                          r"generation waits on the pipeline for more than ([\d.]+) s the head "
+                                          r"pings stage 1 on a connection of its own; no answer within ([\d.]+) s",
+                                          daemon).groups()
+    assert float(within) == pytest.approx(detected)
+    assert (float(interval), float(timeout)) == (INTERVAL_S, PING_TIMEOUT_S)

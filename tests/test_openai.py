@@ -20,6 +20,7 @@ from skippyctl.client import open_control
 from skippyd.control import messages as m
 from skippyd.head.admission import AdmissionGate
 from skippyd.head.engine import GenerationError, GenerationResult
+from skippyd.head.sink import DISCARD
 from skippyd.openai.app import OpenAIApp
 from skippyd.runtime.llama import Model
 from tests.openai_api import httpx2, run, serving
@@ -336,7 +337,7 @@ async def test_metrics_parse_and_move_with_traffic(api):
 
 # ---------------------------------------------------------------- the app on a fake engine
 class FakeEngine:
-    """Enough of HeadEngine for the app: `behave(on_piece)` plays the generation."""
+    """Enough of HeadEngine for the app: `behave(sink)` plays the generation."""
 
     def __init__(self, behave, *, slots: int = 2, queue_timeout: float = 30.0):
         self.model = SimpleNamespace(n_vocab=1000)
@@ -355,11 +356,11 @@ class FakeEngine:
     def begin_drain(self) -> None:
         self.gate.close("the daemon is draining: no new generations")
 
-    async def generate(self, req, on_piece=None):
+    async def generate(self, req, sink=DISCARD):
         self.requests.append(req)
         await self.gate.enter()
         try:
-            text, tokens, finish = await self.behave(on_piece)
+            text, tokens, finish = await self.behave(sink)
         except trio.Cancelled:
             self.cancelled += 1
             raise
@@ -422,8 +423,8 @@ CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], 
 
 
 async def test_fake_disconnect_cancels_a_streaming_generation():
-    async def behave(on_piece):
-        on_piece("one")
+    async def behave(sink):
+        sink.piece("one")
         await trio.sleep_forever()
 
     app, engine = fake_app(behave)
@@ -442,7 +443,7 @@ async def test_fake_disconnect_cancels_a_streaming_generation():
 
 
 async def test_fake_disconnect_cancels_a_plain_generation(autojump_clock):
-    async def behave(on_piece):
+    async def behave(sink):
         await trio.sleep_forever()
 
     app, engine = fake_app(behave)
@@ -455,7 +456,7 @@ async def test_fake_disconnect_cancels_a_plain_generation(autojump_clock):
 
 
 async def test_fake_failure_before_the_first_piece_is_a_real_status():
-    async def behave(on_piece):
+    async def behave(sink):
         raise GenerationError("stage 1 is unreachable", retryable=True, status=503)
 
     app, _ = fake_app(behave)
@@ -466,8 +467,8 @@ async def test_fake_failure_before_the_first_piece_is_a_real_status():
 
 
 async def test_fake_failure_mid_stream_is_an_error_event():
-    async def behave(on_piece):
-        on_piece("partial")
+    async def behave(sink):
+        sink.piece("partial")
         raise GenerationError("pipeline failed: stage 1 went away", retryable=True, status=502)
 
     app, _ = fake_app(behave)
@@ -479,7 +480,7 @@ async def test_fake_failure_mid_stream_is_an_error_event():
 
 
 async def test_fake_queue_timeout_is_503(autojump_clock):
-    async def behave(on_piece):
+    async def behave(sink):
         await trio.sleep(100)
         return "done", [1], "length"
 
@@ -495,7 +496,7 @@ async def test_fake_queue_timeout_is_503(autojump_clock):
 
 
 async def test_fake_defaults_follow_openai():
-    async def behave(on_piece):
+    async def behave(sink):
         return "ok", [7], "stop"
 
     app, engine = fake_app(behave)
@@ -514,9 +515,8 @@ async def test_fake_defaults_follow_openai():
 
 async def test_fake_usage_reports_the_cached_prompt_tokens():
     """usage.prompt_tokens_details.cached_tokens, whole and in the streamed usage chunk, of both endpoints."""
-    async def behave(on_piece):
-        if on_piece is not None:
-            on_piece("ok")
+    async def behave(sink):
+        sink.piece("ok")
         return "ok", [7], "stop"
 
     app, engine = fake_app(behave)
@@ -535,7 +535,7 @@ async def test_fake_usage_reports_the_cached_prompt_tokens():
 
 
 async def test_fake_bodies_nothing_could_serve():
-    async def behave(on_piece):
+    async def behave(sink):
         raise AssertionError("no generation for a bad body")
 
     app, _ = fake_app(behave)

@@ -1,6 +1,6 @@
 """PieceRelay: a streamed generation's text goes to its client from a task of its own.
 
-The generation pushes without waiting; the relay's task sends the pieces in
+The generation hands pieces on without waiting; the relay's task sends the pieces in
 order, whatever queued up during a slow send as one message; finish() lets
 the queue out first, and gives a client that takes nothing up.
 """
@@ -25,9 +25,9 @@ async def test_pieces_arrive_in_order_and_finish_waits_for_them(autojump_clock):
     async with trio.open_nursery() as nursery:
         nursery.start_soon(relay.run)
         for piece in ("The", " cat", " sat"):
-            relay.push(piece)  # never waits
+            relay.piece(piece)  # never waits
             await trio.sleep(0.01)  # the next token: the last piece is out by then
-        relay.push(".")
+        relay.piece(".")
         await relay.finish()
         assert got == ["The", " cat", " sat", "."]  # out before finish returned
     assert relay.messages == 4
@@ -45,11 +45,11 @@ async def test_pieces_queued_during_a_slow_send_go_out_as_one_message(autojump_c
     relay = PieceRelay(slow_send)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(relay.run)
-        relay.push("a")
+        relay.piece("a")
         await trio.sleep(0.1)  # "a" is being sent
         t0 = trio.current_time()
         for piece in "bcd":
-            relay.push(piece)
+            relay.piece(piece)
         assert trio.current_time() == t0  # the generation did not wait
         await relay.finish(timeout=10)
     assert got == ["a", "bcd"]
@@ -63,14 +63,14 @@ async def test_a_client_that_takes_nothing_is_given_up(autojump_clock):
     relay = PieceRelay(stalled)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(relay.run)
-        relay.push("hello")
-        relay.push("world")
+        relay.piece("hello")
+        relay.piece("world")
         with trio.fail_after(1):
             await relay.let_out()  # a few passes of the scheduler, although nothing can go out
         with pytest.raises(ClientStalled):
             await relay.finish(timeout=2)
         nursery.cancel_scope.cancel()
-    relay.push("late")  # after the relay is done: dropped, no error
+    relay.piece("late")  # after the relay is done: dropped, no error
 
 
 async def test_a_failed_send_ends_the_relay_with_its_error():
@@ -78,7 +78,7 @@ async def test_a_failed_send_ends_the_relay_with_its_error():
         raise ConnectionError("gone")
 
     relay = PieceRelay(broken)
-    relay.push("x")
+    relay.piece("x")
     with pytest.raises(ConnectionError):
         await relay.run()
     await relay.finish(timeout=1)  # returns at once: the relay's task has ended
@@ -90,7 +90,7 @@ async def _stream_with_blocking_computes(relay: PieceRelay, let_out: bool) -> No
     async with trio.open_nursery() as nursery:
         nursery.start_soon(relay.run)
         for i in range(12):
-            relay.push(f" {i}")
+            relay.piece(f" {i}")
             if let_out:
                 await relay.let_out()
             else:
@@ -132,9 +132,9 @@ async def test_let_out_waits_for_a_piece_queued_during_a_send():
     relay = PieceRelay(send)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(relay.run)
-        relay.push("a")
+        relay.piece("a")
         await sending.wait()  # "a" is on its way
-        relay.push("b")
+        relay.piece("b")
         await relay.let_out()
         assert sent == ["a", "b"]  # not only the send under way when let_out began
         await relay.finish()

@@ -44,6 +44,8 @@ def test_lookup_finds_the_longest_common_prefix_and_ignores_short_hits():
     assert cache.lookup(np.concatenate([run(6), toks(100, 101)])).entry.state == b"b" * 10
     assert cache.lookup(toks(0, 1, 2, 9, 9)) is None  # 3 shared tokens: under min_hit
     assert cache.lookup(run(10), limit=5).length == 5  # never past the limit
+    # too short to hit at all (a one-token prompt leaves an empty query): not a lookup, so not in the hit rate
+    assert cache.lookup(run(1), limit=0) is None and cache.lookup(run(3)) is None
     stats = cache.stats()
     assert (stats.lookups, stats.hits) == (4, 3)
 

@@ -25,11 +25,10 @@ from skippyd.runtime.llama import (
     Model,
     ModelLoadError,
     Sampler,
-    SamplingParams,
 )
 from skippyd.runtime.slicing import split_model
 from skippyd.runtime.text import Detokenizer
-from skippyd.sampling import InvalidSampling
+from skippyd.sampling import InvalidSampling, SamplingParams
 from tests.local_pipeline import LocalPipeline
 
 PARAMS = ContextParams(n_ctx_per_seq=1024, n_seq_max=4, n_batch=512, n_ubatch=512, n_threads=2)
@@ -296,10 +295,38 @@ def test_decode_row_matches_decode(smol_splits):
             pos += 1
 
 
+def test_execution_releases_the_host_lock_after_a_fused_call_it_refused_or_ran(smol_splits, tmp_path):
+    """The fused call releases the host lock as its compute ends; one that refuses its arguments before any
+    compute leaves it held, and the execution (which alone takes and releases the lock) releases it then."""
+    from skippyd.stage.execution import Execution, HotPath, Job, SchedulerStats
+    from skippyd.stage.host_lock import HostComputeLock
+    from skippyd.stage.threads import ThreadChooser
+    from skippyd.wire.stream import PreparedFrame
+
+    lock, other = HostComputeLock(tmp_path / "lock"), HostComputeLock(tmp_path / "lock")
+    with LocalPipeline(smol_splits[2], PARAMS) as pipe:
+        ctx = pipe.contexts[0]
+        prompt = poem_tokens(pipe.head)
+        execution = Execution(ctx, threads=ThreadChooser(PARAMS.n_threads, enabled=False), stats=SchedulerStats(),
+                              hot_path=HotPath(), host_lock=lock)
+        ctx.decode(np.arange(len(prompt), dtype=np.int32), np.zeros(len(prompt), dtype=np.int32), tokens=prompt)
+        for tail, refused in ((7, True), (ctx.n_embd * 4, False)):  # a frame with no room for the row, then one
+            job = Job(0, len(prompt), tokens=np.array([prompt[-1]], dtype=np.int32), embd=None,
+                      out=PreparedFrame(b"head", tail, -1))
+            assert lock.try_acquire()  # as inline_turn takes it
+            execution.compute_row(job)
+            assert isinstance(job.error, InvalidArgumentError) if refused else job.error is None
+            assert other.try_acquire(), "the host lock is still held"
+            other.release()
+    lock.close()
+    other.close()
+
+
 def test_decode_row_send_writes_the_frame_at_the_compute_end(smol_splits, tmp_path):
     """decode_row_send computes what decode_row does, puts the hidden state after the frame's head and writes
-    the whole frame to the socket from native code, releasing the compute lock first; without a socket it only
-    fills the frame. Its time of the compute's end is CLOCK_MONOTONIC's."""
+    the whole frame to the socket from native code, releasing the compute lock first (a call refused before the
+    compute leaves the lock to its caller); without a socket it only fills the frame. Its time of the compute's
+    end is CLOCK_MONOTONIC's."""
     lock_path = tmp_path / "lock"
     lock_path.touch()
     with LocalPipeline(smol_splits[3], PARAMS) as pipe:
@@ -341,8 +368,9 @@ def test_decode_row_send_writes_the_frame_at_the_compute_end(smol_splits, tmp_pa
                 with pytest.raises(InvalidArgumentError, match="bytes after its head"):
                     ctx.decode_row_send(pos, 1, bytearray(10), 4, lock_fd=holder.fileno(), fd=ours.fileno(),
                                         **inputs)
-                fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # released on the error too
-                fcntl.flock(other.fileno(), fcntl.LOCK_UN)
+                with pytest.raises(BlockingIOError):  # refused before any compute: the lock is still the caller's
+                    fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(holder.fileno(), fcntl.LOCK_UN)
 
                 ctx.kv_trim(1, pos)  # the same row again
                 theirs.close()

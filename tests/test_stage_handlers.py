@@ -19,8 +19,8 @@ import trio.testing
 from skippyd.stage.connection import UpstreamConnection
 from skippyd.stage.core import StageCounters
 from skippyd.stage.downstream import DownstreamError
-from skippyd.stage.handlers import FinalStage, MiddleStage, handlers_for
 from skippyd.stage.prefix_cache import PrefixCache
+from skippyd.stage.roles import FinalStage, MiddleStage, handlers_for
 from skippyd.stage.sessions import SessionTable
 from skippyd.wire.messages import (
     Ack,

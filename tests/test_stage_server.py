@@ -19,7 +19,7 @@ import trio
 
 from skippyd.stage.core import StageCore
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
-from skippyd.stage.handlers import FinalStage
+from skippyd.stage.roles import FinalStage
 from skippyd.stage.server import StageConfig, StageServer
 from skippyd.wire.codec import frame_bytes
 from skippyd.wire.errors import PeerClosed

@@ -214,7 +214,7 @@ class ControlServer:
         if req.stream:
             result = await self._generate_streamed(greq, req.id, send)
         else:
-            result = await self.engine.generate(greq, None)
+            result = await self.engine.generate(greq)
         metrics = getattr(self.daemon, "metrics", None)
         if metrics is not None:
             metrics.record_generation(result, source="control")

@@ -2,7 +2,8 @@
 
 A verify window is the current token plus k drafted tokens, computed by every
 stage as one batch; the final stage predicts the token after each position
-and the head accepts drafts while they equal the prediction. Whether that
+and accepts drafts while they equal its prediction (``Context.sample_window``),
+answering with the drafts accepted and the token after them. Whether that
 pays depends on two numbers the session measures as it goes:
 
 - the acceptance ``a``: the chance that a draft equals the target's choice
@@ -87,18 +88,6 @@ class NgramProposer:
                     i += 1
                 return out
         return []
-
-
-def accept(drafts: Sequence[int], predicted: Sequence[int]) -> tuple[int, int]:
-    """The head's rule for a window [current, d1..dk]: ``predicted[i]`` is the target's token after position i
-    (k + 1 of them). Drafts are accepted while each equals the prediction before it; returns (drafts accepted,
-    the next token), the next token being the target's own choice after the last accepted position."""
-    if len(predicted) != len(drafts) + 1:
-        raise ValueError(f"a window of {len(drafts)} drafts has {len(drafts) + 1} predictions, got {len(predicted)}")
-    n = 0
-    while n < len(drafts) and drafts[n] == predicted[n]:
-        n += 1
-    return n, int(predicted[n])
 
 
 def expected_tokens(a: float, k: int) -> float:

@@ -36,9 +36,13 @@ from skippyd.head.lane_client import LaneServices, TokenPaths
 from skippyd.head.lanes import LanePool
 from skippyd.head.live import LiveGeneration
 from skippyd.head.liveness import StageWatch
+from skippyd.head.local_lane import LocalLanes
+from skippyd.head.pipeline_lane import PipelineLanes
 from skippyd.head.run import GenerationRun, HeadParts
+from skippyd.head.sequence import HeadCompute
+from skippyd.head.sink import DISCARD, GenerationSink
 from skippyd.head.speculation import DEFAULT_MAX_DRAFT, SpeculationTotals
-from skippyd.head.text_output import PieceCallback
+from skippyd.head.states import FinishReason
 from skippyd.head.token_return import TokenReturnHub
 from skippyd.runtime import chat_template, llama
 from skippyd.sampling import InvalidSampling, SamplingParams
@@ -48,8 +52,8 @@ from skippyd.stage.sessions import SessionTable
 from skippyd.telemetry import span
 from skippyd.wire.messages import StageStats
 
-__all__ = ["Draining", "GenerationError", "GenerationRequest", "GenerationResult", "HeadEngine", "LiveGeneration",
-           "PieceCallback", "PromptTooLong", "QueueTimeout", "Receipt"]
+__all__ = ["Draining", "FinishReason", "GenerationError", "GenerationRequest", "GenerationResult", "GenerationSink",
+           "HeadEngine", "LiveGeneration", "PromptTooLong", "QueueTimeout", "Receipt"]
 
 log = logging.getLogger("skippyd.head")
 
@@ -75,7 +79,7 @@ class GenerationResult:
     session_id: int
     text: str
     tokens: list[int]
-    finish_reason: str  # stop | length | cancelled | error
+    finish_reason: FinishReason
     prompt_tokens: int
     ttft_ms: float
     decode_tokens_per_s: float
@@ -94,7 +98,7 @@ class GenerationResult:
             "session_id": self.session_id,
             "text": self.text,
             "tokens": self.tokens,
-            "finish_reason": self.finish_reason,
+            "finish_reason": str(self.finish_reason),
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
                       "total_tokens": self.prompt_tokens + len(self.tokens), "cached_tokens": self.cached_tokens,
                       **({} if self.speculation is None else {"speculation": self.speculation})},
@@ -125,7 +129,7 @@ class Receipt:
     prompt_tokens: int
     tokens: list[int]
     final_position: int
-    termination: str
+    termination: FinishReason
     ttft_ms: float
     elapsed_ms: float
     finished_at: float
@@ -167,8 +171,10 @@ class HeadEngine:
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0, stage_index=0)
         # speculative decoding: on for every generation with a max_draft (a request may say otherwise)
         self.speculation = SpeculationTotals(max_draft=speculate_max_draft)
-        self.parts = HeadParts(model, context, scheduler, self.sessions, pool, self.chunker, self.lane_services,
-                               resume_window, self.new_request_id, self.prefix_cache, self.speculation)
+        # a single stage's generations sample on the head; a pipeline's go down lanes (chosen here, once)
+        lanes = LocalLanes(model) if pool is None else PipelineLanes(pool, self.lane_services, self.new_request_id)
+        self.parts = HeadParts(HeadCompute(context, scheduler, self.sessions, self.prefix_cache), lanes,
+                               model.token_piece, model.is_eog, self.chunker, watch, resume_window, self.speculation)
 
     def describe_token_return(self) -> dict | None:
         if self.pool is None:
@@ -209,9 +215,9 @@ class HeadEngine:
         return self.model.tokenize(text, add_special=False, parse_special=True)
 
     # ------------------------------------------------------------------ generate
-    async def generate(self, req: GenerationRequest, on_piece: PieceCallback | None = None) -> GenerationResult:
-        """Check, admit and run one generation. Raises GenerationError: QueueTimeout when it found no place
-        within the queue timeout."""
+    async def generate(self, req: GenerationRequest, sink: GenerationSink = DISCARD) -> GenerationResult:
+        """Check, admit and run one generation, its output handed to ``sink`` as it is made. Raises
+        GenerationError: QueueTimeout when it found no place within the queue timeout."""
         started = time.perf_counter()
         sampling = req.sampling
         try:
@@ -228,7 +234,7 @@ class HeadEngine:
         session_id = secrets.randbits(63)
         live = LiveGeneration(request_id, session_id, len(prompt), time.monotonic(), trio.CancelScope())
         self.live[session_id] = live
-        run = GenerationRun(self.parts, live, prompt, max_tokens, sampling, req.stop, req.ignore_eos, on_piece,
+        run = GenerationRun(self.parts, live, prompt, max_tokens, sampling, req.stop, req.ignore_eos, sink,
                             started, max_draft=self._max_draft(req.speculate))
         try:
             with live.cancel_scope, span("head.generation", request=request_id, session=session_id) as sp:
@@ -237,9 +243,9 @@ class HeadEngine:
                     await run.execute(deadline)
                 finally:
                     self.gate.leave()
-                sp.set(tokens=len(run.tokens), finish=run.finish_reason)
+                sp.set(tokens=len(run.reply.tokens), finish=run.reply.finish_reason)
             if live.cancel_scope.cancelled_caught:
-                run.finish_reason = "cancelled"
+                run.reply.finish_reason = FinishReason.CANCELLED
                 run.error = live.killed
         except GenerationError as exc:
             self.totals["errors"] += 1
@@ -247,10 +253,10 @@ class HeadEngine:
             # the client gets the error; the operator, a line: a busy or recovering pipeline (503) is routine
             log.log(logging.INFO if exc.status == 503 else logging.WARNING,
                     "head: session %d (request %d) failed after %d tokens: %s", session_id, request_id,
-                    len(run.tokens), exc)
+                    len(run.reply.tokens), exc)
             raise
         except trio.Cancelled:
-            run.finish_reason = "cancelled"
+            run.reply.finish_reason = FinishReason.CANCELLED
             raise
         finally:
             self.live.pop(session_id, None)
@@ -290,26 +296,28 @@ class HeadEngine:
 
     @staticmethod
     def _result(run: GenerationRun) -> GenerationResult:
-        live = run.live
+        live, reply = run.live, run.reply
         return GenerationResult(
-            request_id=live.request_id, session_id=live.session_id, text=run.text.text, tokens=list(run.tokens),
-            finish_reason=run.finish_reason or "error", prompt_tokens=len(run.prompt), ttft_ms=run.ttft_ms,
+            request_id=live.request_id, session_id=live.session_id, text=reply.text.text, tokens=list(reply.tokens),
+            finish_reason=reply.finish_reason or FinishReason.ERROR, prompt_tokens=len(run.prompt),
+            ttft_ms=reply.ttft_ms,
             decode_tokens_per_s=live.decode_rate() or 0.0, elapsed_ms=run.elapsed_ms(),
             stage_stats=attrs.asdict(run.stats), error=run.error, cached_tokens=run.cached_tokens,
-            logprobs=None if run.logprobs is None else list(run.logprobs),
+            logprobs=None if reply.logprobs is None else list(reply.logprobs),
             speculation=None if run.speculation is None else run.speculation.describe())
 
     def _record(self, run: GenerationRun) -> None:
-        if run.finish_reason is None:
-            run.finish_reason = "error"
+        reply = run.reply
+        if reply.finish_reason is None:
+            reply.finish_reason = FinishReason.ERROR
         self.totals["generations"] += 1
         self.totals["prompt_tokens"] += len(run.prompt)
-        self.totals["completion_tokens"] += len(run.tokens)
+        self.totals["completion_tokens"] += len(reply.tokens)
         receipt = Receipt(
             request_id=run.live.request_id, session_id=run.live.session_id,
             prompt_sha256=hashlib.sha256(np.asarray(run.prompt, dtype="<i4").tobytes()).hexdigest(),
-            prompt_tokens=len(run.prompt), tokens=list(run.tokens), final_position=run.position,
-            termination=run.finish_reason, ttft_ms=run.ttft_ms, elapsed_ms=run.elapsed_ms(),
+            prompt_tokens=len(run.prompt), tokens=list(reply.tokens), final_position=run.live.position,
+            termination=reply.finish_reason, ttft_ms=reply.ttft_ms, elapsed_ms=run.elapsed_ms(),
             finished_at=time.time())
         self.receipts.append(receipt)
         if self.receipts_file is not None:

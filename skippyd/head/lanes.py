@@ -21,6 +21,7 @@ put around each lane's stream as it is made; its tasks run in the pool's
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import math
@@ -37,12 +38,18 @@ from skippyd.wire.stream import DEFAULT_PEER_TIMEOUT
 log = logging.getLogger("skippyd.head")
 
 
-class Draining(Exception):
-    """The pool is draining: no new generations."""
+class PoolDraining(Exception):
+    """The lane pool is draining (``skippyctl lanes drain``, or the daemon's drain): no new generations."""
 
 
 class NoLaneAvailable(Exception):
     """No lane became free by the checkout's deadline."""
+
+
+class LaneState(enum.StrEnum):
+    IDLE = "idle"
+    BUSY = "busy"  # carrying a generation
+    CLOSED = "closed"
 
 
 @attrs.define(eq=False)
@@ -50,7 +57,7 @@ class Lane:
     lane_id: int
     link: DownstreamLink | None = None
     session_id: int | None = None
-    state: str = "idle"  # idle | busy | closed
+    state: LaneState = LaneState.IDLE
     opened: float = attrs.field(factory=time.monotonic)
     generations: int = 0
     dirty: bool = False  # the stream cannot be trusted (or the peer is wedged): close it on return
@@ -148,10 +155,10 @@ class LanePool:
 
     async def checkout(self, deadline: float = math.inf) -> Lane:
         """A lane for one generation, waiting for one to be free until `deadline` (trio time: what is left of
-        the generation's admission, which waited the queue timeout already). Raises Draining, NoLaneAvailable,
+        the generation's admission, which waited the queue timeout already). Raises PoolDraining, NoLaneAvailable,
         or DownstreamError when a new lane cannot be opened."""
         if self.draining:
-            raise Draining(self.refusal)
+            raise PoolDraining(self.refusal)
         try:
             self._slots.acquire_nowait()  # a free lane is taken whatever is left of the deadline
         except trio.WouldBlock:
@@ -161,15 +168,15 @@ class LanePool:
                 raise NoLaneAvailable("no lane became free within the queue timeout") from None
         try:
             if self.draining:
-                raise Draining(self.refusal)
+                raise PoolDraining(self.refusal)
             while self._idle:
                 lane = self._idle.pop()
                 if lane.link.looks_alive():
-                    lane.state = "busy"
+                    lane.state = LaneState.BUSY
                     return lane
                 await self._discard(lane)
             link = await self._open_counted()
-            lane = Lane(next(self._ids), link, state="busy")
+            lane = Lane(next(self._ids), link, state=LaneState.BUSY)
             self.lanes[lane.lane_id] = lane
             return lane
         except BaseException:
@@ -185,13 +192,13 @@ class LanePool:
                     or len(self.lanes) > self.capacity:  # (never, but an extra idle lane would stay forever)
                 await self._discard(lane)
             else:
-                lane.state = "idle"
+                lane.state = LaneState.IDLE
                 self._idle.append(lane)
         finally:
             self._slots.release()
 
     async def _discard(self, lane: Lane) -> None:
-        lane.state = "closed"
+        lane.state = LaneState.CLOSED
         self.lanes.pop(lane.lane_id, None)
         if lane.link is not None:
             await lane.link.aclose()
@@ -211,7 +218,7 @@ class LanePool:
 
     @property
     def busy(self) -> int:
-        return sum(1 for lane in self.lanes.values() if lane.state == "busy")
+        return sum(1 for lane in self.lanes.values() if lane.state == LaneState.BUSY)
 
     async def aclose(self) -> None:
         self.refusal = self.refusal or self.DRAINING

@@ -7,6 +7,8 @@ import time
 import attrs
 import trio
 
+from skippyd.head.states import GenerationState
+
 
 @attrs.define(eq=False)
 class LiveGeneration:
@@ -21,7 +23,7 @@ class LiveGeneration:
     lane_id: int | None = None
     generated: int = 0
     position: int = 0
-    state: str = "queued"
+    state: GenerationState = GenerationState.QUEUED
     killed: str | None = None  # why it was killed (see HeadEngine.kill)
     resumes: int = 0  # replays after a stage failure
     first_token_at: float | None = None  # perf_counter: the first token in hand ...

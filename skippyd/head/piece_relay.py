@@ -1,6 +1,7 @@
 """Streaming a generation's text to its client from a task of its own.
 
-The engine hands each piece of text to :meth:`PieceRelay.push`, which never
+A relay is a generation's sink (:class:`~skippyd.head.sink.GenerationSink`):
+the engine hands each piece of text to :meth:`PieceRelay.piece`, which never
 waits; the relay's task (:meth:`PieceRelay.run`, started by whoever serves
 the client: the control channel's connection, the OpenAI endpoint's
 request) sends it. So the generation never waits for its client, and needs
@@ -28,6 +29,8 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from skippyd.runtime.llama import TokenLogprobs
+
 FINISH_TIMEOUT_S = 10.0  # the queued pieces must be out this long after the generation ended
 LET_OUT_PASSES = 8  # a send takes ~3-4 passes; a client slow to read gets no more of its generation's time
 
@@ -37,22 +40,29 @@ class ClientStalled(Exception):
 
 
 class PieceRelay:
-    def __init__(self, send: Callable[[str, int], Awaitable[None]]):
+    """A streaming client's GenerationSink: pieces go out in order from the relay's own task; each token's
+    logprobs go to ``on_logprobs`` (the client's, at once: it sends them with the next piece it sends)."""
+
+    def __init__(self, send: Callable[[str, int], Awaitable[None]], *,
+                 on_logprobs: Callable[[TokenLogprobs], None] | None = None):
         self._send = send  # called with the text and how many pushed pieces it joins
+        self._on_logprobs = on_logprobs
         self._tx, self._rx = trio.open_memory_channel(math.inf)
         self._done = trio.Event()
         self.messages = 0  # sent to the client (fewer than the pieces pushed when a slow client made them wait)
         self._pushed = self._sent = 0  # pieces
 
-    def push(self, text: str) -> None:
-        """The engine's ``on_piece``: queue `text` for the client, at once."""
+    def piece(self, text: str) -> None:
+        """Queue `text` for the client, at once."""
         try:
             self._tx.send_nowait(text)
             self._pushed += 1
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass  # the relay was given up (its client is gone): the generation learns from its own scope
 
-    __call__ = push  # the relay itself is the engine's on_piece (which then finds let_out)
+    def logprobs(self, entry: TokenLogprobs) -> None:
+        if self._on_logprobs is not None:
+            self._on_logprobs(entry)
 
     async def let_out(self, max_passes: int = LET_OUT_PASSES) -> None:
         """A checkpoint, then more until the queued pieces are sent (at most `max_passes` in all): for a

@@ -23,6 +23,7 @@ import trio
 from skippyd.head.errors import GenerationError
 from skippyd.head.live import LiveGeneration
 from skippyd.head.liveness import StageWatch
+from skippyd.head.states import GenerationState
 
 log = logging.getLogger("skippyd.head")
 
@@ -52,7 +53,7 @@ class ResumePolicy:
             self._backoff = RESUME_BACKOFF_MIN_S
             log.warning("head: session %d interrupted after %d tokens (%s); resuming within %g s",
                         live.session_id, live.generated, exc, self.window)
-        live.state = "resuming"
+        live.state = GenerationState.RESUMING
         live.lane_id = None
 
     async def wait(self, exc: GenerationError, live: LiveGeneration) -> None:

@@ -4,12 +4,15 @@ The head drafts from the session's own context (:class:`~skippyd.head.drafting.N
 each window from the acceptance and the window's cost it measures (:class:`~skippyd.head.drafting.WindowSizer`);
 while a window would not pay it sends plain decode steps and keeps measuring (the shadow acceptance), so
 drafting switches itself back on when the output starts repeating its context. The loop that sends the
-windows is :meth:`skippyd.head.run.GenerationRun._decode_speculative`.
+windows is the one decode loop (:class:`skippyd.head.decode.Decoder`); a generation that does not speculate
+has :data:`PLAIN_STEPS` for drafts: none, ever.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 
@@ -36,8 +39,45 @@ class SpeculationTotals:
                 "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None}
 
 
+class Drafts(Protocol):
+    """What the decode loop asks for each step's drafts, and tells of each step."""
+
+    def begin(self, context: Sequence[int]) -> None:
+        """Draft from ``context`` (the prompt and the reply so far, the predicted token last) on."""
+
+    def drafts(self, room: int) -> Sequence[int]:
+        """Drafts for the next step (at most ``room``; none: a plain step). The step begins now."""
+
+    def done(self, drafts: Sequence[int], answer: Sequence[int]) -> None:
+        """The step with ``drafts`` answered ``answer`` (the accepted drafts, then the next token), which the
+        context goes on with."""
+
+    def describe(self) -> dict | None:
+        """What the generation reports of its speculation (None: it did not speculate)."""
+
+
+class _PlainSteps:
+    """No drafts: every step is a plain one."""
+
+    def begin(self, context: Sequence[int]) -> None:
+        pass
+
+    def drafts(self, room: int) -> Sequence[int]:
+        return ()
+
+    def done(self, drafts: Sequence[int], answer: Sequence[int]) -> None:
+        pass
+
+    def describe(self) -> None:
+        return None
+
+
+PLAIN_STEPS: Drafts = _PlainSteps()
+
+
 class Speculation:
-    """One generation's drafting state: the proposer over its context, the window sizer, its counters."""
+    """One generation's drafting state (its Drafts): the proposer over its context, the window sizer, its
+    counters."""
 
     def __init__(self, max_draft: int, totals: SpeculationTotals):
         self.proposer: NgramProposer | None = None  # made by begin, over the context
@@ -46,19 +86,15 @@ class Speculation:
         totals.generations += 1
         self.windows = self.drafted = self.accepted = 0
         self._shadow: int | None = None  # a plain step's first draft, had there been a window
+        self._began = 0.0  # perf_counter: the step under way began (its time sizes the windows)
 
     def begin(self, context: Sequence[int]) -> None:
-        """Draft from ``context`` (the prompt and the reply so far) on."""
         self.proposer = NgramProposer()
         self.proposer.extend(context)
         self._shadow = None
 
-    def extend(self, token: int) -> None:
-        """A token of the reply, in order (accepted drafts and predictions alike)."""
-        self.proposer.extend((token,))
-
     def drafts(self, room: int) -> list[int]:
-        """Drafts for the next window (at most ``room``; none: send a plain step)."""
+        self._began = time.perf_counter()
         # a plain step's time first: what a window's cost is measured against
         k = min(self.sizer.choose(), room) if self.sizer.step_s is not None else 0
         drafts = self.proposer.propose(k) if k > 0 else []
@@ -67,7 +103,15 @@ class Speculation:
             self._shadow = shadow[0] if shadow else None
         return drafts
 
-    def window_done(self, drafted: int, accepted: int, seconds: float) -> None:
+    def done(self, drafts: Sequence[int], answer: Sequence[int]) -> None:
+        seconds = time.perf_counter() - self._began
+        self.proposer.extend(answer)  # (past the reply's end, if the answer ends it: then nothing drafts again)
+        if drafts:
+            self._window_done(len(drafts), len(answer) - 1, seconds)
+        else:
+            self._plain_step_done(answer[0], seconds)
+
+    def _window_done(self, drafted: int, accepted: int, seconds: float) -> None:
         self.sizer.window_done(drafted, accepted, seconds)
         self.windows += 1
         self.drafted += drafted
@@ -77,7 +121,7 @@ class Speculation:
         totals.drafted += drafted
         totals.accepted += accepted
 
-    def plain_step_done(self, produced: int, seconds: float) -> None:
+    def _plain_step_done(self, produced: int, seconds: float) -> None:
         self.sizer.plain_step(self._shadow, produced, seconds)
         self._shadow = None
         self.totals.plain_steps += 1

@@ -1,28 +1,24 @@
-"""A generation's text: tokens to text, stop strings, and each piece handed to the client's ``on_piece``."""
+"""A generation's text: tokens to text, stop strings, and each piece handed on (its sink's ``piece``)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from skippyd.head.stops import StopMatcher
 from skippyd.runtime.text import Detokenizer
-
-PieceCallback = Callable[[str], None]  # must not wait: see skippyd/head/piece_relay.py
 
 
 class TextOutput:
     """Text made token by token; a stop string is held back until it is known to be one, and never emitted."""
 
-    __slots__ = ("detok", "stops", "parts", "on_piece", "let_out")
+    __slots__ = ("detok", "stops", "parts", "emit")
 
     def __init__(self, token_piece: Callable[[int], bytes], stops: tuple[str, ...] | list[str],
-                 on_piece: PieceCallback | None):
+                 emit: Callable[[str], None]):
         self.detok = Detokenizer(token_piece)
         self.stops = StopMatcher(stops)
         self.parts: list[str] = []
-        self.on_piece = on_piece
-        # a PieceRelay's: a generation about to block the event loop with a compute lets its text out first
-        self.let_out: Callable[[], Awaitable[None]] | None = getattr(on_piece, "let_out", None)
+        self.emit = emit  # must not wait: a generation never waits for its client
 
     @property
     def text(self) -> str:
@@ -34,8 +30,7 @@ class TextOutput:
         text, hit = self.stops.push(self.detok.push(token))
         if text:
             self.parts.append(text)
-            if self.on_piece is not None:
-                self.on_piece(text)  # queued for the client's own task: a generation never waits for its client
+            self.emit(text)
         return hit
 
     def finish(self) -> None:
@@ -47,5 +42,4 @@ class TextOutput:
                 text = text[:cut]
         if text:
             self.parts.append(text)
-            if self.on_piece is not None:
-                self.on_piece(text)
+            self.emit(text)

@@ -33,6 +33,7 @@ import trio
 
 from skippyd.head.engine import (
     Draining,
+    FinishReason,
     GenerationError,
     GenerationRequest,
     GenerationResult,
@@ -40,6 +41,7 @@ from skippyd.head.engine import (
     QueueTimeout,
 )
 from skippyd.head.piece_relay import ClientStalled, PieceRelay
+from skippyd.head.sink import DISCARD
 from skippyd.openai import schemas, tools
 from skippyd.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from skippyd.openai.metrics import Metrics
@@ -165,13 +167,14 @@ class _Chat:
 
     prefix, object_name = "chatcmpl-", "chat.completion"
 
-    def __init__(self, model: str, token_piece: Callable[[int], bytes] | None = None):
+    def __init__(self, model: str, token_piece: Callable[[int], bytes] | None = None,
+                 tool_plan: tools.ToolPlan | None = None):
         self.id = self.prefix + secrets.token_hex(12)
         self.model = model
         self.created = int(time.time())
         self.token_piece = token_piece  # for logprobs: each token's text
         self.text_offset = 0  # completions' logprobs: where the next token's text starts
-        self.tool_plan: tools.ToolPlan | None = None  # a chat offering tools: how its reply is read
+        self.tool_plan = tool_plan  # a chat offering tools: how its reply is read
 
     def logprobs(self, entries: list | None) -> dict | None:
         """OpenAI's chat logprobs object for these tokens' TokenLogprobs (None: none were asked for)."""
@@ -393,35 +396,45 @@ class OpenAIApp:
         await ex.respond(200, self.metrics.render(), METRICS_CONTENT_TYPE.encode())
 
     async def chat_completions(self, ex: Exchange) -> None:
-        await self._generation(ex, schemas.ChatCompletionRequest, _Chat)
+        await self._complete(ex, schemas.ChatCompletionRequest, _Chat)
 
     async def completions(self, ex: Exchange) -> None:
-        await self._generation(ex, schemas.CompletionRequest, _Completion)
+        await self._complete(ex, schemas.CompletionRequest, _Completion)
 
     # ------------------------------------------------------------ generation
-    async def _generation(self, ex: Exchange, body_type: type, shape_type: type[_Chat]) -> None:
-        body = await ex.body()
+    async def _complete(self, ex: Exchange, body_type: type, shape_type: type[_Chat]) -> None:
+        """Read the request, generate, and answer with the whole response or as a stream of events."""
+        req, engine, greq, shape = await self._read(ex, body_type, shape_type)
+        if not req.streaming:
+            await ex.json(200, shape.whole(await self._generate(ex, engine, greq, None)))
+            return
+        stream = EventStream(ex, shape, include_usage=req.include_usage, logprobs=greq.sampling.logprobs is not None)
         try:
-            req = schemas.parse(body, body_type)
-        except schemas.BadParameter as exc:
-            raise ApiError(400, str(exc), param=exc.param, code=exc.code) from exc
-        self._check_model(req.model)
-        engine = self._ready_engine()
+            result = await self._generate(ex, engine, greq, stream)
+        except ApiError as exc:
+            if not stream.started:
+                raise  # nothing sent yet: an honest status code
+            await stream.fail(exc)
+            return
+        await stream.close(result)
+
+    async def _read(self, ex: Exchange, body_type: type, shape_type: type[_Chat]):
+        """The request, checked, as a generation with its prompt tokenized, and the shape of its answer:
+        anything wrong is a 400 naming the field (or a 404, a 503) before any stage is touched."""
         try:
+            req = schemas.parse(await ex.body(), body_type)
+            self._check_model(req.model)
+            engine = self._ready_engine()
             greq = req.to_generation(engine.model.n_vocab, engine.context.n_ctx_seq)
             plan = None
-            if isinstance(req, schemas.ChatCompletionRequest):  # its tools and tool history, checked here
+            if isinstance(req, schemas.ChatCompletionRequest):  # its tools and tool history
                 greq, plan = tools.prepare(req, greq, engine.model)
         except schemas.BadParameter as exc:
             raise ApiError(400, str(exc), param=exc.param, code=exc.code) from exc
         greq = self._tokenized(engine, greq)
-        shape = shape_type(self.model_id, engine.model.token_piece if greq.sampling.logprobs is not None else None)
-        shape.tool_plan = plan
-        if req.streaming:
-            await self._stream(ex, engine, greq, shape, include_usage=req.include_usage)
-        else:
-            result = await self._generate(ex, engine, greq, None)
-            await ex.json(200, shape.whole(result))
+        shape = shape_type(self.model_id, engine.model.token_piece if greq.sampling.logprobs is not None else None,
+                           plan)
+        return req, engine, greq, shape
 
     def _tokenized(self, engine, greq: GenerationRequest) -> GenerationRequest:
         """Tokenize (and check) the prompt here so that one that cannot fit is a 400 naming its field, before
@@ -439,112 +452,126 @@ class OpenAIApp:
         return attrs.evolve(greq, prompt_tokens=tuple(int(t) for t in tokens))
 
     async def _generate(self, ex: Exchange, engine, greq: GenerationRequest,
-                        on_piece: Callable[[str], Awaitable[None]] | None,
-                        logprobs_sink: list | None = None) -> GenerationResult:
-        """Run one generation; the client going away cancels it (and the engine frees the session). With
-        `on_piece`, the pieces are sent by a task of their own (see PieceRelay), all before this returns."""
-        result: GenerationResult | None = None
-        failure: Exception | None = None
+                        stream: EventStream | None) -> GenerationResult:
+        """Run one generation (the engine admits it: its one queue, with its queue timeout); the client going
+        away cancels it (and the engine frees the session). A stream's pieces are sent by a task of their own
+        (see PieceRelay), all before this returns. One that did not end with its reply is an ApiError."""
         with span("openai.generation", request=ex.id) as s:
             async with trio.open_nursery() as nursery:
-                async def watch() -> None:
-                    await ex.wait_disconnect()
-                    nursery.cancel_scope.cancel()
-
-                async def relay_pieces() -> None:
-                    try:
-                        await relay.run()
-                    except Exception as exc:  # the client is gone: so is its generation
-                        log.info("openai: request %s: streaming failed (%s); cancelling it", ex.id, exc)
-                        nursery.cancel_scope.cancel()
-
-                nursery.start_soon(watch)
-                relay = PieceRelay(lambda text, _pieces: on_piece(text)) if on_piece is not None else None
-                if relay is not None:
-                    if logprobs_sink is not None:
-                        relay.logprobs = logprobs_sink  # the run appends each token's logprobs (GenerationRun)
-                    nursery.start_soon(relay_pieces)
+                nursery.start_soon(_cancel_when_gone, ex, nursery.cancel_scope)
+                relay = None
+                if stream is not None:
+                    relay = PieceRelay(stream.send, on_logprobs=stream.keep_logprobs)
+                    nursery.start_soon(_relay_pieces, ex, relay, nursery.cancel_scope)
                 try:
-                    try:
-                        result = await self._run(engine, greq, relay)
-                    except Exception as exc:  # raised outside the nursery, so not wrapped in a group
-                        failure = exc
-                    if relay is not None:
-                        await relay.finish()  # every piece is out before the closing event (or the error)
-                except ClientStalled as exc:
-                    log.warning("openai: request %s: %s", ex.id, exc)
-                    result, failure = None, None
+                    outcome = await _outcome(ex, engine, greq, relay)
                 finally:
                     nursery.cancel_scope.cancel()
-            if failure is not None:
-                raise failure
-            if result is None:
+            if isinstance(outcome, Exception):  # raised here, outside the nursery: not wrapped in a group
+                raise outcome
+            if outcome is None:
                 raise _ClientGone()
-            s.set(engine_request=result.request_id, session=result.session_id, tokens=len(result.tokens),
-                  finish_reason=result.finish_reason)
-        self.metrics.record_generation(result, source="http")
-        if result.finish_reason not in ("stop", "length"):
-            why = result.error or "cancelled by an operator (sessions kill) or a shutdown"
-            raise ApiError(503 if result.finish_reason == "cancelled" else 500,
-                           f"the generation ended early ({result.finish_reason}): {why}", code=result.finish_reason)
-        return result
+            s.set(engine_request=outcome.request_id, session=outcome.session_id, tokens=len(outcome.tokens),
+                  finish_reason=outcome.finish_reason)
+        self.metrics.record_generation(outcome, source="http")
+        if outcome.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            why = outcome.error or "cancelled by an operator (sessions kill) or a shutdown"
+            raise ApiError(503 if outcome.finish_reason == FinishReason.CANCELLED else 500,
+                           f"the generation ended early ({outcome.finish_reason}): {why}",
+                           code=str(outcome.finish_reason))
+        return outcome
 
-    async def _run(self, engine, greq: GenerationRequest, on_piece) -> GenerationResult:
-        """Generate; the engine admits it (its one queue, with its queue timeout: a 503 ``no_lane`` after)."""
+
+async def _outcome(ex: Exchange, engine, greq: GenerationRequest,
+                   relay: PieceRelay | None) -> GenerationResult | Exception | None:
+    """The generation's result or its failure (a GenerationError as its ApiError), once every piece of a
+    stream is out; None if the client took none of them in time."""
+    try:
+        outcome = await engine.generate(greq, relay or DISCARD)
+    except GenerationError as exc:
+        outcome = ApiError.from_generation(exc)
+        outcome.__cause__ = exc
+    except Exception as exc:
+        outcome = exc
+    if relay is not None:
         try:
-            return await engine.generate(greq, on_piece)
-        except GenerationError as exc:
-            raise ApiError.from_generation(exc) from exc
+            await relay.finish()  # every piece is out before the closing event (or the error)
+        except ClientStalled as exc:
+            log.warning("openai: request %s: %s", ex.id, exc)
+            return None
+    return outcome
 
-    async def _stream(self, ex: Exchange, engine, greq: GenerationRequest, shape: _Chat, *,
-                      include_usage: bool) -> None:
-        extra = {"usage": None} if include_usage else {}
 
-        async def begin() -> None:
-            if ex.status is None:
-                await ex.start(200, b"text/event-stream", [(b"cache-control", b"no-cache")])
-                for chunk in shape.opening():
-                    await ex.event({**chunk, **extra})
+async def _cancel_when_gone(ex: Exchange, scope: trio.CancelScope) -> None:
+    await ex.wait_disconnect()
+    scope.cancel()
 
-        # with logprobs: each token's, appended by the run as it comes; each event takes those not sent yet
-        sink = [] if greq.sampling.logprobs is not None else None
-        sent = 0
 
-        def unsent() -> list | None:
-            nonlocal sent
-            if sink is None:
-                return None
-            new, sent = sink[sent:], len(sink)
-            return new
+async def _relay_pieces(ex: Exchange, relay: PieceRelay, scope: trio.CancelScope) -> None:
+    try:
+        await relay.run()
+    except Exception as exc:  # the client is gone: so is its generation
+        log.info("openai: request %s: streaming failed (%s); cancelling it", ex.id, exc)
+        scope.cancel()
 
-        async def on_piece(text: str) -> None:
-            await begin()
-            await ex.event({**shape.piece(text, unsent()), **extra})
 
-        reply = tools.ReplyStream(shape.tool_plan) if shape.tool_plan is not None else None
-        if reply is not None:  # a reply offering tools: its text and calls sent as deltas as they are read
+class EventStream:
+    """A streamed answer's server-sent events. The response starts with the first piece (so that what fails
+    before a token exists is still an honest status code); a reply offering tools is sent as the deltas of
+    its text and calls as they are read. With logprobs, each event carries those of the tokens not sent yet."""
 
-            async def on_piece(text: str) -> None:
-                for delta in reply.feed(text):
-                    await begin()
-                    await ex.event({**shape.chunk(delta), **extra})
+    def __init__(self, ex: Exchange, shape: _Chat, *, include_usage: bool, logprobs: bool):
+        self.ex, self.shape, self.include_usage = ex, shape, include_usage
+        self.extra = {"usage": None} if include_usage else {}
+        self.reply = tools.ReplyStream(shape.tool_plan) if shape.tool_plan is not None else None
+        self.logprobs: list | None = [] if logprobs else None  # each token's, as the generation makes them
+        self._logprobs_sent = 0
 
-        try:
-            result = await self._generate(ex, engine, greq, on_piece, sink)
-        except ApiError as exc:
-            if ex.status is None:
-                raise  # nothing sent yet: an honest status code
-            await ex.event(exc.body())
-            await ex.end()
+    @property
+    def started(self) -> bool:
+        return self.ex.status is not None
+
+    def keep_logprobs(self, entry) -> None:
+        if self.logprobs is not None:
+            self.logprobs.append(entry)
+
+    async def send(self, text: str, _pieces: int) -> None:
+        """A piece of the reply's text (the relay's send)."""
+        if self.reply is None:
+            await self._event(self.shape.piece(text, self._unsent()))
             return
-        await begin()
-        if reply is not None:
-            rest, finish = reply.finish(result)
-            for delta in rest:
-                await ex.event({**shape.chunk(delta), **extra})
-            await ex.event({**shape.chunk({}, finish, logprobs=unsent() or None), **extra})
+        for delta in self.reply.feed(text):
+            await self._event(self.shape.chunk(delta))
+
+    async def close(self, result: GenerationResult) -> None:
+        """The last events: what the reply held back, its finish_reason, the usage if asked, [DONE]."""
+        shape = self.shape
+        if self.reply is None:
+            await self._event(shape.closing(result, self._unsent() or None))
         else:
-            await ex.event({**shape.closing(result, unsent() or None), **extra})
-        if include_usage:
-            await ex.event(shape.usage_chunk(result))
-        await ex.end(b"data: [DONE]\n\n")
+            rest, finish = self.reply.finish(result)
+            for delta in rest:
+                await self._event(shape.chunk(delta))
+            await self._event(shape.chunk({}, finish, logprobs=self._unsent() or None))
+        if self.include_usage:
+            await self.ex.event(shape.usage_chunk(result))
+        await self.ex.end(b"data: [DONE]\n\n")
+
+    async def fail(self, exc: ApiError) -> None:
+        """The generation failed after the stream started: an error event ends it."""
+        await self.ex.event(exc.body())
+        await self.ex.end()
+
+    async def _event(self, chunk: dict) -> None:
+        ex = self.ex
+        if ex.status is None:
+            await ex.start(200, b"text/event-stream", [(b"cache-control", b"no-cache")])
+            for opening in self.shape.opening():
+                await ex.event({**opening, **self.extra})
+        await ex.event({**chunk, **self.extra})
+
+    def _unsent(self) -> list | None:
+        if self.logprobs is None:
+            return None
+        new, self._logprobs_sent = self.logprobs[self._logprobs_sent:], len(self.logprobs)
+        return new

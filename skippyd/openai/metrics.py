@@ -32,6 +32,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from skippyd import telemetry
+from skippyd.head.lanes import LaneState
+from skippyd.head.states import GenerationState
 
 log = logging.getLogger("skippyd.metrics")
 
@@ -164,7 +166,7 @@ class _DaemonCollector(Collector):
         yield GaugeMetricFamily("skippy_draining", "1 while the daemon drains (no new generations)",
                                 value=float(bool(getattr(daemon, "draining", False))))
         if engine is not None:
-            states = {"queued": 0, "prefill": 0, "decode": 0}
+            states = dict.fromkeys((GenerationState.QUEUED, GenerationState.PREFILL, GenerationState.DECODE), 0)
             for live in list(engine.live.values()):
                 states[live.state] = states.get(live.state, 0) + 1
             g = GaugeMetricFamily("skippy_live_generations", "Running generations on the head by state",
@@ -173,7 +175,7 @@ class _DaemonCollector(Collector):
                 g.add_metric([state], n)
             yield g
             yield GaugeMetricFamily("skippy_queue_depth", "Generations waiting for a lane or a slot",
-                                    value=states["queued"])
+                                    value=states[GenerationState.QUEUED])
             totals = getattr(engine, "totals", {})
             c = CounterMetricFamily("skippy_head_generations", "Generations the head engine ran, all sources "
                                     "(errors included)", labels=["outcome"])
@@ -183,7 +185,7 @@ class _DaemonCollector(Collector):
             yield self._head_tokens(totals)
         pool = getattr(head, "pool", None)
         if pool is not None:
-            lanes = {"idle": 0, "busy": 0}
+            lanes = dict.fromkeys((LaneState.IDLE, LaneState.BUSY), 0)
             for lane in pool.describe():
                 lanes[lane["state"]] = lanes.get(lane["state"], 0) + 1
             lanes["unopened"] = max(0, pool.capacity - sum(lanes.values()))

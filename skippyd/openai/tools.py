@@ -38,7 +38,7 @@ from typing import Any
 
 import attrs
 
-from skippyd.head.engine import GenerationRequest, GenerationResult
+from skippyd.head.engine import FinishReason, GenerationRequest, GenerationResult
 from skippyd.openai.schemas import BadParameter
 from skippyd.runtime.chat_template import template_for
 from skippyd.sampling import Constraint, InvalidSampling
@@ -504,7 +504,7 @@ def message(plan: ToolPlan, result: GenerationResult) -> tuple[dict, str]:
     msg = {"role": "assistant", "content": content, "refusal": None}
     if calls:
         msg["tool_calls"] = calls
-    finish = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
+    finish = "tool_calls" if calls and result.finish_reason == FinishReason.STOP else str(result.finish_reason)
     return msg, finish
 
 

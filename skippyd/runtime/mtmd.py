@@ -26,15 +26,8 @@ import gguf
 import numpy as np
 
 from skippyd.runtime.gguf_info import ModelFileError, field_value, open_gguf
-from skippyd.runtime.llama import (
-    InvalidArgumentError,
-    LlamaError,
-    Model,
-    _NativeObject,
-    backend_init,
-    ffi,
-    lib,
-)
+from skippyd.runtime.llama import InvalidArgumentError, LlamaError, Model, backend_init
+from skippyd.runtime.llama.ffi import NativeObject, ffi, lib
 
 # M-RoPE takes this many positions per embedding row (llama.cpp's GGML_MROPE_SECTIONS): time, row, column and
 # a fourth section that images and text leave at 0
@@ -128,7 +121,7 @@ def _looks_like_audio(data: bytes) -> bool:
     )
 
 
-class Bitmap(_NativeObject):
+class Bitmap(NativeObject):
     """An image decoded to RGB by libmtmd (stb_image: PNG, JPEG, BMP, GIF, ...), with its id: the sha256 of
     the encoded bytes, which libmtmd carries into the image's chunks."""
 
@@ -193,7 +186,7 @@ class TextChunk:
         return text_positions(start, self.n_tokens)
 
 
-class ImageChunk(_NativeObject):
+class ImageChunk(NativeObject):
     """One image (or one tile of it) of a multimodal prompt: ``n_tokens`` embedding rows taking ``n_pos``
     positions. :meth:`encode` runs the projector; :meth:`positions` gives the rows' positions.
 
@@ -262,7 +255,7 @@ def _projector_info(path: Path) -> dict[str, object]:
     return {"projector_type": str(kind) if kind else "unknown"}
 
 
-class Projector(_NativeObject):
+class Projector(NativeObject):
     """A multimodal projector file loaded for `model` (the text model its embeddings feed; a whole model or
     the first stage of one, whose input width they must have).
 

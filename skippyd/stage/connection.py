@@ -3,7 +3,7 @@
 The listener (``StageServer``) admits a connection (handshake cap, allow-list,
 handshake) and hands it over with the stage's core, its stream and its peer:
 :meth:`UpstreamConnection.serve` reads each message and has the handlers of
-the stage's role (skippyd/stage/handlers.py) handle it. Whatever ends the
+the stage's role (skippyd/stage/roles.py) handle it. Whatever ends the
 connection (the peer closing, a protocol violation, a dead downstream,
 daemon shutdown) runs :meth:`UpstreamConnection.release_all` in a shielded,
 time-bounded scope, so every KV sequence and slot the connection held is
@@ -29,7 +29,7 @@ import logging
 import trio
 
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
-from skippyd.stage.handlers import handlers_for
+from skippyd.stage.roles import handlers_for
 from skippyd.wire.errors import PeerClosed, ProtocolError, ReadTimeout, WireError
 from skippyd.wire.messages import ErrorCode, ErrorReply, Limits
 from skippyd.wire.stream import ReceiveBuffer, WaitWatch, keep_alive, read_message, timed_out, write_frame

@@ -233,7 +233,7 @@ class Execution:
         ctx, stats, out = self.ctx, self.stats, job.out
         started = time.perf_counter()
         stats.inline_batches += 1
-        handed = False
+        handed = computed = False
         try:
             with span("scheduler.decode", seqs=1, tokens=1):
                 try:
@@ -244,7 +244,7 @@ class Execution:
                         # below: the next stage's wake-up and compute do not wait for it
                         lock_fd = self.host_lock.fd if self.host_lock is not None else -1
                         inputs = {"token": int(job.tokens[0])} if ctx.token_input else {"embd": job.embd}
-                        handed = True  # the call releases the lock, whatever its result
+                        handed = True  # to the native call, which releases it
                         if ctx.hidden_output:
                             out.sent, out.done_ns = ctx.decode_row_send(job.pos_start, job.seq, out.frame,
                                                                         out.head_len, lock_fd=lock_fd, fd=out.fd,
@@ -269,8 +269,12 @@ class Execution:
                             result = ctx.sample_row(job.seq, job.sampler) if job.want_token else None
                             native_us = int((time.perf_counter() - native) * 1e6)
                     native_cpu_us = int((time.thread_time() - native_cpu) * 1e6)
+                    computed = True
                 finally:
-                    if not handed:
+                    # a fused call releases the lock as its compute ends, whatever the result; one that refused its
+                    # arguments computed nothing and released nothing (a second release of a lock this file no
+                    # longer holds does nothing)
+                    if not (handed and computed):
                         self._end_turn()
         except Exception as exc:  # as _compute_inline
             self._fail([job], exc, started)

@@ -80,10 +80,11 @@ class PrefixCache:
     # ------------------------------------------------------------------ lookup
     def lookup(self, tokens: np.ndarray, limit: int | None = None) -> Hit | None:
         """The entry sharing the longest prefix with ``tokens[:limit]`` (at least ``min_hit`` tokens), now the
-        most recently used; None on a miss. Counted as a lookup (and a hit)."""
-        if not self.enabled:
-            return None
+        most recently used; None on a miss. Counted as a lookup (and a hit), unless the query is too short to
+        hit at all (a prompt of a token or a few: nothing is looked up)."""
         query = tokens if limit is None else tokens[:limit]
+        if not self.enabled or len(query) < self.min_hit:
+            return None
         self.lookups += 1
         best_key, best_len = None, 0
         for key, entry in self._entries.items():

@@ -10,7 +10,7 @@ final stage's token-return connection to the head, dialed when the first
 session asks for direct return) are a :class:`~skippyd.stage.core.StageCore`;
 the server owns admission and the set of connections
 (:class:`~skippyd.stage.connection.UpstreamConnection`, whose handlers are in
-skippyd/stage/handlers.py).
+skippyd/stage/handlers.py and roles.py).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ sampler here (:meth:`SessionTable.forget`).
 
 from __future__ import annotations
 
+import enum
 import heapq
 import time
 from typing import Any
@@ -25,6 +26,12 @@ class NoFreeSlot(Exception):
     pass
 
 
+class SessionState(enum.StrEnum):
+    PREFILL = "prefill"  # configured, its prompt coming in
+    DECODE = "decode"
+    RELEASED = "released"
+
+
 @attrs.define(eq=False)
 class StageSession:
     conn_id: int
@@ -35,7 +42,7 @@ class StageSession:
     position: int = 0  # KV length on this stage
     sampler: Sampler | None = None
     generated: int = 0
-    state: str = "prefill"
+    state: SessionState = SessionState.PREFILL
     direct_return: bool = False  # predictions go to the head on the token-return connection
     # how this session's decode steps are answered (skippyd/stage/handlers.py AnswerPath): chosen when the
     # session is created or configured, so that no step tests the session's flags
@@ -109,7 +116,7 @@ class SessionTable:
             session.sampler.close()
             session.sampler = None
         heapq.heappush(self._free, session.seq)
-        session.state = "released"
+        session.state = SessionState.RELEASED
         return True
 
     @property

@@ -181,7 +181,7 @@ class ErrorCode(enum.IntEnum):
     VERSION_MISMATCH = 9
     # request errors (connection stays open)
     UNKNOWN_SESSION = 32
-    SESSION_BUSY = 33
+    SESSION_BUSY = 33  # reserved, never sent: a Configure of a session already open configures it again
     NO_CAPACITY = 34
     POSITION_GAP = 35
     CONTEXT_FULL = 36

@@ -1,624 +1,24 @@
-"""libllama through cffi: models, stage contexts, samplers.
-
-This module and mtmd.py (libmtmd, in the same extension) are the only ones in
-skippy that touch C pointers. Everything it hands out is plain Python or numpy
-(copied right away: llama.cpp reuses its output buffers on the next decode).
-Every object has an idempotent ``close()``; every C failure becomes a
-:class:`LlamaError` subclass naming the operation.
-Arguments are validated here before they reach C++, because several bad
-arguments (a partial-range KV copy, an out-of-range sequence id) abort the whole
-process inside llama.cpp instead of returning an error.
-"""
+"""A stage's llama context: its KV sequences, batches of rows in, hidden states or sampled tokens out."""
 
 from __future__ import annotations
 
-import ctypes
-import fcntl
-import math
 import os
-import threading
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 
 import attrs
 import numpy as np
 
-from skippyd.sampling import Constraint, InvalidConstraint, InvalidSampling, SamplingParams
-
-try:
-    from skippyd._native._skippy_llama import ffi, lib
-except ImportError as exc:  # pragma: no cover - depends on the build
-    raise ImportError(
-        "skippy's native layer is not built (skippyd/_native is missing or stale): "
-        "run `python native/build.py` or reinstall the package"
-    ) from exc
-
-GGUF_MAGIC = b"GGUF"
-LLAMA_DEFAULT_SEED = int(lib.LLAMA_DEFAULT_SEED)
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class LlamaError(RuntimeError):
-    """A libllama operation failed. ``op`` names the operation."""
-
-    def __init__(self, op: str, message: str):
-        self.op = op
-        native = ffi.string(lib.skippy_last_error()).decode("utf-8", "replace")
-        lib.skippy_clear_last_error()
-        detail = f" (llama.cpp: {native})" if native and native not in message else ""
-        super().__init__(f"{op}: {message}{detail}")
-
-
-class ModelLoadError(LlamaError):
-    pass
-
-
-class ContextError(LlamaError):
-    pass
-
-
-class DecodeError(LlamaError):
-    def __init__(self, op: str, message: str, code: int):
-        self.code = code
-        super().__init__(op, message)
-
-
-class KvCacheFullError(DecodeError):
-    """llama_decode returned 1: no free KV slot for the batch."""
-
-
-class InvalidArgumentError(LlamaError, ValueError):
-    pass
-
-
-class ClosedError(LlamaError):
-    pass
-
-
-# --------------------------------------------------------------------------- backend
-
-_backend_lock = threading.Lock()
-_backend_ready = False
-
-
-def backend_init() -> None:
-    """Initialise llama.cpp once per process; logs go to stderr only if SKIPPY_LLAMA_LOG=1."""
-    global _backend_ready
-    with _backend_lock:
-        if not _backend_ready:
-            lib.llama_backend_init()
-            lib.skippy_log_setup(1 if os.environ.get("SKIPPY_LLAMA_LOG") == "1" else 0)
-            _backend_ready = True
-
-
-def system_info() -> dict[str, str]:
-    """The native build's features, as llama.cpp reports them ("AVX2": "1", "OPENMP": "1", ...)."""
-    backend_init()
-    features = {}
-    for part in ffi.string(lib.llama_print_system_info()).decode("utf-8", "replace").split("|"):
-        key, sep, value = part.rpartition("=")
-        if sep:
-            features[key.split(":")[-1].strip()] = value.strip()
-    return features
-
-
-def _read_string(fn, *args, initial: int = 256) -> str | None:
-    """Call a llama.cpp `(…, char *buf, size)` getter, growing the buffer as told."""
-    size = initial
-    while True:
-        buf = ffi.new("char[]", size)
-        n = fn(*args, buf, size)
-        if n < 0:
-            return None
-        if n < size:
-            return ffi.string(buf, n).decode("utf-8", "replace")
-        size = n + 1
-
-
-# --------------------------------------------------------------------------- models
-
-
-@attrs.frozen
-class StageInfo:
-    """Which layers of the source model a GGUF holds, from the slicer's `skippy.*` keys."""
-
-    layer_start: int
-    layer_end: int
-    n_layer_total: int
-    output: str  # "hidden" (residual stream after the last layer) or "logits"
-    source_sha256: str | None = None
-    is_slice: bool = False
-
-    @property
-    def is_first(self) -> bool:
-        return self.layer_start == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.output == "logits"
-
-
-class _NativeObject:
-    """Lifetime plumbing shared by the wrappers: context manager, close on GC, closed-use guard."""
-
-    _ptr = ffi.NULL
-    _kind = "object"
-
-    def close(self) -> None:  # pragma: no cover - every subclass defines it
-        raise NotImplementedError
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def _live(self, op: str):
-        if self._ptr == ffi.NULL:
-            raise ClosedError(op, f"{self._kind} is closed")
-        return self._ptr
-
-
-class Model(_NativeObject):
-    """A loaded GGUF: a whole model or one stage slice of it."""
-
-    _kind = "model"
-
-    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, vocab_only: bool = False):
-        self._ptr = ffi.NULL
-        self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
-        self._piece_cache: dict[int, bytes] = {}
-        self.path = Path(path)
-        _check_gguf_file(self.path)
-        backend_init()
-        params = lib.llama_model_default_params()
-        params.n_gpu_layers = int(n_gpu_layers)
-        params.vocab_only = bool(vocab_only)
-        params.progress_callback = lib.skippy_progress_quiet
-        ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
-        if ptr == ffi.NULL:
-            raise ModelLoadError("load model", f"llama.cpp could not load {self.path}")
-        self._ptr = ptr
-        self._vocab = lib.llama_model_get_vocab(ptr)
-        self.n_embd = int(lib.llama_model_n_embd(ptr))
-        self.n_embd_inp = int(lib.llama_model_n_embd_inp(ptr))
-        self.n_layer = int(lib.llama_model_n_layer(ptr))
-        self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
-        self.n_ctx_train = int(lib.llama_model_n_ctx_train(ptr))
-        # positions per row given as embeddings: 4 (time, row, column, unused) for M-RoPE, else 1
-        rope = lib.llama_model_rope_type(ptr)
-        self.n_pos_per_embd = 4 if rope in (lib.LLAMA_ROPE_TYPE_MROPE, lib.LLAMA_ROPE_TYPE_IMROPE) else 1
-        self.architecture = self.meta("general.architecture") or "unknown"
-        self.name = self.meta("general.name") or self.path.stem
-        self.stage = self._read_stage_info()
-        self.bos = int(lib.llama_vocab_bos(self._vocab))
-        self.eos = int(lib.llama_vocab_eos(self._vocab))
-
-    # -- lifetime
-    def close(self) -> None:
-        for ctx in list(self._contexts):
-            ctx.close()
-        if self._ptr != ffi.NULL:
-            lib.llama_model_free(self._ptr)
-            self._ptr = ffi.NULL
-            self._vocab = ffi.NULL
-
-
-    # -- metadata
-    def meta(self, key: str) -> str | None:
-        return _read_string(lib.llama_model_meta_val_str, self._live("read metadata"), key.encode())
-
-    def _read_stage_info(self) -> StageInfo:
-        output = self.meta("skippy.output")
-        if output is None:
-            return StageInfo(0, self.n_layer, self.n_layer, "logits")
-        if output not in ("hidden", "logits"):
-            raise ModelLoadError("load model", f"{self.path}: skippy.output is {output!r}, not hidden or logits")
-        try:
-            start = int(self.meta("skippy.layer_start") or 0)
-            end = int(self.meta("skippy.layer_end") or self.n_layer)
-            total = int(self.meta("skippy.n_layer_total") or self.n_layer)
-        except ValueError as exc:
-            raise ModelLoadError("load model", f"{self.path}: malformed skippy.* layer keys: {exc}") from exc
-        if end - start != self.n_layer:
-            raise ModelLoadError(
-                "load model", f"{self.path}: skippy range [{start},{end}) disagrees with block_count {self.n_layer}"
-            )
-        return StageInfo(start, end, total, output, self.meta("skippy.source_sha256"), is_slice=True)
-
-    # -- text
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> np.ndarray:
-        """Token ids of `text` (int32). `add_special` adds BOS where the model wants it."""
-        vocab = self._live("tokenize") and self._vocab
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        while True:
-            out = np.empty(cap, dtype=np.int32)
-            n = lib.llama_tokenize(vocab, data, len(data), ffi.from_buffer("llama_token[]", out), cap,
-                                   add_special, parse_special)
-            if n >= 0:
-                return out[:n].copy()
-            if -n <= cap:
-                raise LlamaError("tokenize", f"llama_tokenize failed ({n})")
-            cap = -n
-
-    def token_piece(self, token: int, *, special: bool = False) -> bytes:
-        """The bytes of one token (may be part of a UTF-8 character). Cached per token."""
-        key = token if not special else -1 - token
-        piece = self._piece_cache.get(key)
-        if piece is None:
-            self._check_token(token, "token to piece")
-            size = 32
-            while True:
-                buf = ffi.new("char[]", size)
-                n = lib.llama_token_to_piece(self._vocab, int(token), buf, size, 0, special)
-                if n >= 0:
-                    piece = ffi.buffer(buf, n)[:]
-                    break
-                size = -n
-            self._piece_cache[key] = piece
-        return piece
-
-    def detokenize(self, tokens: Iterable[int], *, special: bool = False) -> str:
-        return b"".join(self.token_piece(int(t), special=special) for t in tokens).decode("utf-8", "replace")
-
-    def is_eog(self, token: int) -> bool:
-        return bool(lib.llama_vocab_is_eog(self._live("is_eog") and self._vocab, int(token)))
-
-    def eog_tokens(self) -> np.ndarray:
-        """The vocabulary's end-of-generation tokens (the EOS at least), found once per model."""
-        eog = getattr(self, "_eog_tokens", None)
-        if eog is None:
-            vocab = self._live("eog tokens") and self._vocab
-            found = [t for t in range(self.n_vocab) if lib.llama_vocab_is_eog(vocab, t)] or [self.eos]
-            eog = self._eog_tokens = np.array(found, dtype=np.int32)
-        return eog
-
-    def lltokenizer(self):
-        """llguidance's view of this model's vocabulary (each token's bytes, the special tokens, the
-        end-of-generation tokens), made once per model (~0.1 s) and shared by its matchers."""
-        tokenizer = getattr(self, "_lltokenizer", None)
-        if tokenizer is None:
-            import llguidance
-
-            self._live("constraint tokenizer")
-            tokens, special = [], []
-            for t in range(self.n_vocab):
-                shown = self.token_piece(t, special=True)
-                if shown and not self.token_piece(t):  # a control token: its text only when special
-                    special.append(t)
-                tokens.append(shown)
-            eog = self.eog_tokens().tolist()
-            model = self
-
-            class _Vocab:  # what llguidance's TokenizerWrapper reads
-                eos_token_id = eog[0]
-                bos_token_id = self.bos if self.bos >= 0 else None
-                special_token_ids = special
-
-                def __init__(self):
-                    self.tokens = tokens
-
-                def __call__(self, text):
-                    if isinstance(text, bytes):
-                        text = text.decode("utf-8", "replace")
-                    return model.tokenize(text, add_special=False, parse_special=False).tolist()
-
-            tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab()), n_vocab=self.n_vocab,
-                                               eos_token=eog)
-            self._lltokenizer = tokenizer
-        return tokenizer
-
-    def _check_token(self, token: int, op: str) -> None:
-        self._live(op)
-        if not 0 <= int(token) < self.n_vocab:
-            raise InvalidArgumentError(op, f"token {token} outside the vocabulary [0, {self.n_vocab})")
-
-    @property
-    def chat_template(self) -> str | None:
-        p = lib.llama_model_chat_template(self._live("chat template"), ffi.NULL)
-        return None if p == ffi.NULL else ffi.string(p).decode("utf-8", "replace")
-
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, add_assistant: bool = True,
-                            template: str | None = None) -> str:
-        """Render `messages` ({role, content}) with the model's template (llama.cpp's built-in engine)."""
-        tmpl = template or self.chat_template
-        if tmpl is None:
-            raise InvalidArgumentError("apply chat template", f"{self.name} has no chat template; use a raw prompt")
-        keep = []  # the char[] objects must outlive the C call
-        chat = ffi.new("llama_chat_message[]", len(messages))
-        for i, msg in enumerate(messages):
-            role = ffi.new("char[]", str(msg["role"]).encode())
-            content = ffi.new("char[]", str(msg["content"]).encode())
-            keep += [role, content]
-            chat[i].role, chat[i].content = role, content
-        tmpl_c = ffi.new("char[]", tmpl.encode())
-        size = 1024 + sum(len(str(m["content"])) * 2 for m in messages)
-        while True:
-            buf = ffi.new("char[]", size)
-            n = lib.llama_chat_apply_template(tmpl_c, chat, len(messages), add_assistant, buf, size)
-            if n < 0:
-                raise InvalidArgumentError("apply chat template", "llama.cpp does not support this chat template")
-            if n < size:
-                return ffi.string(buf, n).decode("utf-8", "replace")
-            size = n + 1
-
-
-def _check_decode(op: str, rc: int) -> None:
-    if rc == 1:
-        raise KvCacheFullError(op, "no free KV slot for the batch (context full)", rc)
-    if rc != 0:
-        raise DecodeError(op, f"llama_decode returned {rc}", rc)
-
-
-def _bounds(a: np.ndarray) -> tuple[int, int]:
-    """(min, max) of a non-empty int array; a decode step's one row without numpy's reductions (~µs each)."""
-    if a.shape[0] == 1:
-        v = int(a[0])
-        return v, v
-    return int(a.min()), int(a.max())
-
-
-def _check_gguf_file(path: Path) -> None:
-    op = "load model"
-    if not path.exists():
-        raise ModelLoadError(op, f"{path}: no such file")
-    if not path.is_file():
-        raise ModelLoadError(op, f"{path}: not a regular file")
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head != GGUF_MAGIC:
-        raise ModelLoadError(op, f"{path}: not a GGUF file (magic {head!r})")
-
-
-# --------------------------------------------------------------------------- sampling
-
-
-def _validate(model: Model, params: SamplingParams) -> None:
-    try:
-        params.validate(model.n_vocab)
-    except InvalidSampling as exc:
-        raise InvalidArgumentError("sampling parameters", str(exc)) from None
-
-
-class Sampler:
-    """A llama.cpp sampler chain for one generation; it remembers accepted tokens (penalties)."""
-
-    def __init__(self, model: Model, params: SamplingParams, *, validated: bool = False):
-        if not validated:
-            _validate(model, params)
-        self.params = params
-        cparams = lib.llama_sampler_chain_default_params()
-        cparams.no_perf = True
-        chain = lib.llama_sampler_chain_init(cparams)
-        if chain == ffi.NULL:
-            raise LlamaError("create sampler", "llama_sampler_chain_init returned NULL")
-        self._ptr = chain
-        add = lambda s: lib.llama_sampler_chain_add(chain, s)  # noqa: E731 - the chain owns s from here
-        if params.logit_bias:
-            biases = ffi.new("llama_logit_bias[]", len(params.logit_bias))
-            for i, (tok, bias) in enumerate(params.logit_bias):
-                biases[i].token, biases[i].bias = int(tok), float(bias)
-            add(lib.llama_sampler_init_logit_bias(model.n_vocab, len(params.logit_bias), biases))
-        if params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
-            add(lib.llama_sampler_init_penalties(model.n_vocab, params.penalty_last_n, params.repeat_penalty,
-                                                 params.frequency_penalty, params.presence_penalty))
-        if params.temperature <= 0:
-            add(lib.llama_sampler_init_greedy())
-        else:
-            if params.top_k > 0:
-                add(lib.llama_sampler_init_top_k(params.top_k))
-            if params.top_p < 1.0:
-                add(lib.llama_sampler_init_top_p(params.top_p, 1))
-            if params.min_p > 0.0:
-                add(lib.llama_sampler_init_min_p(params.min_p, 1))
-            add(lib.llama_sampler_init_temp(params.temperature))
-            seed = LLAMA_DEFAULT_SEED if params.seed is None else params.seed
-            add(lib.llama_sampler_init_dist(seed))
-
-    def accept(self, tokens: Iterable[int]) -> None:
-        """Feed tokens the penalties should know about (e.g. the prompt)."""
-        ptr = self._live()
-        for t in tokens:
-            lib.llama_sampler_accept(ptr, int(t))
-
-    def reset(self) -> None:
-        lib.llama_sampler_reset(self._live())
-
-    def _live(self):
-        if self._ptr == ffi.NULL:
-            raise ClosedError("sample", "sampler is closed")
-        return self._ptr
-
-    def close(self) -> None:
-        if self._ptr != ffi.NULL:
-            lib.llama_sampler_free(self._ptr)
-            self._ptr = ffi.NULL
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-def sampler_for(model: Model, params: SamplingParams) -> Sampler | GuidedSampler | None:
-    """What the stage that samples uses for a generation: None (the argmax, in native code), a llama.cpp
-    chain, or (a constraint, or logprobs) a :class:`GuidedSampler`."""
-    if params.guided:
-        return GuidedSampler(model, params)
-    return None if params.is_plain_greedy else Sampler(model, params)
-
-
-class _TokenDataArray(ctypes.Structure):  # llama_token_data_array
-    _fields_ = [("data", ctypes.c_void_p), ("size", ctypes.c_size_t), ("selected", ctypes.c_int64),
-                ("sorted", ctypes.c_bool)]
-
-
-_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
-_sampler_apply = None
-
-
-def _llama_sampler_apply():
-    """llama_sampler_apply(chain, llama_token_data_array *), through ctypes from the libllama the extension
-    loaded (cffi's declarations do not have it; the process holds one copy of the library)."""
-    global _sampler_apply
-    if _sampler_apply is None:
-        libllama = ctypes.CDLL(str(Path(__file__).resolve().parent.parent / "_native" / "libllama.so"))
-        fn = libllama.llama_sampler_apply
-        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.POINTER(_TokenDataArray)], None
-        _sampler_apply = fn
-    return _sampler_apply
-
-
-@attrs.frozen
-class TokenLogprobs:
-    """A sampled token's log-probability and its most likely alternatives ``(token, logprob)``, most likely
-    first, under the distribution it was sampled from."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-class GuidedSampler:
-    """A generation sampled in Python on the final stage: the row's logits are read in place, the
-    constraint's token mask (llguidance) applied, the token picked by the session's llama.cpp chain (or the
-    argmax) and its logprobs kept (``last``). The matcher follows the tokens the sequence is given
-    (:meth:`advance`, with each decode step's token: a replay after a resume feeds it the same way). Once the
-    constraint is complete only the end of generation is allowed; once nothing can follow, it is forced.
-
-    Logprobs come from the distribution sampled from: the chain's, after its biases, penalties, filters and
-    temperature (tokens it filtered out have none); for greedy decoding, the softmax of the (masked) logits.
-    """
-
-    def __init__(self, model: Model, params: SamplingParams):
-        _validate(model, params)
-        self.params = params
-        self.n_vocab = model.n_vocab
-        self.top_n = params.logprobs
-        self.last: TokenLogprobs | None = None
-        self.chain = Sampler(model, params, validated=True) if params.needs_chain else None
-        self.matcher = None
-        self._eog = model.eog_tokens()
-        if params.constraint is not None:
-            self.matcher = _matcher(model, params.constraint)
-            self._mask = np.zeros((model.n_vocab + 31) // 32, dtype=np.int32)
-
-    def accept(self, tokens: Iterable[int]) -> None:
-        """Feed the prompt to the chain's penalties (the constraint starts after it)."""
-        if self.chain is not None:
-            self.chain.accept(tokens)
-
-    def allowed(self) -> np.ndarray | None:
-        """The token ids the constraint allows next (None: any)."""
-        m = self.matcher
-        if m is None:
-            return None
-        if m.is_error() or m.is_stopped():
-            return self._eog
-        m.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
-        bits = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[: self.n_vocab]
-        ids = np.flatnonzero(bits).astype(np.int32)
-        return ids if len(ids) else self._eog
-
-    def sample(self, logits: np.ndarray) -> int:
-        """The next token from one row's logits (float32 [n_vocab], read only)."""
-        ids = self.allowed()
-        cand_logits = logits if ids is None else logits[ids]
-        if self.chain is None:
-            i = int(np.argmax(cand_logits))
-            token = i if ids is None else int(ids[i])
-            if self.top_n is not None:
-                self.last = self._logprobs(token, i, ids, cand_logits, normalized=False)
-        else:
-            cand = np.empty(len(cand_logits), dtype=_TOKEN_DATA)
-            cand["id"] = np.arange(self.n_vocab, dtype=np.int32) if ids is None else ids
-            cand["logit"] = cand_logits
-            cand["p"] = 0.0
-            arr = _TokenDataArray(cand.ctypes.data, len(cand), -1, False)
-            chain = self.chain._live()
-            _llama_sampler_apply()(int(ffi.cast("uintptr_t", chain)), ctypes.byref(arr))
-            if not 0 <= arr.selected < arr.size:
-                raise LlamaError("sample", "the sampler chain selected no token")
-            if arr.data == cand.ctypes.data:
-                kept = cand[: arr.size]
-            else:  # the chain pointed data at a buffer of its own: read there (before its next use)
-                kept = np.frombuffer((ctypes.c_char * (arr.size * _TOKEN_DATA.itemsize)).from_address(arr.data),
-                                     dtype=_TOKEN_DATA)
-            token = int(kept["id"][arr.selected])
-            lib.llama_sampler_accept(chain, token)
-            if self.top_n is not None:
-                if self.params.temperature > 0:  # the dist sampler's probabilities
-                    with np.errstate(divide="ignore"):
-                        self.last = self._logprobs(token, arr.selected, kept["id"], np.log(kept["p"]), normalized=True)
-                else:  # greedy after biases / penalties: the softmax of the logits it chose from
-                    self.last = self._logprobs(token, arr.selected, kept["id"], kept["logit"], normalized=False)
-        return token
-
-    def advance(self, token: int) -> None:
-        """The sequence goes on with ``token`` (the one sampled last): the constraint's matcher takes it. A token
-        the constraint does not allow puts the matcher in error, after which only the end is allowed."""
-        if self.matcher is not None and not self.matcher.is_stopped():
-            self.matcher.consume_token(int(token))
-
-    def _logprobs(self, token: int, index: int, ids: np.ndarray | None, scores: np.ndarray, *,
-                  normalized: bool) -> TokenLogprobs:
-        """``token`` (at ``index`` of the candidates ``ids``, None: the whole vocabulary) and the ``top_n`` best
-        candidates, from ``scores``: log-probabilities already, or logits to normalize (log-softmax). A few
-        passes over the vocabulary, no more: this runs for every token."""
-        offset = 0.0
-        if not normalized:
-            top = float(scores.max())
-            if math.isfinite(top):
-                offset = top + math.log(float(np.exp(scores - top).sum(dtype=np.float64)))
-        n = min(self.top_n, len(scores))
-        best = np.argpartition(scores, len(scores) - n)[len(scores) - n:] if n else np.empty(0, dtype=np.int64)
-        best = best[np.argsort(-scores[best], kind="stable")]
-        token_of = (lambda i: int(i)) if ids is None else (lambda i: int(ids[i]))
-        alternatives = tuple((token_of(i), float(scores[i]) - offset) for i in best if np.isfinite(scores[i]))
-        return TokenLogprobs(token, float(scores[index]) - offset, alternatives)
-
-    def reset(self) -> None:
-        if self.chain is not None:
-            self.chain.reset()
-        if self.matcher is not None:
-            self.matcher.reset()
-
-    def close(self) -> None:
-        if self.chain is not None:
-            self.chain.close()
-
-
-def _matcher(model: Model, constraint: Constraint):
-    """llguidance's matcher of ``constraint`` over the model's vocabulary; InvalidArgumentError naming the
-    problem if it does not compile."""
-    import llguidance
-
-    try:
-        grammar = constraint.compiled()
-        matcher = llguidance.LLMatcher(model.lltokenizer(), grammar, log_level=0)
-    except InvalidConstraint as exc:
-        raise InvalidArgumentError("constraint", str(exc)) from None
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # a panic in llguidance's Rust is a BaseException: a bad input, not a dead stage
-        raise InvalidArgumentError("constraint", f"{constraint.kind}: {type(exc).__name__}: {exc}") from None
-    if matcher.is_error():
-        raise InvalidArgumentError("constraint", f"{constraint.kind}: {matcher.get_error()}")
-    return matcher
-
-
-# --------------------------------------------------------------------------- contexts
+from skippyd.runtime.llama.ffi import (
+    ContextError,
+    InvalidArgumentError,
+    LlamaError,
+    NativeObject,
+    check_decode,
+    ffi,
+    lib,
+)
+from skippyd.runtime.llama.model import Model
+from skippyd.runtime.llama.sampling import GuidedSampler, Sampler
 
 
 @attrs.frozen
@@ -648,7 +48,7 @@ FLASH_ATTN_MODES = ("off", "on", "auto")
 MAX_KEEP_WARM_MS = 10_000
 
 
-class Context(_NativeObject):
+class Context(NativeObject):
     """A llama context for one stage, holding ``n_seq_max`` KV sequences.
 
     Input is token ids on a first stage and hidden states (float32
@@ -882,7 +282,7 @@ class Context(_NativeObject):
             if not causal:
                 lib.llama_set_causal_attn(ptr, True)
             self._computed()
-        _check_decode(op, rc)
+        check_decode(op, rc)
         self._out_rows = last_rows
         self._window_rows = window_rows
         self._n_last = n
@@ -907,7 +307,7 @@ class Context(_NativeObject):
         self._computed()
         if rc == -100:
             raise LlamaError(op, "batch has no room for this input kind")
-        _check_decode(op, rc)
+        check_decode(op, rc)
         self._out_rows = {seq: 0}
         self._n_last = 1
 
@@ -916,11 +316,12 @@ class Context(_NativeObject):
         """:meth:`decode_row` whose hidden state goes into ``frame[head_len:]`` (exactly one row's bytes), then
         out on the socket ``fd`` (-1: not sent) from native code the moment the compute ends: a stage's
         forward without the Python after a compute in its way. ``lock_fd`` (a flock held for this compute,
-        -1: none) is released then too, whatever the result. Returns (bytes written: 0 if the socket took
-        none, -errno if the write failed, the decode's results standing; CLOCK_MONOTONIC ns at the compute's
-        end). A decode that failed raises as decode_row (nothing written)."""
+        -1: none) is released then too, whatever the compute's result; a call whose arguments are refused
+        (InvalidArgumentError, ClosedError: before any compute) leaves it held. Returns (bytes written: 0 if
+        the socket took none, -errno if the write failed, the decode's results standing; CLOCK_MONOTONIC ns at
+        the compute's end). A decode that failed raises as decode_row (nothing written)."""
         op = "decode"
-        ptr, token, embd_c = self._send_row_input(op, pos, seq, token, embd, lock_fd, hidden=True,
+        ptr, token, embd_c = self._send_row_input(op, pos, seq, token, embd, hidden=True,
                                                   fits=len(frame) - head_len == self.n_embd * 4 and head_len >= 0,
                                                   need=f"{self.n_embd * 4} bytes after its head")
         out = self._send_out
@@ -940,23 +341,21 @@ class Context(_NativeObject):
         sampling) into the two u64 at ``us_at`` (the reply's compute_us and compute_us_max), and the frame out
         as decode_row_send's. Returns (token, bytes written or -errno, CLOCK_MONOTONIC ns at the end)."""
         op = "decode"
-        ptr, token, embd_c = self._send_row_input(op, pos, seq, token, embd, lock_fd, hidden=False,
+        ptr, token, embd_c = self._send_row_input(op, pos, seq, token, embd, hidden=False,
                                                   fits=0 <= us_at and us_at + 16 <= len(frame) - 4,
                                                   need=f"room for the token and the times at {us_at}")
+        smpl = ffi.NULL if sampler is None else sampler._live(op)
         out = self._send_out
         self._computing()
-        rc = lib.skippy_decode_row_sample_send(ptr, self._pbatch, token, embd_c, self.n_embd_inp, pos, seq,
-                                               ffi.NULL if sampler is None else sampler._live(),
+        rc = lib.skippy_decode_row_sample_send(ptr, self._pbatch, token, embd_c, self.n_embd_inp, pos, seq, smpl,
                                                ffi.from_buffer("uint8_t[]", frame), len(frame), us_at, lock_fd, fd,
                                                out, out + 1, self._token1)
         self._computed()
         self._sent_row(op, rc, seq)
         return self._token1[0], out[0], out[1]
 
-    def _send_row_input(self, op: str, pos: int, seq: int, token, embd, lock_fd: int, *, hidden: bool, fits: bool,
-                        need: str):
-        """decode_row's checks for the two calls above, and its input: (context, token, hidden-state pointer).
-        A check that fails releases ``lock_fd``, as the native call would have."""
+    def _send_row_input(self, op: str, pos: int, seq: int, token, embd, *, hidden: bool, fits: bool, need: str):
+        """decode_row's checks for the two calls above, and its input: (context, token, hidden-state pointer)."""
         try:
             ptr = self._live(op)
             if hidden != self.hidden_output:
@@ -971,10 +370,6 @@ class Context(_NativeObject):
             embd_c = ffi.from_buffer("float[]", self._hidden_input(op, embd, 1))
             self._row_sections(pos)
             return ptr, 0, embd_c
-        except BaseException:
-            if lock_fd >= 0:
-                fcntl.flock(lock_fd, fcntl.LOCK_UN)
-            raise
         finally:
             self._out_rows = {}
             self._window_rows = {}
@@ -987,7 +382,7 @@ class Context(_NativeObject):
             raise LlamaError(op, "llama_get_embeddings returned NULL")
         if rc == -102:
             raise LlamaError(op, "logits missing for a sampled row")
-        _check_decode(op, rc)
+        check_decode(op, rc)
         self._out_rows = {seq: 0}
         self._n_last = 1
 
@@ -1075,7 +470,7 @@ class Context(_NativeObject):
         smpl = ffi.new("struct llama_sampler *[]", n)
         for i, s in enumerate(seqs):
             sampler = samplers[s]
-            smpl[i] = ffi.NULL if sampler is None else sampler._live()
+            smpl[i] = ffi.NULL if sampler is None else sampler._live(op)
         out = np.empty(n, dtype=np.int32)
         rc = lib.skippy_sample_rows(self._live(op), smpl, ffi.from_buffer("int32_t[]", rows), n,
                                     ffi.from_buffer("llama_token[]", out))
@@ -1090,7 +485,7 @@ class Context(_NativeObject):
         if isinstance(sampler, GuidedSampler):
             return sampler.sample(self._logits_row(self._output_row(seq, op), op))
         self._row1[0] = self._output_row(seq, op)
-        self._smpl1[0] = ffi.NULL if sampler is None else sampler._live()
+        self._smpl1[0] = ffi.NULL if sampler is None else sampler._live(op)
         if lib.skippy_sample_rows(self._live(op), self._smpl1, self._row1, 1, self._token1) != 0:
             raise LlamaError(op, "logits missing for a sampled row")
         return self._token1[0]
@@ -1116,7 +511,7 @@ class Context(_NativeObject):
             raise InvalidArgumentError(op, f"{len(tokens)} tokens for a window of {len(rows)} rows")
         guided = isinstance(sampler, GuidedSampler)
         if not guided:
-            self._smpl1[0] = ffi.NULL if sampler is None else sampler._live()
+            self._smpl1[0] = ffi.NULL if sampler is None else sampler._live(op)
         out: list[int] = []
         last = len(rows) - 1
         for i, row in enumerate(rows):
@@ -1212,3 +607,12 @@ class Context(_NativeObject):
     def _mem_live(self, op: str):
         self._live(op)
         return self._mem
+
+
+
+def _bounds(a: np.ndarray) -> tuple[int, int]:
+    """(min, max) of a non-empty int array; a decode step's one row without numpy's reductions (~µs each)."""
+    if a.shape[0] == 1:
+        v = int(a[0])
+        return v, v
+    return int(a.min()), int(a.max())

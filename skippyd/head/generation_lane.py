@@ -1,0 +1,66 @@
+"""What a generation's run asks of the rest of the pipeline, whatever that is.
+
+A :class:`GenerationLane` takes what the head computes for one generation
+and answers with predictions. On a single stage it is a
+:class:`~skippyd.head.local_lane.LocalLane` (the head's own context samples:
+nothing leaves the process); in a pipeline, a
+:class:`~skippyd.head.pipeline_lane.PipelineLane` (the hidden states go down
+a lane, the final stage's predictions come back). The engine picks the
+:class:`LaneSource` once; a run never asks which it has.
+
+Every decode step is a verify window: the current token and its drafts,
+none for a plain step (which the wire sends as its compact decode frame).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from skippyd.head.sequence import HeadSequence
+from skippyd.head.sink import GenerationSink
+from skippyd.runtime.llama import TokenLogprobs
+from skippyd.sampling import SamplingParams
+
+
+class GenerationLane(Protocol):
+    """One generation's way to its predictions, from its admission to its cleanup (a replay after a stage
+    failure connects it again)."""
+
+    @property
+    def logprobs(self) -> TokenLogprobs | None:
+        """The last prediction's logprobs (a generation configured with them), or None."""
+
+    async def connect(self, deadline: float) -> None:
+        """Make ready for the generation, from a (re)start: a lane checked out (waiting until ``deadline``,
+        trio time, at most) and configured, or the head's sampler."""
+
+    async def restore(self, tokens: np.ndarray) -> int:
+        """How many of the positions of ``tokens`` (a prefix the head restored) the rest of the pipeline holds
+        now, from its prefix caches."""
+
+    async def prompt_chunk(self, tokens: np.ndarray, pos: int, *, final: bool) -> int | None:
+        """Compute the prompt chunk ``tokens`` from ``pos``; the final one's answer is the first generated
+        token (None for the others)."""
+
+    async def begin(self, token: int, drafts: Sequence[int]) -> object:
+        """Begin the step for ``token`` with ``drafts`` (none: a plain step); what :meth:`finish` takes."""
+
+    async def finish(self, step: object) -> list[int]:
+        """The step's answer: the drafts the final stage accepted, then the next token. The head's sequence
+        then holds the positions of the step's token and the accepted drafts."""
+
+    async def leave(self) -> None:
+        """The pipeline failed under the generation: give what it holds up (a replay connects again)."""
+
+    async def end(self) -> None:
+        """The generation ended (runs shielded): release what it holds down the pipeline, bounded."""
+
+
+class LaneSource(Protocol):
+    """Where the engine's generations get their lanes (chosen once: single stage or pipeline)."""
+
+    def lane_for(self, sequence: HeadSequence, sampling: SamplingParams, sink: GenerationSink) -> GenerationLane:
+        """A generation's lane (not yet connected)."""

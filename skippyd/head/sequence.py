@@ -1,0 +1,142 @@
+"""The head's own share of a generation: its KV sequence in stage 0's context, and the slice it computes.
+
+Every compute of the generation on the head goes through
+:meth:`HeadSequence.compute` (through the head's scheduler, so that
+concurrent generations batch their decode steps); the lanes decide what it
+computes (hidden states to send on, or, on a single stage, the sampled
+token). The sequence also restores the longest cached prefix of the prompt,
+records what it holds in the head's prefix cache and, once the generation
+ends, gives its slot back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+
+import attrs
+import numpy as np
+import trio
+
+from skippyd.head.errors import GenerationError
+from skippyd.head.live import LiveGeneration
+from skippyd.head.step_clock import StepClock
+from skippyd.runtime import llama
+from skippyd.stage.execution import Job
+from skippyd.stage.prefix_cache import PrefixCache, record_from, restore_into
+from skippyd.stage.scheduler import Scheduler
+from skippyd.stage.sessions import SessionTable
+from skippyd.telemetry import span
+from skippyd.wire.messages import MAX_TOKENS, StatsTotal
+from skippyd.wire.stream import PreparedFrame
+
+STOP_TIMEOUT_S = 2.0  # a generation's cleanup: the Stop down its lane, and the release of its sequence, each
+
+
+@attrs.frozen
+class HeadCompute:
+    """What the head's sequences share: stage 0's context, its scheduler, its sequence table and prefix
+    cache."""
+
+    context: llama.Context
+    scheduler: Scheduler
+    sessions: SessionTable
+    prefix_cache: PrefixCache
+
+
+class HeadSequence:
+    """One generation's sequence on the head (open from admission to cleanup) and its position in it."""
+
+    def __init__(self, head: HeadCompute, live: LiveGeneration, prompt: np.ndarray, stats: StatsTotal,
+                 clock: StepClock):
+        self.head, self.live, self.prompt = head, live, prompt
+        self.scheduler = head.scheduler
+        self.stats = stats  # every stage's reports for the generation: the head's computes are added here
+        self.clock = clock
+        self.session = head.sessions.open(0, live.session_id, live.request_id)
+        live.seq = self.seq = self.session.seq
+        self.position = 0  # positions the sequence holds
+        self.batched = False  # the last compute was one llama_decode with other sessions' steps
+
+    async def compute(self, tokens: np.ndarray, pos: int, *, want_token: bool, sampler=None,
+                      out: PreparedFrame | None = None, window: bool = False):
+        """Compute ``tokens`` from ``pos`` (the sequence then holds ``pos + len(tokens)`` positions): the hidden
+        states, or (``want_token``, a single stage) the sampled token, or a window's tokens."""
+        job = Job(self.seq, pos, tokens=tokens, embd=None, sampler=sampler, want_token=want_token, out=out,
+                  window=window, window_tokens=tokens if window else None)
+        live = self.live
+        try:
+            with span("head.compute", request=live.request_id, session=live.session_id, pos=pos, tokens=len(tokens)):
+                result = await self.scheduler.submit(job)
+        except llama.LlamaError as exc:
+            raise GenerationError(f"head compute failed: {exc}") from exc
+        clock = self.clock
+        clock.native_us += job.native_us
+        clock.loop_native_cpu_us += job.loop_native_cpu_us
+        clock.waited_us += job.lock_wait_us
+        self.batched = job.batch_jobs > 1
+        live.position = self.position = pos + len(tokens)
+        self.stats.add_compute(0, job.compute_us, job.queue_us)
+        return result
+
+    async def keep(self, n: int) -> None:
+        """Hold only the first ``n`` positions (a verify window's token and its accepted drafts)."""
+        if n < self.position:
+            context, seq = self.head.context, self.seq
+            await self.scheduler.run_kv(lambda: context.kv_trim(seq, n))
+            self.live.position = self.position = n
+
+    async def clear(self) -> None:
+        """Hold nothing (a replay computes the prompt again from position 0, as the first time)."""
+        context, seq = self.head.context, self.seq
+        await self.scheduler.run_kv(lambda: context.kv_clear_seq(seq))
+        self.live.position = self.position = 0
+
+    # ------------------------------------------------------------------ the prefix cache
+    async def restore(self, held_downstream: Callable[[np.ndarray], Awaitable[int]]) -> int:
+        """Restore the longest prefix of the prompt that every stage has in its prefix cache (the head's own
+        hit, then what ``held_downstream`` says the rest of the chain holds of it); returns its length, where
+        the prefill starts (0: a miss, the whole prompt is computed). A stage that restored more than that
+        trims itself when the prefill comes (positions are authoritative)."""
+        cache, prompt = self.head.prefix_cache, self.prompt
+        # the prompt's last token is always computed: its logits give the first generated token
+        hit = cache.lookup(prompt, min(len(prompt) - 1, MAX_TOKENS))  # MAX_TOKENS: one RestorePrefix
+        if hit is None:
+            return 0
+        length = min(hit.length, await held_downstream(prompt[:hit.length]))
+        if length < cache.min_hit:
+            return 0
+        if not await restore_into(self.scheduler, self.head.context, self.seq, hit, length):
+            return 0
+        cache.note_restored(length)
+        self.live.position = self.position = length
+        return length
+
+    async def record(self, generated: Sequence[int] = (), *, clear: bool = False) -> None:
+        """Keep what the sequence holds (the prompt, then ``generated``) in the head's prefix cache, if the
+        cache wants it; with ``clear``, then empty the sequence."""
+        head, seq = self.head, self.seq
+        if head.prefix_cache.enabled:
+            await record_from(head.prefix_cache, self.scheduler, head.context, seq, self._held(generated),
+                              clear=clear)
+        elif clear:
+            await self.scheduler.run_kv(lambda: head.context.kv_clear_seq(seq))
+
+    def _held(self, generated: Sequence[int]) -> np.ndarray:
+        """The token ids of the positions the sequence holds."""
+        if self.position <= len(self.prompt):
+            return self.prompt[:self.position]
+        return np.concatenate([self.prompt, np.asarray(generated, dtype=np.int32)])[:self.position]
+
+    # ------------------------------------------------------------------ the end
+    def leave_batches(self) -> None:
+        """The generation ends: the other sessions' batches wait for its steps no more."""
+        self.scheduler.forget(self.seq)
+
+    async def release(self, generated: Sequence[int]) -> None:
+        """Keep the prompt and the reply in the prefix cache (the next turn begins so; bounded), then give the
+        sequence's slot back, whatever the record did."""
+        try:
+            with trio.move_on_after(STOP_TIMEOUT_S):
+                await self.record(generated, clear=True)
+        finally:
+            self.head.sessions.forget(self.session)
