@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from skippyd.runtime import architectures, mtmd, slicing
-from skippyd.runtime.llama import ClosedError, ContextParams, InvalidArgumentError, Model, ffi, lib
+from skippyd.runtime.llama import ClosedError, ContextParams, InvalidArgumentError, Model
+from skippyd.runtime.llama.ffi import ffi, lib
 from skippyd.runtime.slicing import split_model
 from tests.llama_cpp_reference import install_llama_cpp, mtmd_greedy_tokens
 from tests.local_pipeline import LocalPipeline
