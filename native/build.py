@@ -7,12 +7,13 @@ Steps, each cached under ``~/.cache/skippy/`` so that a second build costs secon
    commit 0c1e570);
 2. extract ``vendor/llama.cpp`` and apply ``native/patches/*.patch`` (a patch
    that does not apply stops the build with patch's own output);
-3. build shared libllama + ggml with CMake (CPU by default; extra arguments from
-   ``SKIPPY_LLAMA_CMAKE_ARGS``, e.g. ``-DGGML_CUDA=ON``); the cache key covers
-   the sdist hash, the patches and the CMake arguments;
+3. build shared libllama + ggml, and libmtmd (the multimodal projectors of
+   ``tools/mtmd``, built standalone, without video), with CMake (CPU by default;
+   extra arguments from ``SKIPPY_LLAMA_CMAKE_ARGS``, e.g. ``-DGGML_CUDA=ON``);
+   the cache key covers the sdist hash, the patches and the CMake arguments;
 4. compile the cffi extension (API mode, out of line) against the patched
-   ``llama.h``, linked with an ``$ORIGIN`` rpath so that it finds libllama
-   beside itself.
+   ``llama.h`` and ``mtmd.h``, linked with an ``$ORIGIN`` rpath so that it finds
+   libllama and libmtmd beside itself.
 
 Run directly (``python native/build.py [--into DIR]``) or through setup.py.
 """
@@ -45,9 +46,13 @@ SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 VENDOR_PREFIX = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
 
 # Bump when this script changes what it produces for the same inputs.
-BUILD_SCHEMA = 1
+BUILD_SCHEMA = 2
 
 EXTENSION_NAME = "_skippy_llama"
+# the extension's declarations and C source: libllama's, then libmtmd's (whose helpers use the former's statics)
+CDEF_FILES = ("llama_cdef.h", "mtmd_cdef.h")
+SOURCE_FILES = ("llama_helpers.c", "mtmd_helpers.c")
+BUILD_TARGETS = ("llama", "mtmd")
 
 BASE_CMAKE_ARGS = [
     "-DCMAKE_BUILD_TYPE=Release",
@@ -64,6 +69,9 @@ BASE_CMAKE_ARGS = [
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_SERVER=OFF",
     "-DLLAMA_BUILD_APP=OFF",
+    # libmtmd alone (no tools): what the head encodes images with; no video, which would run ffmpeg on input
+    "-DLLAMA_BUILD_MTMD=ON",
+    "-DMTMD_VIDEO=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_CURL=OFF",
 ]
@@ -128,8 +136,7 @@ def extension_key(lib_key: str) -> str:
 
     parts = [
         lib_key.encode(),
-        (HERE / "llama_cdef.h").read_bytes(),
-        (HERE / "llama_helpers.c").read_bytes(),
+        *((HERE / name).read_bytes() for name in CDEF_FILES + SOURCE_FILES),
         (sysconfig.get_config_var("EXT_SUFFIX") or "").encode(),
         cffi.__version__.encode(),
         str(BUILD_SCHEMA).encode(),
@@ -209,16 +216,19 @@ def build_libllama() -> Path:
             if cmake is None:
                 raise NativeBuildError("cmake not found on PATH (pip install cmake, or apt-get install cmake)")
             _run([cmake, "-S", str(src), "-B", str(build), *cmake_args()], log_path)
-            _run([cmake, "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", "llama"], log_path)
+            _run([cmake, "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *BUILD_TARGETS], log_path)
             staging = Path(tmp) / "out"
             (staging / "lib").mkdir(parents=True)
             libs = [p for p in (build / "bin").glob("lib*.so") if p.is_file()]
-            if not any(p.name == "libllama.so" for p in libs):
-                raise NativeBuildError(f"libllama.so not produced; see {log_path}")
+            for target in BUILD_TARGETS:
+                if not any(p.name == f"lib{target}.so" for p in libs):
+                    raise NativeBuildError(f"lib{target}.so not produced; see {log_path}")
             for lib in libs:
                 shutil.copy2(lib, staging / "lib" / lib.name)
             shutil.copytree(src / "include", staging / "include")
             shutil.copytree(src / "ggml" / "include", staging / "include", dirs_exist_ok=True)
+            for header in ("mtmd.h", "mtmd-helper.h"):
+                shutil.copy2(src / "tools" / "mtmd" / header, staging / "include" / header)
             (staging / "cmake-args.txt").write_text("\n".join(cmake_args()) + "\n")
             shutil.rmtree(out, ignore_errors=True)
             staging.rename(out)
@@ -241,13 +251,13 @@ def build_extension(lib_dir: Path) -> Path:
         if target.exists():
             return target
         ffi = cffi.FFI()
-        ffi.cdef((HERE / "llama_cdef.h").read_text())
+        ffi.cdef("\n".join((HERE / name).read_text() for name in CDEF_FILES))
         ffi.set_source(
             EXTENSION_NAME,
-            (HERE / "llama_helpers.c").read_text(),
+            "\n".join((HERE / name).read_text() for name in SOURCE_FILES),
             include_dirs=[str(lib_dir / "include")],
             library_dirs=[str(lib_dir / "lib")],
-            libraries=["llama", "ggml-cpu", "ggml-base"],
+            libraries=["mtmd", "llama", "ggml-cpu", "ggml-base"],
             extra_compile_args=["-O2"],
             extra_link_args=["-Wl,-rpath,$ORIGIN"],
         )

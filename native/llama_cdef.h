@@ -19,6 +19,8 @@ typedef struct llama_memory_i * llama_memory_t;
 
 #define LLAMA_DEFAULT_SEED ...
 
+/* M-RoPE (and its interleaved form) take several positions per embedding row: llama.cpp's n_pos_per_embd */
+enum llama_rope_type { LLAMA_ROPE_TYPE_MROPE, LLAMA_ROPE_TYPE_IMROPE, ... };
 enum llama_pooling_type { LLAMA_POOLING_TYPE_UNSPECIFIED, LLAMA_POOLING_TYPE_NONE, ... };
 enum llama_flash_attn_type { LLAMA_FLASH_ATTN_TYPE_AUTO, LLAMA_FLASH_ATTN_TYPE_DISABLED,
                              LLAMA_FLASH_ATTN_TYPE_ENABLED, ... };
@@ -82,6 +84,7 @@ int32_t llama_model_n_embd(const struct llama_model * model);
 int32_t llama_model_n_embd_inp(const struct llama_model * model);
 int32_t llama_model_n_layer(const struct llama_model * model);
 int32_t llama_model_n_ctx_train(const struct llama_model * model);
+enum llama_rope_type llama_model_rope_type(const struct llama_model * model);
 uint64_t llama_model_size(const struct llama_model * model);
 int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t buf_size);
 int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
@@ -110,6 +113,7 @@ struct llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_se
 void llama_batch_free(struct llama_batch batch);
 int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
 void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);
+void llama_set_causal_attn(struct llama_context * ctx, bool causal_attn);
 void llama_attach_threadpool(struct llama_context * ctx, struct ggml_threadpool * threadpool,
                              struct ggml_threadpool * threadpool_batch);
 void llama_detach_threadpool(struct llama_context * ctx);

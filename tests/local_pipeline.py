@@ -46,14 +46,19 @@ class LocalPipeline:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def decode(self, tokens: np.ndarray, pos: np.ndarray, seq: np.ndarray) -> None:
-        """One batch through every stage; the last stage then holds logits."""
-        hidden = None
+    def decode(self, tokens: np.ndarray | None, pos: np.ndarray, seq: np.ndarray, *, embd: np.ndarray | None = None,
+               causal: bool = True) -> None:
+        """One batch through every stage; the last stage then holds logits. The first stage takes `tokens`, or
+        input embeddings `embd` (an image's rows); every stage gets the same positions `pos` (``[4, n]`` for an
+        image's rows on an M-RoPE model) and `causal`."""
+        hidden = embd
         for ctx in self.contexts:
-            if ctx.token_input:
-                ctx.decode(pos, seq, tokens=tokens)
+            if ctx.token_input and tokens is not None:
+                ctx.decode(pos, seq, tokens=tokens, causal=causal)
+            elif ctx.token_input:
+                ctx.decode(pos, seq, input_embd=hidden, causal=causal)
             else:
-                ctx.decode(pos, seq, embd=hidden)
+                ctx.decode(pos, seq, embd=hidden, causal=causal)
             if ctx.hidden_output:
                 hidden = ctx.hidden()
 
@@ -67,6 +72,25 @@ class LocalPipeline:
             part = tokens[lo:lo + chunk]
             pos = np.arange(start + lo, start + lo + len(part), dtype=np.int32)
             self.decode(part, pos, np.full(len(part), seq, dtype=np.int32))
+
+    def prefill_chunks(self, chunks: Sequence, *, seq: int = 0, start: int = 0, chunk: int = 512) -> int:
+        """A multimodal prompt (skippyd.runtime.mtmd's text and image chunks) in prompt order, as llama.cpp's
+        ``mtmd_helper_eval_chunks`` evaluates it: a text chunk's tokens, an image chunk's rows encoded and given
+        to the first stage as embeddings (causal attention off where the chunk says so), each at its rows'
+        positions, `chunk` rows per batch. Returns the position decoding goes on from."""
+        position = start
+        for c in chunks:
+            rows = c.encode() if hasattr(c, "encode") else None
+            pos = c.positions(position)
+            for lo in range(0, c.n_tokens, chunk):
+                hi = min(lo + chunk, c.n_tokens)
+                seqs = np.full(hi - lo, seq, dtype=np.int32)
+                if rows is None:
+                    self.decode(c.tokens[lo:hi], pos[lo:hi], seqs)
+                else:
+                    self.decode(None, pos[..., lo:hi], seqs, embd=rows[lo:hi], causal=not c.non_causal)
+            position += c.n_pos
+        return position
 
     def generate(self, prompt: Sequence[int], max_tokens: int, *, sampling: SamplingParams | None = None,
                  seq: int = 0, chunk: int = 512, stop_at_eog: bool = True) -> list[int]:

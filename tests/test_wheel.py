@@ -21,7 +21,7 @@ def test_wheel_ships_native_layer_and_runs_without_the_source_tree(tmp_path, def
     (wheel,) = wheels.glob("skippy-*.whl")
     assert "linux" in wheel.name  # platform-specific, not a pure-Python wheel
     names = zipfile.ZipFile(wheel).namelist()
-    for lib in ("libllama.so", "libggml.so", "libggml-base.so", "libggml-cpu.so"):
+    for lib in ("libllama.so", "libggml.so", "libggml-base.so", "libggml-cpu.so", "libmtmd.so"):
         assert f"skippyd/_native/{lib}" in names
     assert any(n.startswith("skippyd/_native/_skippy_llama") and n.endswith(".so") for n in names)
 

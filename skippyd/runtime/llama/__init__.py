@@ -1,6 +1,7 @@
 """libllama through cffi: models, stage contexts, samplers.
 
-This package is the only place in skippy that touches C pointers. Everything
+This package and mtmd.py (libmtmd, in the same extension) are the only places in skippy that touch C
+pointers. Everything
 it hands out is plain Python or numpy (copied right away: llama.cpp reuses its
 output buffers on the next decode). Every object has an idempotent ``close()``;
 every C failure becomes a :class:`LlamaError` subclass naming the operation.

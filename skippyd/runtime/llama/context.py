@@ -63,6 +63,7 @@ class Context(NativeObject):
     def __init__(self, model: Model, params: ContextParams = ContextParams()):
         self._ptr = ffi.NULL
         self._batch = None
+        self._input_batch = None
         self._threadpool = ffi.NULL
         self._warm = ffi.NULL
         op = "create context"
@@ -124,6 +125,11 @@ class Context(NativeObject):
         self.n_embd_inp = model.n_embd_inp
         self._batch = lib.llama_batch_init(self.n_batch, 0 if self.token_input else self.n_embd_inp, 1)
         self._pbatch = ffi.new("llama_batch *", self._batch)
+        self.n_pos_per_embd = model.n_pos_per_embd
+        self._pos_all = None  # M-RoPE: the positions of rows given as embeddings, n_pos_per_embd per row
+        if self.n_pos_per_embd > 1 and not self.token_input:
+            self._pos_all = self._pbatch.pos = ffi.new("llama_pos[]", self.n_batch * self.n_pos_per_embd)
+        self._pinput = ffi.NULL  # a first stage's batch of input embeddings (an image's rows), made when first used
         self._send_out = ffi.new("int64_t[2]")  # decode_row_send's bytes written and time of the compute's end
         # sample_row's arguments, allocated once (it runs for every token)
         self._row1, self._smpl1, self._token1 = (ffi.new("int32_t[1]"), ffi.new("struct llama_sampler *[1]"),
@@ -139,6 +145,10 @@ class Context(NativeObject):
         if self._batch is not None:
             lib.llama_batch_free(self._batch)
             self._batch = None
+        if self._input_batch is not None:
+            lib.llama_batch_free(self._input_batch)  # the struct as allocated (its pos, not our M-RoPE buffer)
+            self._input_batch = None
+            self._pinput = ffi.NULL
         if self._ptr != ffi.NULL:
             if self._threadpool != ffi.NULL:
                 lib.llama_detach_threadpool(self._ptr)
@@ -178,26 +188,43 @@ class Context(NativeObject):
 
     # -- compute
     def decode(self, pos: np.ndarray, seq: np.ndarray, *, tokens: np.ndarray | None = None,
-               embd: np.ndarray | None = None, windows: Iterable[int] = ()) -> None:
+               embd: np.ndarray | None = None, input_embd: np.ndarray | None = None, windows: Iterable[int] = (),
+               causal: bool = True) -> None:
         """Run one batch. Rows may belong to several sequences, each with explicit positions.
 
         Read the result with :meth:`hidden` (non-final stage) or :meth:`logits`
         / :meth:`sample` (final stage) before the next decode. On a final stage every row of the sequences
         in ``windows`` (verify windows) outputs logits, read with :meth:`sample_window`; other sequences'
         last row only.
+
+        A first stage takes ``input_embd`` in place of ``tokens``: input embeddings (an image's rows from a
+        projector, ``[n, n_embd_inp]``). On an M-RoPE model (``n_pos_per_embd`` 4) rows given as embeddings
+        (``input_embd``, ``embd``) take ``pos`` of shape ``[4, n]``, section-major (llama.cpp's layout, an
+        image's rows); 1-D positions of such rows are text tokens', spread over the sections as llama.cpp
+        spreads a token's: (p, p, p, 0).
+        ``causal=False`` computes the batch with causal attention off (an image whose rows attend both ways).
         """
         op = "decode"
         ptr = self._live(op)
         pos = np.ascontiguousarray(pos, dtype=np.int32)
         seq = np.ascontiguousarray(seq, dtype=np.int32)
-        n = int(pos.shape[0]) if pos.ndim == 1 else -1
+        n = int(pos.shape[-1]) if pos.ndim in (1, 2) else -1
         if n < 1:
             raise InvalidArgumentError(op, "empty batch")
         if n > self.n_batch:
             raise InvalidArgumentError(op, f"batch of {n} tokens exceeds n_batch {self.n_batch}")
         if seq.shape != (n,):
             raise InvalidArgumentError(op, f"seq has shape {seq.shape}, expected ({n},)")
-        self._check_rows(op, _bounds(seq), _bounds(pos), tokens, embd)
+        rows = embd if input_embd is None else input_embd
+        if pos.ndim == 2 and (rows is None or self.n_pos_per_embd == 1 or pos.shape[0] != self.n_pos_per_embd):
+            raise InvalidArgumentError(op, f"positions of shape {pos.shape}: only rows given as embeddings to an "
+                                           f"M-RoPE model take {self.n_pos_per_embd} per row")
+        if input_embd is not None and not (self.token_input and tokens is None and embd is None):
+            raise InvalidArgumentError(op, "input embeddings (an image's rows) go to a first stage, in place of "
+                                           "its token ids")
+        # input embeddings stand where a first stage's token ids would
+        self._check_rows(op, _bounds(seq), _bounds(pos[0] if pos.ndim == 2 else pos),
+                         tokens if input_embd is None else input_embd, embd)
         # which rows produce output: all on a hidden stage, the last row of each sequence otherwise (every row
         # of a verify window's)
         last_rows: dict[int, int] = {}
@@ -224,25 +251,37 @@ class Context(NativeObject):
         pos_c = ffi.from_buffer("llama_pos[]", pos)
         seq_c = ffi.from_buffer("llama_seq_id[]", seq)
         out_c = ffi.from_buffer("int8_t[]", out)
-        if self.token_input:
+        batch = self._pbatch
+        if tokens is not None and input_embd is None:
             tokens = np.ascontiguousarray(tokens, dtype=np.int32)
             if tokens.shape != (n,):
                 raise InvalidArgumentError(op, f"tokens has shape {tokens.shape}, expected ({n},)")
             self._check_token_ids(op, *_bounds(tokens))
-            rc = lib.skippy_fill_token_batch(self._pbatch, ffi.from_buffer("llama_token[]", tokens), n,
-                                             pos_c, seq_c, out_c)
+            rc = lib.skippy_fill_token_batch(batch, ffi.from_buffer("llama_token[]", tokens), n, pos_c, seq_c, out_c)
         else:
-            embd = self._hidden_input(op, embd, n)
-            rc = lib.skippy_fill_embd_batch(self._pbatch, ffi.from_buffer("float[]", embd), n, self.n_embd_inp,
+            rows = self._hidden_input(op, rows, n)
+            if self.token_input:
+                batch = self._input_embd_batch()
+            rc = lib.skippy_fill_embd_batch(batch, ffi.from_buffer("float[]", rows), n, self.n_embd_inp,
                                             pos_c, seq_c, out_c)
+            if rc == 0 and self.n_pos_per_embd > 1:  # the fill copied n positions; the batch takes 4 per row
+                if pos.ndim == 1:
+                    pos = np.stack([pos, pos, pos, np.zeros_like(pos)])
+                ffi.memmove(batch.pos, ffi.from_buffer("llama_pos[]", pos), pos.nbytes)
         if rc != 0:
             raise LlamaError(op, "batch has no room for this input kind")
         self._out_rows = {}
         self._window_rows = {}
         self._n_last = 0
         self._computing()
-        rc = lib.llama_decode(ptr, self._pbatch[0])
-        self._computed()
+        if not causal:
+            lib.llama_set_causal_attn(ptr, False)
+        try:
+            rc = lib.llama_decode(ptr, batch[0])
+        finally:
+            if not causal:
+                lib.llama_set_causal_attn(ptr, True)
+            self._computed()
         check_decode(op, rc)
         self._out_rows = last_rows
         self._window_rows = window_rows
@@ -259,6 +298,7 @@ class Context(NativeObject):
             embd_c = ffi.NULL
         else:
             embd_c, token = ffi.from_buffer("float[]", self._hidden_input(op, embd, 1)), 0
+            self._row_sections(pos)
         self._out_rows = {}
         self._window_rows = {}
         self._n_last = 0
@@ -327,7 +367,9 @@ class Context(NativeObject):
             if self.token_input:
                 self._check_token_ids(op, token, token)
                 return ptr, token, ffi.NULL
-            return ptr, 0, ffi.from_buffer("float[]", self._hidden_input(op, embd, 1))
+            embd_c = ffi.from_buffer("float[]", self._hidden_input(op, embd, 1))
+            self._row_sections(pos)
+            return ptr, 0, embd_c
         finally:
             self._out_rows = {}
             self._window_rows = {}
@@ -356,6 +398,22 @@ class Context(NativeObject):
                 raise InvalidArgumentError(op, "a first stage takes token ids, not hidden states")
         elif embd is None or tokens is not None:
             raise InvalidArgumentError(op, "a later stage takes hidden states, not token ids")
+
+    def _input_embd_batch(self):
+        """A first stage's batch for input embeddings (its own batch holds token ids), made when first used."""
+        if self._pinput == ffi.NULL:
+            self._input_batch = lib.llama_batch_init(self.n_batch, self.n_embd_inp, 1)
+            self._pinput = ffi.new("llama_batch *", self._input_batch)
+            if self.n_pos_per_embd > 1:
+                self._input_pos = self._pinput.pos = ffi.new("llama_pos[]", self.n_batch * self.n_pos_per_embd)
+        return self._pinput
+
+    def _row_sections(self, pos: int) -> None:
+        """A hidden-state row of a decode step on an M-RoPE model is a text token's: the native call sets its
+        first section, the others are (pos, pos, 0) as llama.cpp gives a token."""
+        if self._pos_all is not None:
+            self._pos_all[1] = self._pos_all[2] = pos
+            self._pos_all[3] = 0
 
     def _check_token_ids(self, op: str, lowest: int, highest: int) -> None:
         if lowest < 0 or highest >= self.model.n_vocab:

@@ -71,6 +71,9 @@ class Model(NativeObject):
         self.n_layer = int(lib.llama_model_n_layer(ptr))
         self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
         self.n_ctx_train = int(lib.llama_model_n_ctx_train(ptr))
+        # positions per row given as embeddings: 4 (time, row, column, unused) for M-RoPE, else 1
+        rope = lib.llama_model_rope_type(ptr)
+        self.n_pos_per_embd = 4 if rope in (lib.LLAMA_ROPE_TYPE_MROPE, lib.LLAMA_ROPE_TYPE_IMROPE) else 1
         self.architecture = self.meta("general.architecture") or "unknown"
         self.name = self.meta("general.name") or self.path.stem
         self.stage = self._read_stage_info()
