@@ -215,8 +215,8 @@ class Context(NativeObject):
             raise InvalidArgumentError(op, f"batch of {n} tokens exceeds n_batch {self.n_batch}")
         if seq.shape != (n,):
             raise InvalidArgumentError(op, f"seq has shape {seq.shape}, expected ({n},)")
-        rows = embd if input_embd is None else input_embd
-        if pos.ndim == 2 and (rows is None or self.n_pos_per_embd == 1 or pos.shape[0] != self.n_pos_per_embd):
+        given = embd if input_embd is None else input_embd  # the rows given as embeddings, if any
+        if pos.ndim == 2 and (given is None or self.n_pos_per_embd == 1 or pos.shape[0] != self.n_pos_per_embd):
             raise InvalidArgumentError(op, f"positions of shape {pos.shape}: only rows given as embeddings to an "
                                            f"M-RoPE model take {self.n_pos_per_embd} per row")
         if input_embd is not None and not (self.token_input and tokens is None and embd is None):
@@ -259,10 +259,10 @@ class Context(NativeObject):
             self._check_token_ids(op, *_bounds(tokens))
             rc = lib.skippy_fill_token_batch(batch, ffi.from_buffer("llama_token[]", tokens), n, pos_c, seq_c, out_c)
         else:
-            rows = self._hidden_input(op, rows, n)
+            given = self._hidden_input(op, given, n)
             if self.token_input:
                 batch = self._input_embd_batch()
-            rc = lib.skippy_fill_embd_batch(batch, ffi.from_buffer("float[]", rows), n, self.n_embd_inp,
+            rc = lib.skippy_fill_embd_batch(batch, ffi.from_buffer("float[]", given), n, self.n_embd_inp,
                                             pos_c, seq_c, out_c)
             if rc == 0 and self.n_pos_per_embd > 1:  # the fill copied n positions; the batch takes 4 per row
                 if pos.ndim == 1:
