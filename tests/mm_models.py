@@ -229,3 +229,15 @@ def image_bytes(width: int, height: int, *, seed: int, fmt: str = "PNG") -> byte
     out = io.BytesIO()
     Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8), "RGB").save(out, format=fmt)
     return out.getvalue()
+
+
+def claimed_size(png: bytes, width: int, height: int) -> bytes:
+    """`png` whose header claims `width` x `height` (its IHDR rewritten, with a valid CRC) over the same few
+    pixels: what a decompression bomb looks like before it is decoded."""
+    import struct
+    import zlib
+
+    if png[:8] != b"\x89PNG\r\n\x1a\n" or png[12:16] != b"IHDR":
+        raise ValueError("not a PNG starting with its IHDR")
+    ihdr = b"IHDR" + struct.pack(">II", width, height) + png[24:29]
+    return png[:12] + ihdr + struct.pack(">I", zlib.crc32(ihdr)) + png[33:]
