@@ -211,6 +211,18 @@ class Bitmap(NativeObject):
                                        f"(PNG, JPEG, BMP, GIF, TGA, PSD, HDR, PIC, PNM), starting {data[:8]!r}")
         return cls(wrapped.bitmap, len(data))
 
+    @classmethod
+    def blank(cls, width: int, height: int) -> Bitmap:
+        """A black image of that size (what the projector makes of an image of a size, whatever it shows)."""
+        op = "make image"
+        if not 0 < width <= 1 << 16 or not 0 < height <= 1 << 16:
+            raise InvalidArgumentError(op, f"an image of {width} x {height} pixels")
+        _init()
+        ptr = lib.mtmd_bitmap_init(width, height, bytes(3 * width * height))
+        if ptr == ffi.NULL:
+            raise MtmdError(op, "mtmd_bitmap_init returned NULL")
+        return cls(ptr, 0)
+
     @property
     def size(self) -> tuple[int, int]:
         """(width, height) in pixels."""
@@ -258,6 +270,7 @@ class ImageChunk(NativeObject):
                  grid: tuple[int, int] | None, non_causal: bool):
         self._projector = projector
         self._ptr = chunk_ptr  # our own copy of the chunk (mtmd_input_chunk_copy), freed by close()
+        self._use = threading.Lock()  # held by an encode of it: close() waits for that, and no other
         self.n_tokens = n_tokens
         self.n_pos = n_pos
         self.id = id
@@ -270,10 +283,11 @@ class ImageChunk(NativeObject):
     def encode(self) -> np.ndarray:
         """The image's embedding rows, float32 ``[n_tokens, n_embd]`` (a copy; the projector's CPU threads)."""
         op = "encode image"
-        return self._projector._encode(self._live(op), self.n_tokens, op)
+        with self._use:
+            return self._projector._encode(self._live(op), self.n_tokens, op)
 
     def close(self) -> None:
-        with self._projector._lock:  # never under an encode of it in another thread
+        with self._use:  # never under an encode of it in another thread
             if self._ptr != ffi.NULL:
                 lib.mtmd_input_chunk_free(self._ptr)
                 self._ptr = ffi.NULL
@@ -310,7 +324,8 @@ def _projector_info(path: Path) -> dict[str, object]:
     kind = field_value(reader, "clip.projector_type") or field_value(reader, "clip.vision.projector_type")
     if not vision:
         raise ProjectorLoadError(op, f"{path} has no vision encoder (a projector for audio only?)")
-    return {"projector_type": str(kind) if kind else "unknown"}
+    size = field_value(reader, "clip.vision.image_size", 0)
+    return {"projector_type": str(kind) if kind else "unknown", "image_size": int(size) if size else 0}
 
 
 class Projector(NativeObject):
@@ -325,9 +340,7 @@ class Projector(NativeObject):
     def __init__(self, model: Model, path: str | os.PathLike[str], *, n_threads: int = 2, warmup: bool = True,
                  use_gpu: bool = False):
         self._ptr = ffi.NULL
-        # mtmd_encode_chunk and its output buffer: one encode at a time, and no chunk freed under one (reentrant: a
-        # chunk collected by the GC during an encode frees itself in the encoding thread)
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # mtmd_encode_chunk and its output buffer: one encode at a time
         op = "load projector"
         if n_threads < 1:
             raise InvalidArgumentError(op, "n_threads must be >= 1")
@@ -353,6 +366,8 @@ class Projector(NativeObject):
             raise ProjectorLoadError(op, f"{self.path}: {reason}")
         self._ptr = ptr
         self.projector_type: str = info["projector_type"]  # type: ignore[assignment]
+        # the vision encoder's input (a side, in pixels): what an image is resized or cut to
+        self.image_size: int = info["image_size"] or 224  # type: ignore[assignment]
         self.n_embd = model.n_embd_inp
         self.marker = ffi.string(lib.mtmd_get_marker(ptr)).decode()
         self.supports_vision = bool(lib.mtmd_support_vision(ptr))
@@ -404,6 +419,18 @@ class Projector(NativeObject):
                     for i in range(lib.mtmd_input_chunks_size(chunks))]
         finally:
             lib.mtmd_input_chunks_free(chunks)
+
+    def image_rows(self, width: int, height: int) -> int:
+        """The embedding rows (tokens) an image of that size becomes, every tile's together. TokenizeError for a
+        text model that lacks the tokens this projector frames images with."""
+        with Bitmap.blank(width, height) as bitmap:
+            chunks = self.tokenize(self.marker, [bitmap], add_special=False)
+        try:
+            return sum(c.n_tokens for c in chunks if isinstance(c, ImageChunk))
+        finally:
+            for c in chunks:
+                if isinstance(c, ImageChunk):
+                    c.close()
 
     def _chunk(self, c, op: str) -> Chunk:
         kind = lib.mtmd_input_chunk_get_type(c)
