@@ -41,6 +41,10 @@ QWEN2VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
 
 SMOLLM2_WIDTH = 576
 
+# architectures whose splits the image tests verify against the whole model (and llama.cpp's own multimodal
+# path): tests/test_mtmd.py in one process, tests/test_images.py through skippyd on 1, 2 and 3 stages
+MM_ARCHITECTURES = frozenset({"qwen2vl"})
+
 
 # --------------------------------------------------------------------------- text models
 

@@ -14,12 +14,11 @@ import hashlib
 import io
 import struct
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pytest
 
-from skippyd.runtime import architectures, mtmd, slicing
+from skippyd.runtime import mtmd
 from skippyd.runtime.llama import ClosedError, ContextParams, InvalidArgumentError, Model
 from skippyd.runtime.llama.ffi import ffi, lib
 from skippyd.runtime.slicing import split_model
@@ -250,17 +249,11 @@ def test_mrope_prompt_gives_llama_cpps_tokens(qwen2vl, qwen_chunks, llama_cpp):
 
 @pytest.fixture(scope="module")
 def qwen_splits(qwen2vl, tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[Path]]:
-    """The Qwen2-VL model split in 2 and 3 stages. The slicer refuses M-RoPE models (the wire gives a later stage
-    one position per row); the refusal is lifted here to check the runtime's side: a stage after the first
-    taking an image's rows with 4 positions each and a text token's hidden state with one."""
+    """The Qwen2-VL model split in 2 and 3 stages: a stage after the first takes an image's rows with 4 positions
+    each and a text token's hidden state with one."""
     text, _ = qwen2vl
-    support = architectures.Support(architectures.Verdict.SAME_MECHANISM)
-    out = {}
-    with mock.patch.object(slicing, "support", lambda arch: support), \
-            mock.patch.dict(slicing._UNSPLITTABLE_KEYS, clear=True):
-        for n in (2, 3):
-            out[n] = [s.file for s in split_model(text, None, tmp_path_factory.mktemp(f"qsplit{n}"), stages=n).stages]
-    return out
+    return {n: [s.file for s in split_model(text, None, tmp_path_factory.mktemp(f"qsplit{n}"), stages=n).stages]
+            for n in (2, 3)}
 
 
 @pytest.mark.parametrize("n_stages", [2, 3])
