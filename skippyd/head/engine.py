@@ -15,6 +15,7 @@ in :mod:`skippyd.head.lane_client` and :mod:`skippyd.head.resume`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -241,7 +242,8 @@ class HeadEngine:
         for image in req.images:
             self.image_limits.check(image)
         text = self._image_text(req)
-        prompt = await trio.to_thread.run_sync(image_prompt, self.projector, text, req.images)
+        prompt = await trio.to_thread.run_sync(functools.partial(image_prompt, self.projector, text, req.images,
+                                                                 raw=req.raw))
         try:
             self._check_fits(prompt)
         except BaseException:

@@ -61,10 +61,11 @@ def not_an_image(image: ImageInput) -> ImageRefused:
                         f"JPEG, GIF, BMP, TGA, PSD, HDR, PIC, PNM)", source=image.source)
 
 
-def image_prompt(projector: mtmd.Projector, text: str, images: Sequence[ImageInput]) -> Prompt:
+def image_prompt(projector: mtmd.Projector, text: str, images: Sequence[ImageInput], *, raw: bool) -> Prompt:
     """`text` (one media marker per image) and the images, as the prompt's pieces: decoded and cut into
-    chunks by libmtmd. Blocking (decoding, resizing): run it in a worker thread. ImageRefused for bytes that
-    are no image, or markers that do not match the images."""
+    chunks by libmtmd, the text tokenized as a text prompt's is (``raw``: the model's BOS added, special tokens
+    kept as text; else a chat template's text, special tokens parsed). Blocking (decoding, resizing): run it
+    in a worker thread. ImageRefused for bytes that are no image, or markers that do not match the images."""
     bitmaps = []
     try:
         for image in images:
@@ -73,7 +74,7 @@ def image_prompt(projector: mtmd.Projector, text: str, images: Sequence[ImageInp
             except mtmd.ImageDecodeError:
                 raise not_an_image(image) from None
         try:
-            chunks = projector.tokenize(text, bitmaps)
+            chunks = projector.tokenize(text, bitmaps, add_special=raw, parse_special=not raw)
         except mtmd.TokenizeError as exc:
             raise ImageRefused(f"the prompt and its images: {exc}") from None
         try:

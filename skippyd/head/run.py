@@ -132,8 +132,10 @@ class GenerationRun:
             self.chunk = self.head.chunker.size
         parts = list(prompt.parts(start, self.chunk))
         for i, (piece, lo, hi) in enumerate(parts):
-            if isinstance(piece, ImagePiece):
+            if isinstance(piece, ImagePiece) and piece.rows is None:
+                self.live.state = GenerationState.ENCODE
                 await sequence.encode(piece)
+                self.live.state = GenerationState.PREFILL
             token = await lane.prompt_part(prompt.part(piece, lo, hi), final=i == len(parts) - 1)
         for replayed in list(self.reply.tokens):  # already emitted: their predictions are not emitted again
             (token,) = await lane.finish(await lane.begin(replayed, ()))
