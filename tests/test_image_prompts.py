@@ -248,3 +248,30 @@ def test_media_rows_go_alone_first_and_are_not_decode_steps():
     one_row_image = SimpleNamespace(seq=2, n=1, window=False, solo=True)
     assert policy.take([step, chunk, one_row_image]) == [one_row_image]
     assert policy.take([step, chunk]) == [step, chunk]
+
+
+def test_media_rows_compute_at_their_positions_with_causal_attention_as_they_say(tiny_model_small_vocab_path: Path):
+    """A stage's compute of a solo job: input embeddings on a first stage, the given positions, causal attention
+    off where the rows say so: what the context computes for the same rows directly."""
+    from skippyd.runtime.llama import Context, ContextParams
+    from skippyd.stage.execution import Execution, HotPath, Job, SchedulerStats
+    from skippyd.stage.threads import ThreadChooser
+
+    params = ContextParams(n_ctx_per_seq=64, n_seq_max=1, n_batch=64, n_ubatch=64, n_threads=1)
+    with Model(tiny_model_small_vocab_path) as model, Context(model, params) as ours, Context(model, params) as theirs:
+        execution = Execution(ours, threads=ThreadChooser(1, enabled=False), stats=SchedulerStats(),
+                              hot_path=HotPath())
+        embd = np.random.default_rng(0).standard_normal((5, model.n_embd_inp), dtype=np.float32)
+        pos = np.arange(3, 8, dtype=np.int32)
+        logits = {}
+        for causal in (True, False):
+            for ctx in (ours, theirs):
+                ctx.kv_clear_seq(0)
+            job = Job(0, 3, tokens=None, embd=embd, want_token=True, positions=pos.reshape(1, 5), causal=causal)
+            assert job.solo
+            execution.compute_sync([job])
+            theirs.decode(pos, np.zeros(5, np.int32), input_embd=embd, causal=causal)
+            np.testing.assert_array_equal(ours.logits(0), theirs.logits(0))
+            assert ours.kv_pos_range(0) == (3, 7)
+            logits[causal] = ours.logits(0)
+        assert not np.allclose(logits[True], logits[False])

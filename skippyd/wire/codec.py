@@ -523,8 +523,8 @@ def _max_message_body(kind: int, limits: Limits, n_embd: int) -> int:
     if kind in (MessageKind.PREFILL, MessageKind.VERIFY_WINDOW):
         act = min(limits.max_tokens * row, limits.max_activation_bytes)
         body = MESSAGE_HEADER_SIZE + 4 * limits.max_tokens + act
-        if kind == MessageKind.PREFILL:  # a positions block: its head, a key and four positions per row at most
-            body += _POSITIONS_HEAD.size + 4 * (1 + MAX_POSITION_SECTIONS) * limits.max_tokens
+        if kind == MessageKind.PREFILL:  # a positions block: ext_len (u16) words at most
+            body += 4 * 0xFFFF
         return body
     if kind == MessageKind.RESTORE_PREFIX:  # tokens only, looked up and never computed: the protocol's cap
         return MESSAGE_HEADER_SIZE + 4 * MAX_TOKENS
@@ -772,8 +772,8 @@ def _decode_positions(header: MessageHeader, tail: Buffer, tokens: np.ndarray) -
     if reserved or reserved2 or sections not in (1, MAX_POSITION_SECTIONS):
         raise ProtocolError(ErrorCode.BAD_VALUE, f"PREFILL: positions block of {sections} sections (1 or "
                                                  f"{MAX_POSITION_SECTIONS}), or a reserved field set")
-    if not start <= pos_end <= start + n:
-        raise ProtocolError(ErrorCode.BAD_VALUE, f"PREFILL: pos_end {pos_end} outside [{start}, {start + n}]")
+    if not start <= pos_end <= MAX_POSITION:
+        raise ProtocolError(ErrorCode.BAD_VALUE, f"PREFILL: pos_end {pos_end} outside [{start}, {MAX_POSITION}]")
     n_keys = pos_end - start
     if _POSITIONS_HEAD.size + 4 * (n_keys + sections * n) != header.ext_len:
         raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"PREFILL: positions block of {header.ext_len} bytes for "
