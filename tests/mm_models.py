@@ -178,12 +178,14 @@ class _Projector:
 
 def write_idefics3_projector(path: str | os.PathLike[str], *, n_embd_text: int = SMOLLM2_WIDTH, image_size: int = 32,
                              patch_size: int = 8, longest_edge: int = 64, scale_factor: int = 2, n_embd: int = 32,
-                             n_layer: int = 2, seed: int = 0) -> Path:
-    """SmolVLM's projector, small: a SigLIP tower over `image_size` tiles of `patch_size` patches (learned
-    position embeddings, a post-norm), the pixel shuffle by `scale_factor` and ``mm.model.fc`` to `n_embd_text`.
-    An image is resized so its longer side is `longest_edge`, then cut into tiles, plus a global view."""
+                             n_layer: int = 2, n_head: int = 2, n_ff: int | None = None, seed: int = 0) -> Path:
+    """SmolVLM's projector, small by default: a SigLIP tower over `image_size` tiles of `patch_size` patches
+    (learned position embeddings, a post-norm), the pixel shuffle by `scale_factor` and ``mm.model.fc`` to
+    `n_embd_text`. An image is resized so its longer side is `longest_edge`, then cut into tiles, plus a global
+    view. (SmolVLM-256M's tower: image_size 512, patch_size 16, scale_factor 4, n_embd 768, 12 layers of 12
+    heads, n_ff 3072.)"""
     path = Path(path)
-    p = _Projector(path, "idefics3", n_embd=n_embd, n_head=2, n_ff=2 * n_embd + 16, n_layer=n_layer,
+    p = _Projector(path, "idefics3", n_embd=n_embd, n_head=n_head, n_ff=n_ff or 2 * n_embd + 16, n_layer=n_layer,
                    image_size=image_size, patch_size=patch_size, projection_dim=n_embd_text, seed=seed)
     p.writer.add_uint32("clip.vision.projector.scale_factor", scale_factor)
     p.writer.add_uint32("clip.vision.preproc_image_size", longest_edge)
