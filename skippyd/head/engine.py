@@ -2,7 +2,8 @@
 
 :class:`HeadEngine` admits a generation (:mod:`skippyd.head.admission`: one
 wait with one queue timeout, whichever way the request came in), checks its
-prompt, runs it (:class:`~skippyd.head.run.GenerationRun`: configure →
+prompt (its images too: held to the limits, decoded and cut into chunks by
+the projector, :meth:`HeadEngine.prepare`), runs it (:class:`~skippyd.head.run.GenerationRun`: configure →
 prefill → decode → cleanup), and keeps what the control plane shows of it:
 the live table (and a kill for each entry), receipts and totals.
 
@@ -195,10 +196,10 @@ class HeadEngine:
 
     # ------------------------------------------------------------------ prompt
     def prompt_tokens(self, req: GenerationRequest) -> np.ndarray:
-        """The prompt the request asks for, tokenized (through the chat template unless raw) and checked:
-        not empty, and leaving room in a session's context. The one place a prompt is checked: raises
-        GenerationError (status 400), PromptTooLong when it does not fit; LlamaError if it cannot be
-        tokenized."""
+        """The prompt the request asks for, without images, tokenized (through the chat template unless raw)
+        and checked: not empty, and leaving room in a session's context. Raises GenerationError (status 400),
+        PromptTooLong when it does not fit; LlamaError if it cannot be tokenized. (A prompt with images:
+        :meth:`prepare`.)"""
         tokens = self._tokenize(req)
         n_ctx = self.context.n_ctx_seq
         if len(tokens) == 0:
