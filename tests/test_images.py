@@ -426,3 +426,22 @@ def test_deploy_sends_the_projector_to_the_heads_host(models, results, tmp_path)
     finally:
         for d in daemons:
             assert d.stop() == 0, d.log()
+
+
+# --------------------------------------------------------------------------- resume
+
+
+async def test_a_stage_killed_after_an_image_prompt_resumes_with_the_same_tokens(models, splits, tmp_path):
+    """--resume replays the prompt, its image's rows (kept on the head since their encode) at their positions,
+    and the tokens so far; the generation ends with an uninterrupted run's tokens."""
+    from tests.test_resume import check_resumed
+
+    pipe = _start(models, splits, tmp_path, "qwen2vl", 2, extra=("--resume",),
+                  config={"runtime.resume_window": 30, "runtime.compute_lock": "off"})
+    await trio.to_thread.run_sync(_wait, [pipe])
+    try:
+        prompt, specs, _ = QWEN_LARGE["a large image in two chunks"]
+        kw = dict(prompt=prompt, images=[b64(x) for x in _images(specs)], max_tokens=48)
+        await check_resumed(pipe, 1, kw, when="decode")
+    finally:
+        await trio.to_thread.run_sync(pipe.stop)
