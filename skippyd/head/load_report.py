@@ -42,7 +42,7 @@ async def load_report(node: Any, timeout: float = 1.0) -> LoadReport:
 
     def own(rtt_us: int = 0) -> StageLoad:
         return stage_load(0, layers, engine.sessions, engine.scheduler, engine.context, engine.prefix_cache,
-                          downstream_rtt_us=rtt_us)
+                          downstream_rtt_us=rtt_us, kv_tokens=sum(g.position for g in list(engine.live.values())))
 
     if node.single_stage:
         return LoadReport((own(),))

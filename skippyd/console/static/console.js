@@ -115,7 +115,7 @@ function renderPipeline(p) {
       `<dt>sessions</dt><dd>${st.sessions ?? "-"} / ${st.n_seq_max ?? "-"}</dd>` +
       `<dt>KV</dt><dd>${st.kv_tokens ?? "-"} / ${st.kv_capacity ?? "-"}</dd>` +
       `<dt>prefix cache</dt><dd>${st.cache_budget ? bytes(st.cache_bytes) + " / " + bytes(st.cache_budget) : "off"}</dd></dl>` +
-      `<div class="bar" title="busy share"><span style="width:${busy ? Math.round(100 * busy) : 0}%"></span></div></div>`);
+      `<meter class="busy" min="0" max="1" value="${busy || 0}" title="busy share"></meter></div>`);
   });
   $("#pipeline-map").innerHTML = parts.join("");
   const r = p.return_path;
@@ -281,23 +281,26 @@ async function sendChat(event) {
 
 // ---------------------------------------------------------------- history
 function drawChart(svg, points, key) {
-  const W = 900, H = 160, L = 40, B = 18;
+  const W = Math.max(300, Math.round(svg.getBoundingClientRect().width) || 900), H = 160, L = 40, B = 18;
+  svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   const values = points.map((p) => p[key]).filter((v) => v !== null && v !== undefined);
   const max = Math.max(1, ...values);
   const t0 = points.length ? points[0].t : 0, t1 = points.length ? points[points.length - 1].t : 1;
   const x = (t) => L + (W - L - 4) * (t1 > t0 ? (t - t0) / (t1 - t0) : 1);
   const y = (v) => H - B - (H - B - 6) * (v / max);
-  let path = "", pen = false;
-  for (const p of points) {
+  const none = (i) => i < 0 || i >= points.length || points[i][key] === null || points[i][key] === undefined;
+  let path = "", pen = false, dots = "";
+  points.forEach((p, i) => {
     const v = p[key];
-    if (v === null || v === undefined) { pen = false; continue; }
+    if (none(i)) { pen = false; return; }
     path += `${pen ? "L" : "M"}${x(p.t).toFixed(1)},${y(v).toFixed(1)}`; pen = true;
-  }
+    if (none(i - 1) && none(i + 1)) dots += `<circle class="dot" r="2.5" cx="${x(p.t).toFixed(1)}" cy="${y(v).toFixed(1)}"></circle>`;
+  });
   svg.innerHTML = `<line class="axis" x1="${L}" y1="${H - B}" x2="${W}" y2="${H - B}"></line>` +
     `<line class="axis" x1="${L}" y1="0" x2="${L}" y2="${H - B}"></line>` +
     `<text x="2" y="12">${fmt(max, max < 10 ? 1 : 0)}</text><text x="2" y="${H - B}">0</text>` +
     `<text x="${L}" y="${H - 4}">-${Math.round(t1 - t0)} s</text><text x="${W - 30}" y="${H - 4}">now</text>` +
-    (path ? `<path class="line" d="${path}"></path>` : `<text x="${W / 2 - 40}" y="${H / 2}">no data yet</text>`);
+    (path ? `<path class="line" d="${path}"></path>${dots}` : `<text x="${W / 2 - 40}" y="${H / 2}">no data yet</text>`);
   svg.dataset.points = String(values.length);
 }
 
