@@ -137,6 +137,13 @@ def rows(driver) -> list:
     return css(driver, "#sessions-table tbody tr")
 
 
+def cli_rows(driver) -> list[list[str]]:
+    """The cells of the rows of generations started on the control channel, read at one instant."""
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#sessions-table tbody tr[data-origin=\"CLI\"]')]"
+        ".map((tr) => [...tr.children].map((td) => td.textContent))")
+
+
 # ---------------------------------------------------------------- the pages
 def test_pipeline_page_shows_both_stages_healthy(console, browser, tmp_path):
     open_page(browser, console, "pipeline")
@@ -176,8 +183,7 @@ def test_a_chat_streams_its_reply_into_the_page(console, browser, tmp_path):
 def test_a_cli_generation_comes_and_goes_in_the_sessions_view(console, browser, tmp_path):
     open_page(browser, console, "sessions")
     results = console.generate_in_background(prompt="Write a long story about a lighthouse.", max_tokens=60)
-    row = wait_for(browser, lambda d: (rows(d) or [None])[0], what="the session's row")
-    cells = [td.text for td in row.find_elements("css selector", "td")]
+    cells = wait_for(browser, lambda d: (cli_rows(d) or [None])[0], what="the session's row")
     assert cells[1] == "CLI" and cells[3].isdigit() and int(cells[3]) > 0, cells
     wait_for(browser, lambda d: results and not rows(d), timeout=60, what="the row gone once it ended")
     assert results[0]["finish_reason"] in ("stop", "length"), results
@@ -186,9 +192,8 @@ def test_a_cli_generation_comes_and_goes_in_the_sessions_view(console, browser, 
 def test_killing_from_the_page_frees_the_session_on_every_stage(console, browser):
     open_page(browser, console, "sessions")
     results = console.generate_in_background(prompt="Count from one to a thousand, in words.", max_tokens=160)
-    row = wait_for(browser, lambda d: (rows(d) or [None])[0], what="the session's row")
-    wait_for(browser, lambda d: int(row.find_elements("css selector", "td")[4].text or 0) > 2, what="decoding")
-    row.find_element("css selector", "button.kill").click()
+    wait_for(browser, lambda d: any(int(cells[4] or 0) > 2 for cells in cli_rows(d)), what="decoding")
+    css(browser, '#sessions-table tr[data-origin="CLI"] button.kill')[0].click()
     wait_for(browser, lambda d: not rows(d), timeout=10, what="the row gone after the kill")
     wait_for(browser, lambda d: results, timeout=10, what="the generation's result")
     assert results[0]["finish_reason"] == "cancelled", results

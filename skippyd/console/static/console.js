@@ -152,7 +152,7 @@ function renderSessions(list) {
       td.appendChild(kill); tr.appendChild(td);
     }
     SESSION_CELLS.forEach((cell, i) => { const text = String(cell(g)); if (tr.children[i].textContent !== text) tr.children[i].textContent = text; });
-    tr.dataset.state = g.state;
+    tr.dataset.state = g.state; tr.dataset.origin = g.origin;
     const want = previous ? previous.nextSibling : body.firstChild;
     if (want !== tr) body.insertBefore(tr, want);
     previous = tr;
