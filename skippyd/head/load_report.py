@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import trio
 
-from skippyd.stage.downstream import DownstreamError, DownstreamLink
+from skippyd.stage.downstream import DownstreamError
 from skippyd.stage.load import stage_load
 from skippyd.wire.messages import ErrorReply, StageLoad, StageQuery, StageReport
 
@@ -59,24 +59,10 @@ async def load_report(node: Any, timeout: float = 1.0) -> LoadReport:
 
 async def _query(pool) -> tuple[tuple[StageLoad, ...], str | None, int]:
     """(stages 1..N's loads, why they are missing, the round trip to stage 1 less its own time)."""
-    reply = failure = None
-    wait_us = 0
-    async with trio.open_nursery() as nursery:
-        try:
-            link = await DownstreamLink.connect(pool.host, pool.port, pool.hello, connect_timeout=pool.connect_timeout,
-                                                credit_limit=pool.credit_limit, reply_timeout=pool.reply_timeout,
-                                                wrap=pool.wrap, nursery=nursery)
-            try:
-                reply, _sent, _write_us, wait_us = await link.request(StageQuery(next(_query_ids)))
-            finally:
-                with trio.CancelScope(shield=True):
-                    await link.aclose()
-        except DownstreamError as exc:
-            failure = f"stage 1 at {pool.address}: {exc.detail}"
-        finally:
-            nursery.cancel_scope.cancel()
-    if failure is not None:
-        return (), failure, 0
+    try:
+        reply, wait_us = await pool.request_once(StageQuery(next(_query_ids)))
+    except DownstreamError as exc:
+        return (), f"stage 1 at {pool.address}: {exc.detail}", 0
     if isinstance(reply, ErrorReply):
         return (), f"stage 1 at {pool.address}: {reply.code.name}: {reply.message}", 0
     if not isinstance(reply, StageReport) or not reply.stages:

@@ -743,12 +743,17 @@ class CacheStats:
         return {**attrs.asdict(self), "hit_rate": self.hit_rate}
 
 
-def _cache_records(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
-    if len(value) > MAX_CACHE_REPORT_STAGES:
-        raise ValueError(f"{attribute.name}: {len(value)} records, at most {MAX_CACHE_REPORT_STAGES}")
-    for record in value:
-        if not isinstance(record, CacheStats):
-            raise TypeError(f"{attribute.name} holds {type(record).__name__}, not CacheStats")
+def _records_of(cls: type):
+    """The check of a report's records: at most one per stage (MAX_CACHE_REPORT_STAGES), each a ``cls``."""
+
+    def check(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
+        if len(value) > MAX_CACHE_REPORT_STAGES:
+            raise ValueError(f"{attribute.name}: {len(value)} records, at most {MAX_CACHE_REPORT_STAGES}")
+        for record in value:
+            if not isinstance(record, cls):
+                raise TypeError(f"{attribute.name} holds {type(record).__name__}, not {cls.__name__}")
+
+    return check
 
 
 @attrs.frozen
@@ -759,7 +764,7 @@ class CacheReport:
     kind: ClassVar[ReplyKind] = ReplyKind.CACHE_REPORT
     request_id: int = attrs.field(validator=_u64)
     session_id: int = attrs.field(validator=_u64)
-    stages: tuple[CacheStats, ...] = attrs.field(converter=tuple, validator=_cache_records)
+    stages: tuple[CacheStats, ...] = attrs.field(converter=tuple, validator=_records_of(CacheStats))
     stats: StageStats = NO_STATS
 
 
@@ -797,14 +802,6 @@ class StageLoad:
     answer_us: int = attrs.field(default=0, validator=_u64)
 
 
-def _load_records(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
-    if len(value) > MAX_CACHE_REPORT_STAGES:
-        raise ValueError(f"{attribute.name}: {len(value)} records, at most {MAX_CACHE_REPORT_STAGES}")
-    for record in value:
-        if not isinstance(record, StageLoad):
-            raise TypeError(f"{attribute.name} holds {type(record).__name__}, not StageLoad")
-
-
 @attrs.frozen
 class StageReport:
     """The answer to a StageQuery: one :class:`StageLoad` per stage, from the one asked to the final stage,
@@ -813,7 +810,7 @@ class StageReport:
     kind: ClassVar[ReplyKind] = ReplyKind.STAGE_REPORT
     request_id: int = attrs.field(validator=_u64)
     session_id: int = attrs.field(validator=_u64)
-    stages: tuple[StageLoad, ...] = attrs.field(converter=tuple, validator=_load_records)
+    stages: tuple[StageLoad, ...] = attrs.field(converter=tuple, validator=_records_of(StageLoad))
     stats: StageStats = NO_STATS
 
 
