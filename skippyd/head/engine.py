@@ -71,6 +71,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     tools: tuple[dict, ...] = ()  # OpenAI function tools, for a chat template that presents them itself
     speculate: bool | None = None  # speculative decoding for this generation (None: the daemon's setting)
+    origin: str = "control"  # who asked (the console shows it): "control" or "openai"
 
 
 @attrs.define
@@ -232,7 +233,8 @@ class HeadEngine:
         max_tokens = min(req.max_tokens, self.context.n_ctx_seq - len(prompt))
         request_id = self.new_request_id()
         session_id = secrets.randbits(63)
-        live = LiveGeneration(request_id, session_id, len(prompt), time.monotonic(), trio.CancelScope())
+        live = LiveGeneration(request_id, session_id, len(prompt), time.monotonic(), trio.CancelScope(),
+                              origin=req.origin)
         self.live[session_id] = live
         run = GenerationRun(self.parts, live, prompt, max_tokens, sampling, req.stop, req.ignore_eos, sink,
                             started, max_draft=self._max_draft(req.speculate))

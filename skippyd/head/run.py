@@ -125,7 +125,7 @@ class GenerationRun:
         self.live.state = GenerationState.PREFILL
         start = await sequence.restore(lane.restore)
         if start:
-            self.cached_tokens = start
+            self.cached_tokens = self.live.cached_tokens = start
         if self.chunk is None:
             self.chunk = self.head.chunker.size
         prompt, chunk, n = self.prompt, self.chunk, len(self.prompt)
