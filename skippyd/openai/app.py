@@ -506,6 +506,7 @@ class OpenAIApp:
         away cancels it (and the engine frees the session). A stream's pieces are sent by a task of their own
         (see PieceRelay), all before this returns. One that did not end with its reply is an ApiError."""
         with span("openai.generation", request=ex.id) as s:
+            outcome = None  # stays None when the client leaves first: its going cancels the generation
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_when_gone, ex, nursery.cancel_scope)
                 relay = None
