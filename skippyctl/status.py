@@ -27,6 +27,7 @@ def _table(data: dict) -> Table:
                             + _down((data.get("head") or {}).get("downstream"))
                             + _lanes_task((data.get("head") or {}).get("lanes_task"))
                             + _listening(data.get("listeners"))
+                            + _warnings(data.get("warnings"))
                             + _caches(data)
                             + _speculation((data.get("head") or {}).get("speculation"))
                             + _vision((data.get("head") or {}).get("vision")))
@@ -124,7 +125,11 @@ def _listening(listeners: list[dict] | None) -> str:
     if not listeners:
         return ""
     return "\nlistening: " + ", ".join(f"{x['what']} {x['address']}" + ("" if x["loopback"] else " (not loopback)")
-                                       for x in listeners)
+                                       + (" (API key)" if x.get("api_key") else "") for x in listeners)
+
+
+def _warnings(warnings: list[str] | None) -> str:
+    return "".join(f"\nWARNING: {line}" for line in warnings or ())
 
 
 def _dash(value) -> str:

@@ -36,6 +36,7 @@ FLAG_KEYS = {
     "control_token_file": "control.token_file",
     "openai": "openai.listen",
     "model_id": "openai.model_id",
+    "api_key_file": "openai.api_key_file",
     "log_level": "daemon.log_level",
 }
 NO_CONTROL_KEY = "control.enabled"  # --no-control sets it to false
@@ -179,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     api = p.add_argument_group("OpenAI API")
     api.add_argument("--openai", type=_hostport, default=None, metavar="HOST:PORT",
                      help="serve the OpenAI-compatible HTTP API (and /metrics) here; only the head serves it")
+    api.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
+                     help="every /v1/* request (and the web console's views) must present the key in FILE as "
+                          "'Authorization: Bearer KEY'; /health stays open")
     api.add_argument("--model-id", default=None, metavar="NAME",
                      help="model name the OpenAI API serves (default: the GGUF file name without .gguf)")
     life = p.add_argument_group("daemon")

@@ -204,6 +204,9 @@ class ControlSection:
 class OpenAISection:
     listen: str | None = attrs.field(default=None, validator=_hostport)
     model_id: str | None = None  # default: the GGUF file name without .gguf
+    # a file holding the key every /v1/* request (and the console) must present as "Authorization: Bearer KEY"
+    api_key_file: Path | None = None
+    public_metrics: bool = False  # /metrics without the key (with no key set it is open anyway)
 
 
 @attrs.frozen

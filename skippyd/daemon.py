@@ -157,7 +157,9 @@ class Daemon:
                 from skippyd.openai.server import OpenAIServer
 
                 self.openai = await nursery.start(OpenAIServer(self, *parse_hostport(config.openai.listen),
-                                                               model_id=config.openai.model_id).run)
+                                                               model_id=config.openai.model_id,
+                                                               api_key=plan.api_key,
+                                                               public_metrics=config.openai.public_metrics).run)
             elif config.openai.listen:
                 log.info("--openai: this daemon runs no head (stage 0): no OpenAI API here")
             # Every listener started above accepts work: only now may systemd hear READY=1.

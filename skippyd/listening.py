@@ -8,10 +8,11 @@ host with the same defaults (two stages started with the default control port).
 from __future__ import annotations
 
 import errno
+import ipaddress
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["ListenError", "explain_bind_errors"]
+__all__ = ["ListenError", "explain_bind_errors", "is_loopback"]
 
 
 class ListenError(OSError):
@@ -55,3 +56,13 @@ def _explained(exc: OSError, what: str, host: str, port: int, option: str) -> Li
     error = ListenError(f"{what}: cannot listen on {address}: {reason.lower()}; {_hint(exc.errno, option)}")
     error.errno = exc.errno
     return error
+
+
+def is_loopback(host: str) -> bool:
+    """Only this host can reach a listener on ``host``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -18,6 +18,7 @@ import attrs
 
 from skippyd.config import Config, parse_hostport
 from skippyd.hosts import THIS_MACHINE, Machines
+from skippyd.openai.auth import ApiKey, KeyFileError
 from skippyd.stage.server import StageConfig
 from skippyd.stage.threads import usable_cores
 from skippyd.topology import Topology, TopologyError
@@ -55,6 +56,7 @@ class Plan:
     stage: StageConfig  # how each of them computes and listens
     head: HeadOptions
     link_auth: bytes  # the link secret's Hello auth (b"": none); status probes present it too
+    api_key: ApiKey | None = None  # what the OpenAI API and the console's views ask for (None: nothing)
 
 
 def plan_daemon(config: Config, machines: Machines | None = None) -> Plan:
@@ -76,10 +78,11 @@ def plan_daemon(config: Config, machines: Machines | None = None) -> Plan:
             raise SettingsRefused(str(exc)) from None
         indices = stage_indices(topology, pipeline.stage)
     link_auth = _link_auth(config)
+    api_key = _api_key(config)
     n_local = 1 if topology is None else stages_on_this_host(topology, indices[0], machines)
     groups = decode_groups(config, topology, machines)
     return Plan(topology, pipeline.model, indices, stage_config(config, n_local, groups, link_auth),
-                head_options(config), link_auth)
+                head_options(config), link_auth, api_key)
 
 
 def stage_indices(topology: Topology, stage: int | str | None) -> tuple[int, ...]:
@@ -173,6 +176,15 @@ def _chat_template(path: Path | None) -> str | None:
     except TemplateRefused as exc:
         raise SettingsRefused(f"chat template {path}: {exc}") from None
     return source
+
+
+def _api_key(config: Config) -> ApiKey | None:
+    if config.openai.api_key_file is None:
+        return None
+    try:
+        return ApiKey.load(config.openai.api_key_file)
+    except KeyFileError as exc:
+        raise SettingsRefused(str(exc)) from None
 
 
 def _link_auth(config: Config) -> bytes:

@@ -3,7 +3,6 @@ with each stage's reachability and protocol version (a live lane's handshake, or
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import time
 from typing import Any
@@ -12,6 +11,7 @@ import trio
 
 from skippyd.config import parse_hostport
 from skippyd.head.lanes import LaneState
+from skippyd.listening import is_loopback
 from skippyd.wire.messages import PROTOCOL_VERSION
 
 PROBE_TTL_S = 1.0  # a stage's reachability is probed at most this often
@@ -45,6 +45,7 @@ class StatusReport:
                           "listen": f"{s.config.listen_host or s.spec.host}:{s.port}"})
         snap["local_stages"] = local
         snap["listeners"] = self.listeners()
+        snap["warnings"] = self.warnings()
         snap["load"] = self.load()
         snap["topology"] = await self.topology() if d.topology is not None else None
         return snap
@@ -100,12 +101,18 @@ class StatusReport:
             add("control", d.control.host, d.control.port)
         if d.config.openai.listen and d.head is not None:
             add("openai", *parse_hostport(d.config.openai.listen))
+            out[-1]["api_key"] = d.config.openai.api_key_file is not None
         hub = d.head.hub if d.head is not None else None
         if hub is not None and hub.address:
             add("token-return", *hub.address.rsplit(":", 1))
         for s in sorted(d.stages, key=lambda s: s.index):
             add(f"stage {s.index}", s.config.listen_host or s.spec.host, s.port)
         return out
+
+    def warnings(self) -> list[str]:
+        """What the operator should know: an OpenAI listener other hosts reach with no API key."""
+        openai = getattr(self.daemon, "openai", None)
+        return openai.warnings() if openai is not None else []
 
     def load(self) -> dict:
         d = self.daemon
@@ -198,12 +205,3 @@ async def probe_stage(topology, spec, *, timeout: float = 1.0, auth: bytes = b""
         return {"reachable": True, "version": None, "node": None, "error": f"handshake failed: {exc}"}
     finally:
         await trio.aclose_forcefully(stream)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -6,8 +6,9 @@ from __future__ import annotations
 GEMMA3 = "gemma3-270m"
 SLIDING_WINDOW = 512
 # 18 layers, full attention on every sixth (5, 11, 17): a 9|9 split puts the second stage's layers 2 and 8
-# (absolute 11 and 17) on full attention, 4:11 and 11:18 cut the pattern's period mid-way
-RANGES = {2: "0:9,9:18", 3: "0:4,4:11,11:18"}
+# (absolute 11 and 17) on full attention; of three stages the middle one holds layer 5 alone (a stage of a
+# sliding-window model without a window layer), which numbered from 0 would be a window layer
+RANGES = {2: "0:9,9:18", 3: "0:5,5:6,6:18"}
 
 LONG_PROMPT = """\
 The lighthouse at the end of the northern breakwater was built in 1874, when the harbour still served the \

@@ -65,14 +65,6 @@ def test_the_prompt_is_longer_than_the_sliding_window(gemma3_path):
     assert len(prompt_tokens(gemma3_path)) > SLIDING_WINDOW + 64
 
 
-def test_a_stage_of_full_attention_layers_only_loads_and_computes_its_share(gemma3_path, tmp_path):
-    # the middle stage holds layer 5 alone, the first global one: a sliding-window model without a window layer
-    files = [s.file for s in split_model(gemma3_path, "0:5,5:6,6:18", tmp_path).stages]
-    want_logits, want_tokens = whole_model(gemma3_path)
-    logits, tokens = run_in_process(files)
-    assert np.array_equal(logits, want_logits) and tokens == want_tokens
-
-
 @pytest.mark.parametrize("n", sorted(RANGES))
 def test_split_in_process_is_bit_identical_to_the_whole_model(gemma3_path, gemma3_splits, n):
     from skippyd.topology import Topology

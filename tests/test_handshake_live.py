@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
-from skippyd.wire.messages import Ack, Hello, Ping
+from skippyd.wire.messages import PROTOCOL_VERSION, Ack, Hello, Ping
 from tests.procs import Pipeline, split_for_test
 
 pytestmark = pytest.mark.slow  # real daemon processes
@@ -52,8 +52,8 @@ def refusals(pipe: Pipeline) -> list[str]:
 CASES = {
     "fingerprint": (dict(fingerprint=bytes(range(32))),
                     "model fingerprint mismatch: peer 0001020304050607…, ours "),
-    # a stage of the protocol before media rows (version 5) is refused, not sent rows it would misread
-    "version": (dict(version=5), "protocol version mismatch: peer 5, ours 6"),
+    # a stage of the protocol before media rows (version 6) is refused, not sent rows it would misread
+    "version": (dict(version=6), f"protocol version mismatch: peer 6, ours {PROTOCOL_VERSION}"),
     "layer-range": (dict(layer_end=1),
                     "non-adjacent stage: peer is stage 0 with layers [0, 1) of 4, expected stage 0 ending at layer 2"),
     "stage-index": (dict(stage_index=2, layer_start=1, layer_end=2),

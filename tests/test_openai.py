@@ -8,6 +8,7 @@ it); the client is sync, so the trio tests run its calls in a thread.
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 
 import numpy as np
@@ -442,7 +443,7 @@ async def test_fake_disconnect_cancels_a_streaming_generation():
     assert samples[("skippy_http_requests_total", "499")] == 1
 
 
-async def test_fake_disconnect_cancels_a_plain_generation(autojump_clock):
+async def test_fake_disconnect_cancels_a_plain_generation(autojump_clock, caplog):
     async def behave(sink):
         await trio.sleep_forever()
 
@@ -453,6 +454,11 @@ async def test_fake_disconnect_cancels_a_plain_generation(autojump_clock):
         await trio.sleep(5)
         await call.disconnect()
     assert engine.cancelled == 1 and call.status is None
+    # a client gone is an answer of its own (499), not an internal error
+    samples = {(s.name, s.labels.get("status")): s.value
+               for f in text_string_to_metric_families(app.metrics.render().decode()) for s in f.samples}
+    assert samples[("skippy_http_requests_total", "499")] == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 async def test_fake_failure_before_the_first_piece_is_a_real_status():

@@ -63,6 +63,9 @@ from skippyd.wire.messages import (
     RestorePrefix,
     Role,
     SamplingParams,
+    StageLoad,
+    StageQuery,
+    StageReport,
     StageStats,
     StatsTotal,
     Stop,
@@ -153,6 +156,7 @@ def messages(n_embd: int):
         st.builds(Ping, ids),
         st.builds(RestorePrefix, ids, ids, token_arrays(1, 16)),
         st.builds(CacheQuery, ids, st.booleans()),
+        st.builds(StageQuery, ids),
     )
 
 
@@ -164,6 +168,7 @@ stage_stats = st.builds(
 )
 
 cache_stats = st.builds(CacheStats, st.integers(0, 2**32 - 1), *[ids] * 9)
+stage_loads = st.builds(StageLoad, *[st.integers(0, 2**32 - 1)] * 4, *[ids] * 11)
 
 replies = st.one_of(
     st.builds(Ack, ids, ids, stage_stats),
@@ -174,6 +179,7 @@ replies = st.one_of(
     st.builds(ErrorReply, ids, ids, st.sampled_from(ErrorCode), st.text(max_size=100), stage_stats),
     st.builds(PrefixRestored, ids, ids, st.integers(0, 2**32 - 1), stage_stats),
     st.builds(CacheReport, ids, ids, st.lists(cache_stats, max_size=6), stage_stats),
+    st.builds(StageReport, ids, ids, st.lists(stage_loads, max_size=6), stage_stats),
 )
 
 hellos = st.builds(
@@ -315,6 +321,22 @@ def test_prefix_cache_frames_layout():
                       + packed_stats + struct.pack("<IIQQQQQQQQQ", 2, 0, 512 << 20, 1000, 3, 250, 10, 4, 200, 300, 1)
                       + struct.pack("<IIQQQQQQQQQ", 3, 0, *[0] * 9))
     assert codec.CACHE_RECORD_SIZE == 80
+
+
+def test_stage_query_and_report_layout():
+    assert frame_bytes(StageQuery(3)) == b"SK\x1f\x00" + struct.pack("<I", 32) + header(3, 0, 0, 0)
+    assert decode_frame(frame_bytes(StageQuery(3)), n_embd=8) == StageQuery(3)
+    load = StageLoad(1, 15, 30, 4, 10**9, 5000, 40, 400, 2, 90, 2048, 1 << 20, 512 << 20, 300, 1200)
+    report = frame_bytes(StageReport(7, 0, [load, StageLoad(2)]))
+    assert report == (b"SK\x2f\x00" + struct.pack("<I", 80 + 208) + struct.pack("<QQIHH", 7, 0, 2, 0, 0)
+                      + struct.pack("<QQQQQQII", *[0] * 8)
+                      + struct.pack("<IIIIQQQQQQQQQQQ", 1, 15, 30, 4, 10**9, 5000, 40, 400, 2, 90, 2048, 1 << 20,
+                                    512 << 20, 300, 1200)
+                      + struct.pack("<IIIIQQQQQQQQQQQ", 2, *[0] * 14))
+    assert decode_frame(report).stages == (load, StageLoad(2))
+    assert codec.LOAD_RECORD_SIZE == 104
+    with pytest.raises(ValueError):
+        StageReport(1, 0, [StageLoad(0)] * (MAX_CACHE_REPORT_STAGES + 1))
 
 
 def test_prefix_cache_messages_decode():

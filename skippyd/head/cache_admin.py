@@ -18,9 +18,7 @@ import itertools
 import logging
 from typing import Any
 
-import trio
-
-from skippyd.stage.downstream import DownstreamError, DownstreamLink
+from skippyd.stage.downstream import DownstreamError
 from skippyd.wire.messages import CacheQuery, CacheReport, CacheStats, ErrorReply
 
 log = logging.getLogger("skippyd.head")
@@ -65,24 +63,9 @@ async def query_pipeline(node: Any, *, clear: bool, partial: list[CacheStats]) -
     pool = node.pool
     n_stages = len(node.topology.stages)
     address = pool.address
-    reply = failure = None
-    # the link's own tasks (reply deadline, conditioning) run here; what fails is raised outside the nursery,
-    # not wrapped in an exception group
-    async with trio.open_nursery() as nursery:
-        try:
-            link = await DownstreamLink.connect(pool.host, pool.port, pool.hello, connect_timeout=pool.connect_timeout,
-                                                credit_limit=pool.credit_limit, reply_timeout=pool.reply_timeout,
-                                                wrap=pool.wrap, nursery=nursery)
-            try:
-                reply, *_ = await link.request(CacheQuery(next(_query_ids), clear=clear))
-            finally:
-                with trio.CancelScope(shield=True):
-                    await link.aclose()
-        except DownstreamError as exc:
-            failure = exc
-        finally:
-            nursery.cancel_scope.cancel()
-    if failure is not None:
+    try:
+        reply, _wait_us = await pool.request_once(CacheQuery(next(_query_ids), clear=clear))
+    except DownstreamError as failure:
         raise CacheReportError(1, f"stage 1 at {address}: {failure.detail}", partial) from failure
     if isinstance(reply, ErrorReply):
         raise CacheReportError(1, f"stage 1 at {address} answered the cache query with an error: "

@@ -81,7 +81,7 @@ class Decoder:
             now = clock.tick()
             if live.first_token_at is None:  # (with last_token_at, the decode rate: see LiveGeneration)
                 live.first_token_at = now
-                reply.ttft_ms = (now - self.started) * 1e3
+                reply.ttft_ms = live.ttft_ms = (now - self.started) * 1e3
             # the answer joins the reply up to the first token that ends it (its text is handed on below)
             since, end = len(tokens), None
             for t in answer:

@@ -75,6 +75,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     tools: tuple[dict, ...] = ()  # OpenAI function tools, for a chat template that presents them itself
     speculate: bool | None = None  # speculative decoding for this generation (None: the daemon's setting)
+    origin: str = "control"  # who asked (the console shows it): "control" or "openai"
     # images, in prompt order: those of the messages' {"type": "image"} parts, or of the prompt's media markers
     # (none in the prompt: they go before its text)
     images: tuple[ImageInput, ...] = ()
@@ -310,7 +311,8 @@ class HeadEngine:
         max_tokens = min(req.max_tokens, self.context.n_ctx_seq - prompt.n_rows)
         request_id = self.new_request_id()
         session_id = secrets.randbits(63)
-        live = LiveGeneration(request_id, session_id, prompt.n_rows, time.monotonic(), trio.CancelScope())
+        live = LiveGeneration(request_id, session_id, prompt.n_rows, time.monotonic(), trio.CancelScope(),
+                              origin=req.origin)
         self.live[session_id] = live
         run = GenerationRun(self.parts, live, prompt, max_tokens, sampling, req.stop, req.ignore_eos, sink,
                             started, max_draft=self._max_draft(req.speculate))

@@ -227,3 +227,29 @@ class LanePool:
 
     def describe(self) -> list[dict]:
         return [lane.describe() for lane in self.lanes.values()]
+
+    async def request_once(self, msg) -> tuple[object, int]:
+        """Send ``msg`` to stage 1 on a connection opened for it (the lanes' address, Hello and timeouts; a lane
+        is a generation's, and a query must not wait for one) and closed after it: (the reply, its wait in µs).
+        Raises DownstreamError."""
+        failure = None
+        # the link's own tasks (reply deadline, conditioning) run here; what fails is raised outside the
+        # nursery, not wrapped in an exception group
+        async with trio.open_nursery() as nursery:
+            try:
+                link = await DownstreamLink.connect(self.host, self.port, self.hello,
+                                                    connect_timeout=self.connect_timeout,
+                                                    credit_limit=self.credit_limit, reply_timeout=self.reply_timeout,
+                                                    wrap=self.wrap, nursery=nursery)
+                try:
+                    reply, _sent, _write_us, wait_us = await link.request(msg)
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await link.aclose()
+            except DownstreamError as exc:
+                failure = exc
+            finally:
+                nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        return reply, wait_us

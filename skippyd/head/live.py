@@ -29,6 +29,9 @@ class LiveGeneration:
     first_token_at: float | None = None  # perf_counter: the first token in hand ...
     last_token_at: float | None = None  # ... and the latest (the decode rate so far)
     speculation: object | None = None  # its drafting state (head.speculation.Speculation), once it drafts
+    origin: str = "control"  # who asked: "control" (skippyctl, the control channel) or "openai"
+    ttft_ms: float | None = None  # from the request to the first token (None before it)
+    cached_tokens: int = 0  # prompt positions restored from the prefix caches, not computed
 
     def describe(self) -> dict:
         return {"session_id": self.session_id, "request_id": self.request_id, "state": self.state,

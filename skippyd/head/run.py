@@ -127,7 +127,7 @@ class GenerationRun:
         prompt = self.prompt
         start = await sequence.restore(lane.restore)
         if start:
-            self.cached_tokens = prompt.rows_before(start)
+            self.cached_tokens = self.live.cached_tokens = prompt.rows_before(start)
         if self.chunk is None:
             self.chunk = self.head.chunker.size
         parts = list(prompt.parts(start, self.chunk))

@@ -6,6 +6,11 @@
     GET  /health                       200, or 503 while loading or draining
     GET  /metrics                      Prometheus text format
 
+Other routes (the web console's, skippyd.openai.console) are mounted beside
+these with :meth:`OpenAIApp.mount`. Every request passes the listener's access
+rules first (skippyd.openai.auth): with an API key set, /v1/* needs it (401
+otherwise), /health never does.
+
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param",
 "code"}}``: 400 for a bad body or a prompt that does not fit (an image the
 head cannot take included), 413 for an image over the head's size or pixel
@@ -46,6 +51,7 @@ from skippyd.head.engine import (
 from skippyd.head.piece_relay import ClientStalled, PieceRelay
 from skippyd.head.sink import DISCARD
 from skippyd.openai import schemas, tools
+from skippyd.openai.auth import Access, Need, Refused
 from skippyd.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from skippyd.openai.metrics import Metrics
 from skippyd.runtime.llama import LlamaError
@@ -71,6 +77,7 @@ class ApiError(Exception):
         self.code = code
         self.retry_after = retry_after
         self.close = close  # the connection cannot be reused (e.g. a request body left unread)
+        self.headers: list[tuple[bytes, bytes]] = []  # more headers for the answer
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -107,7 +114,14 @@ class Exchange:
         self.disconnected = False
         self.finished = False
 
-    async def body(self, limit: int) -> bytes:
+    def header(self, name: bytes) -> str | None:
+        """The request's header ``name`` (lower case), or None."""
+        for key, value in self.scope.get("headers", ()):
+            if key == name:
+                return value.decode("latin-1")
+        return None
+
+    async def body(self, limit: int = MAX_BODY_BYTES) -> bytes:
         chunks, size = [], 0
         while True:
             msg = await self._receive()
@@ -154,6 +168,7 @@ class Exchange:
 
     async def error(self, exc: ApiError) -> None:
         headers = [(b"retry-after", str(exc.retry_after).encode())] if exc.retry_after else []
+        headers += exc.headers
         if exc.close:  # so that a keep-alive client does not send its next request down a closing connection
             headers.append((b"connection", b"close"))
         await self.json(exc.status, exc.body(), headers)
@@ -277,8 +292,10 @@ def usage(result: GenerationResult) -> dict:
 class OpenAIApp:
     """ASGI 3 application over a daemon's head (``daemon.head.engine``, ``daemon.draining``)."""
 
-    def __init__(self, daemon: Any, *, model_id: str | None = None, metrics: Metrics | None = None):
+    def __init__(self, daemon: Any, *, model_id: str | None = None, metrics: Metrics | None = None,
+                 access: Access | None = None):
         self.daemon = daemon
+        self.access = access if access is not None else Access()
         self._model_id = model_id
         self.metrics = metrics if metrics is not None else Metrics(daemon)
         self.created = int(time.time())
@@ -290,6 +307,7 @@ class OpenAIApp:
             ("GET", "/health"): self.health,
             ("GET", "/metrics"): self.metrics_text,
         }
+        self.mounted: list = []  # more routes (skippyd.openai.console.Route), each with the access it needs
 
     # ------------------------------------------------------------ state
     @property
@@ -335,11 +353,33 @@ class OpenAIApp:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
+    def mount(self, routes) -> None:
+        """Serve ``routes`` (each with method, path, a prefix when it ends with "/", handler, need and label)
+        beside the API's."""
+        self.mounted.extend(routes)
+
+    def _need(self, ex: Exchange, endpoint: str) -> Need:
+        if ex.path == "/v1" or ex.path.startswith("/v1/"):
+            return Need.API
+        if endpoint == "/metrics":
+            return Need.METRICS
+        return next((r.need for r in self.mounted if r.label == endpoint), Need.OPEN)
+
+    def _mounted(self, ex: Exchange):
+        """The mounted route of this path: the one naming it exactly, else the longest prefix that holds it."""
+        path = ex.path
+        exact = [r for r in self.mounted if r.path == path]
+        prefixes = [r for r in self.mounted if r.path.endswith("/") and len(r.path) > 1 and path.startswith(r.path)]
+        return next(iter(exact), None) or max(prefixes, key=lambda r: len(r.path), default=None)
+
     def _route(self, ex: Exchange) -> tuple[str, Callable[[Exchange], Awaitable[None]] | None]:
         path = ex.path.rstrip("/") or "/"
         handler = self.routes.get((ex.method, path))
         if handler is not None:
             return path, handler
+        route = self._mounted(ex)
+        if route is not None:
+            return route.label, route.handler if ex.method == route.method else None
         if path.startswith("/v1/models/"):
             return "/v1/models/{model}", self.retrieve_model if ex.method == "GET" else None
         if any(p == path for _, p in self.routes):
@@ -353,6 +393,7 @@ class OpenAIApp:
         self.answering += counted
         try:
             with span("http.request", request=ex.id, method=ex.method, endpoint=endpoint):
+                self._check_access(ex, endpoint)
                 if handler is None:
                     if endpoint == "other":
                         raise ApiError(404, f"no such endpoint: {ex.method} {ex.path}", code="not_found")
@@ -374,6 +415,14 @@ class OpenAIApp:
             else:
                 status = ex.status or 500
             self.metrics.observe_request(endpoint, status, time.perf_counter() - started)
+
+    def _check_access(self, ex: Exchange, endpoint: str) -> None:
+        try:
+            self.access.check(self._need(ex, endpoint), ex.header(b"authorization"))
+        except Refused as exc:
+            error = ApiError(exc.status, exc.message, code=exc.code)
+            error.headers = [(b"www-authenticate", b"Bearer")] if exc.status == 401 else []
+            raise error from None
 
     # ------------------------------------------------------------ endpoints
     def _model_object(self) -> dict:
@@ -471,7 +520,7 @@ class OpenAIApp:
             raise ApiError.from_generation(exc) from exc
         except GenerationError as exc:
             raise ApiError(400, str(exc), param=param, code="invalid_value") from exc
-        return attrs.evolve(greq, prompt_tokens=tuple(int(t) for t in tokens))
+        return attrs.evolve(greq, prompt_tokens=tuple(int(t) for t in tokens), origin="openai")
 
     async def _generate(self, ex: Exchange, engine, greq: GenerationRequest,
                         stream: EventStream | None) -> GenerationResult:
@@ -479,6 +528,7 @@ class OpenAIApp:
         away cancels it (and the engine frees the session). A stream's pieces are sent by a task of their own
         (see PieceRelay), all before this returns. One that did not end with its reply is an ApiError."""
         with span("openai.generation", request=ex.id) as s:
+            outcome = None  # stays None when the client leaves first: its going cancels the generation
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_when_gone, ex, nursery.cancel_scope)
                 relay = None

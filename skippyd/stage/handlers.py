@@ -33,6 +33,7 @@ import trio
 from skippyd.runtime import llama
 from skippyd.stage.downstream import DownstreamError
 from skippyd.stage.execution import Job
+from skippyd.stage.load import stage_load
 from skippyd.stage.prefix_cache import record_from, restore_into
 from skippyd.stage.sessions import NoFreeSlot, SessionState, StageSession
 from skippyd.telemetry import span
@@ -49,6 +50,8 @@ from skippyd.wire.messages import (
     PrefillChunk,
     Reply,
     RestorePrefix,
+    StageLoad,
+    StageQuery,
     StageStats,
     Stop,
     TrimSession,
@@ -126,6 +129,7 @@ class StageHandlers:
         Ping: "on_ping",
         RestorePrefix: "on_restore_prefix",
         CacheQuery: "on_cache_query",
+        StageQuery: "on_stage_query",
     }
 
     _SPANS = {kind: f"stage.{name[3:]}" for kind, name in _HANDLERS.items()}
@@ -228,6 +232,9 @@ class StageHandlers:
         await self._pass_restore(msg, await self._restore(session, msg.tokens))
 
     async def on_cache_query(self, msg: CacheQuery) -> None:
+        raise NotImplementedError
+
+    async def on_stage_query(self, msg: StageQuery) -> None:
         raise NotImplementedError
 
     async def on_trim(self, msg: TrimSession) -> None:
@@ -364,6 +371,13 @@ class StageHandlers:
             dropped = cache.clear()
             log.info("stage %d: prefix cache cleared (%d entries)", self.core.index, dropped)
         return cache.stats()
+
+    def _stage_load(self, started_ns: int, downstream_rtt_us: int = 0) -> StageLoad:
+        """This stage's line of a StageReport; ``started_ns``: when the query came (perf_counter_ns)."""
+        core = self.core
+        return stage_load(core.index, (core.hello.layer_start, core.hello.layer_end), core.sessions, core.scheduler,
+                          core.context, core.prefix_cache, downstream_rtt_us=downstream_rtt_us,
+                          answer_us=(time.perf_counter_ns() - started_ns) // 1000)
 
     def _take_deferred(self, session_id: int) -> None:
         err = self._deferred.pop(session_id, None)

@@ -45,6 +45,8 @@ from skippyd.wire.messages import (
     PrefixRestored,
     Reply,
     RestorePrefix,
+    StageQuery,
+    StageReport,
     StageStats,
     VerifyWindow,
     merge,
@@ -104,6 +106,10 @@ class FinalStage(StageHandlers):
 
     async def on_cache_query(self, msg: CacheQuery) -> None:
         await self.reply(CacheReport(msg.request_id, 0, (self._cache_report(msg),), stats=self._own_stats()))
+
+    async def on_stage_query(self, msg: StageQuery) -> None:
+        started = time.perf_counter_ns()
+        await self.reply(StageReport(msg.request_id, 0, (self._stage_load(started),), stats=self._own_stats()))
 
     async def _check_direct_return(self, session: StageSession) -> None:
         """Direct return needs a live token-return connection (dialed now if need be); without one the
@@ -257,6 +263,24 @@ class MiddleStage(StageHandlers):
         if isinstance(reply, CacheReport):
             reply = CacheReport(msg.request_id, 0, (own, *reply.stages), stats=stats)
         await self.reply(with_stats(reply, stats))
+
+    async def on_stage_query(self, msg: StageQuery) -> None:
+        """This stage's line, then every later stage's; alone if the next stage does not answer (the report says
+        where the pipeline ends, as far as this stage can see)."""
+        started = time.perf_counter_ns()
+        later: tuple = ()
+        rtt_us = wait_us = 0
+        try:
+            await self._ensure_downstream()
+            if self.down is not None:
+                reply, _sent, _write_us, wait_us = await self.down.request(msg)
+                if isinstance(reply, StageReport) and reply.stages:
+                    later = reply.stages
+                    rtt_us = wait_us - later[0].answer_us
+        except DownstreamError as exc:
+            log.debug("stage %d: the next stage did not answer a stage query: %s", self.core.index, exc)
+        own = self._stage_load(started, rtt_us)
+        await self.reply(StageReport(msg.request_id, 0, (own, *later), stats=self._own_stats(wait_us=wait_us)))
 
     async def _pass_on_chunk(self, msg: PrefillChunk, job: Job) -> None:
         if self.down is not None:

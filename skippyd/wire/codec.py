@@ -11,7 +11,7 @@ All integers little-endian. The reader needs the prefix only to know how
 much to read; :func:`parse_prefix` checks magic, kind, flags and ``body_len``
 against the limits *before* anything is allocated.
 
-Message body (kinds 0x10–0x18)::
+Message body (kinds 0x10–0x18, 0x1F)::
 
     header   0  u64 request_id
              8  u64 session_id
@@ -32,12 +32,12 @@ Message body (kinds 0x10–0x18)::
             token_count * i32 tokens
             activation_bytes of f32, row-major (token_count, n_embd)
 
-Reply body (kinds 0x20–0x25)::
+Reply body (kinds 0x20–0x26, 0x2F)::
 
      0  u64 request_id
      8  u64 session_id
     16  u32 count        (tokens that follow; ERROR: message bytes; PREFIX_RESTORED: 1;
-                          CACHE_REPORT: records; PREDICTED_TOKEN_LOGPROBS: 1 + alternatives)
+                          CACHE_REPORT, STAGE_REPORT: records; PREDICTED_TOKEN_LOGPROBS: 1 + alternatives)
     20  u16 code         (ErrorCode for ERROR, else 0)
     22  u16 reserved = 0
     24  stats: u64 compute_us, compute_us_max, queue_us, forward_write_us,
@@ -47,6 +47,10 @@ Reply body (kinds 0x20–0x25)::
         | count * 80-byte cache records (u32 stage_index, u32 reserved = 0,
           u64 budget_bytes, bytes_held, entries, tokens_held, lookups, hits,
           restored_tokens, recorded_tokens, evictions)
+        | count * 104-byte load records (u32 stage_index, layer_start, layer_end,
+          n_seq_max; u64 clock_us, compute_us, batches, tokens, sessions,
+          kv_tokens, kv_capacity, cache_bytes, cache_budget, downstream_rtt_us,
+          answer_us)
 
 Hello and HelloReply layouts are in :func:`encode_hello` /
 :func:`encode_hello_reply`. For a message, the reader parses the 32-byte header
@@ -65,6 +69,7 @@ import struct
 from collections.abc import Container
 from typing import NamedTuple, TypeAlias
 
+import attrs
 import numpy as np
 
 from skippyd.sampling import CONSTRAINT_KINDS, Constraint
@@ -111,6 +116,9 @@ from skippyd.wire.messages import (
     RestorePrefix,
     Role,
     SamplingParams,
+    StageLoad,
+    StageQuery,
+    StageReport,
     StageStats,
     Stop,
     TrimSession,
@@ -125,6 +133,7 @@ __all__ = [
     "FRAME_MAGIC",
     "HELLO_MAGIC",
     "HELLO_SIZE",
+    "LOAD_RECORD_SIZE",
     "MESSAGE_HEADER_SIZE",
     "MESSAGE_KINDS",
     "PREFIX_SIZE",
@@ -174,6 +183,7 @@ _HELLO = struct.Struct("<4sHBB32sIIIIIHH")
 _HELLO_VERSION = struct.Struct("<4sH")
 _HELLO_REPLY = struct.Struct("<BBH")
 _CACHE_RECORD = struct.Struct("<IIQQQQQQQQQ")  # stage_index, reserved, then CacheStats' u64 fields in order
+_LOAD_RECORD = struct.Struct("<IIIIQQQQQQQQQQQ")  # StageLoad's fields in order
 
 PREFIX_SIZE = _PREFIX.size  # 8
 MESSAGE_HEADER_SIZE = _MSG_HEADER.size  # 32
@@ -183,9 +193,10 @@ REPLY_COMPUTE_US_AT = PREFIX_SIZE + 24  # a reply frame's stats.compute_us (u64)
 HELLO_SIZE = _HELLO.size  # 64 (fixed part)
 HELLO_REPLY_SIZE = _HELLO_REPLY.size  # 4 (fixed part)
 CACHE_RECORD_SIZE = _CACHE_RECORD.size  # 80
+LOAD_RECORD_SIZE = _LOAD_RECORD.size  # 104
 
-assert (PREFIX_SIZE, MESSAGE_HEADER_SIZE, SAMPLING_SIZE, REPLY_HEADER_SIZE, HELLO_SIZE, CACHE_RECORD_SIZE) == (
-    8, 32, 36, 80, 64, 80)
+assert (PREFIX_SIZE, MESSAGE_HEADER_SIZE, SAMPLING_SIZE, REPLY_HEADER_SIZE, HELLO_SIZE, CACHE_RECORD_SIZE,
+        LOAD_RECORD_SIZE) == (8, 32, 36, 80, 64, 80, 104)
 
 MESSAGE_KINDS = frozenset(int(k) for k in MessageKind)
 REPLY_KINDS = frozenset(int(k) for k in ReplyKind)
@@ -212,11 +223,12 @@ _TOKEN_RANGE = {
     MessageKind.PING: (0, 0),
     MessageKind.RESTORE_PREFIX: (1, None),
     MessageKind.CACHE_QUERY: (0, 0),
+    MessageKind.STAGE_QUERY: (0, 0),
 }
 # kinds whose pos_start must be 0, and those whose session_id must be 0 too
 _NO_POSITION = frozenset({MessageKind.STOP, MessageKind.PING, MessageKind.CONFIGURE_GENERATION,
-                          MessageKind.RESTORE_PREFIX, MessageKind.CACHE_QUERY})
-_NO_SESSION = frozenset({MessageKind.PING, MessageKind.CACHE_QUERY})
+                          MessageKind.RESTORE_PREFIX, MessageKind.CACHE_QUERY, MessageKind.STAGE_QUERY})
+_NO_SESSION = frozenset({MessageKind.PING, MessageKind.CACHE_QUERY, MessageKind.STAGE_QUERY})
 
 
 _MESSAGE_KIND = {int(k): k for k in MessageKind}
@@ -308,11 +320,11 @@ def encode_message(msg: Message) -> list[Buffer]:
             tokens = msg.tokens
         case CacheQuery():
             flags = _CLEAR_FLAG if msg.clear else 0
-        case Stop() | Ping():
+        case Stop() | Ping() | StageQuery():
             pass
         case _:
             raise TypeError(f"not a message: {msg!r}")
-    if not isinstance(msg, (Ping, CacheQuery)):
+    if not isinstance(msg, (Ping, CacheQuery, StageQuery)):
         session_id = msg.session_id
 
     token_bytes = b"" if tokens is None else tokens.astype("<i4", copy=False).tobytes()
@@ -393,6 +405,9 @@ def encode_reply(reply: Reply) -> list[Buffer]:
             count = 1
         case CacheReport():
             tail = b"".join(_encode_cache_record(r) for r in reply.stages)
+            count = len(reply.stages)
+        case StageReport():
+            tail = b"".join(_LOAD_RECORD.pack(*attrs.astuple(r)) for r in reply.stages)
             count = len(reply.stages)
         case _:
             raise TypeError(f"not a reply: {reply!r}")
@@ -485,7 +500,8 @@ def encode_frame(obj: Frame) -> list[Buffer]:
             return [encode_hello(obj)]
         case HelloReply():
             return [encode_hello_reply(obj)]
-        case Ack() | PredictedToken() | PredictedTokens() | ErrorReply() | PrefixRestored() | CacheReport():
+        case (Ack() | PredictedToken() | PredictedTokens() | ErrorReply() | PrefixRestored() | CacheReport()
+              | StageReport()):
             return encode_reply(obj)
         case _:
             return encode_message(obj)
@@ -552,6 +568,8 @@ def _body_bounds(kind: int, limits: Limits, n_embd: int | None) -> tuple[int, in
         return REPLY_HEADER_SIZE + 4, REPLY_HEADER_SIZE + 4
     if kind == ReplyKind.CACHE_REPORT:
         return REPLY_HEADER_SIZE, REPLY_HEADER_SIZE + CACHE_RECORD_SIZE * MAX_CACHE_REPORT_STAGES
+    if kind == ReplyKind.STAGE_REPORT:
+        return REPLY_HEADER_SIZE, REPLY_HEADER_SIZE + LOAD_RECORD_SIZE * MAX_CACHE_REPORT_STAGES
     if kind == HandshakeKind.HELLO:
         # generous and version-independent, so a newer peer's Hello can still
         # be read far enough to refuse it with a version message
@@ -694,6 +712,8 @@ def decode_message(header: MessageHeader, tail: Buffer, activation: Buffer | Non
             return Ping(header.request_id)
         if kind == MessageKind.CACHE_QUERY:
             return CacheQuery(header.request_id, bool(header.flags & _CLEAR_FLAG))
+        if kind == MessageKind.STAGE_QUERY:
+            return StageQuery(header.request_id)
         offset = header.tail_len - 4 * header.token_count
         tokens = np.frombuffer(tail, dtype="<i4", count=header.token_count, offset=offset)
         act = None
@@ -800,12 +820,13 @@ def decode_reply(prefix: FramePrefix, body: Buffer) -> Reply:
     if reserved or (code and kind != ReplyKind.ERROR):
         raise ProtocolError(ErrorCode.BAD_VALUE, f"{kind.name}: reserved field or code set", **ids)
     unit = (1 if kind == ReplyKind.ERROR else CACHE_RECORD_SIZE if kind == ReplyKind.CACHE_REPORT
+            else LOAD_RECORD_SIZE if kind == ReplyKind.STAGE_REPORT
             else _LOGPROB.size if kind == ReplyKind.PREDICTED_TOKEN_LOGPROBS else 4)
     if (kind == ReplyKind.ACK and count != 0 or kind == ReplyKind.PREDICTED_TOKEN and count != 1
             or kind == ReplyKind.PREFIX_RESTORED and count != 1
             or kind == ReplyKind.PREDICTED_TOKEN_LOGPROBS and not 1 <= count <= 1 + MAX_TOP_LOGPROBS):
         raise ProtocolError(ErrorCode.BAD_VALUE, f"{kind.name}: count {count}", **ids)
-    if kind == ReplyKind.CACHE_REPORT and count > MAX_CACHE_REPORT_STAGES:
+    if kind in (ReplyKind.CACHE_REPORT, ReplyKind.STAGE_REPORT) and count > MAX_CACHE_REPORT_STAGES:
         raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, f"{kind.name}: {count} records, at most "
                             f"{MAX_CACHE_REPORT_STAGES}", **ids)
     if REPLY_HEADER_SIZE + unit * count != len(body):
@@ -832,6 +853,10 @@ def decode_reply(prefix: FramePrefix, body: Buffer) -> Reply:
             return PrefixRestored(request_id, session_id, restored, stage_stats)
         if kind == ReplyKind.CACHE_REPORT:
             return CacheReport(request_id, session_id, _decode_cache_records(body, count), stage_stats)
+        if kind == ReplyKind.STAGE_REPORT:
+            records = _LOAD_RECORD.iter_unpack(memoryview(body)[REPLY_HEADER_SIZE:REPLY_HEADER_SIZE
+                                                                 + LOAD_RECORD_SIZE * count])
+            return StageReport(request_id, session_id, tuple(StageLoad(*r) for r in records), stage_stats)
         message = bytes(memoryview(body)[REPLY_HEADER_SIZE:]).decode("utf-8")
         return ErrorReply(request_id, session_id, code, message, stage_stats)
     except (ValueError, TypeError, OverflowError) as exc:

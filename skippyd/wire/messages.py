@@ -6,10 +6,11 @@ Pure data, no I/O. The byte layout lives in :mod:`skippyd.wire.codec` and in
 * upstream → downstream **messages**: :class:`ConfigureGeneration`,
   :class:`PrefillChunk` (``final`` flag), :class:`DecodeStep`,
   :class:`VerifyWindow`, :class:`TrimSession`, :class:`Stop`, :class:`Ping`,
-  :class:`RestorePrefix`, :class:`CacheQuery`;
+  :class:`RestorePrefix`, :class:`CacheQuery`, :class:`StageQuery`;
 * downstream → upstream **replies**: :class:`Ack`, :class:`PredictedToken`,
   :class:`PredictedTokens`, :class:`ErrorReply`, :class:`PrefixRestored`,
-  :class:`CacheReport` (of :class:`CacheStats` records), each with :class:`StageStats`;
+  :class:`CacheReport` (of :class:`CacheStats` records), :class:`StageReport` (of
+  :class:`StageLoad` records), each with :class:`StageStats`;
 * the **handshake**: :class:`Hello` and :class:`HelloReply`.
 
 Tokens are 1-D ``int32`` numpy arrays, activations 2-D ``float32`` arrays of
@@ -75,6 +76,9 @@ __all__ = [
     "RestorePrefix",
     "Role",
     "SamplingParams",
+    "StageLoad",
+    "StageQuery",
+    "StageReport",
     "StageStats",
     "StatsTotal",
     "Stop",
@@ -87,9 +91,10 @@ __all__ = [
 # too (no lane reply on success, an Error on the lane on failure); 4: the prefix cache's RestorePrefix and
 # CacheQuery (flag CLEAR), answered by PrefixRestored and CacheReport; 5: ConfigureGeneration's generation
 # extension (a constraint on the output, the logprobs wanted), answered per token by PredictedTokenLogprobs;
-# 6: PrefillChunk's media rows (flag POSITIONS: rows that are no tokens, such as an image's, with explicit
-# positions, one or four per row, and the keys of the positions they take; NON_CAUSAL)
-PROTOCOL_VERSION = 6
+# 6: StageQuery, answered by StageReport (each stage's load, for the console); 7: PrefillChunk's media rows (flag
+# POSITIONS: rows that are no tokens, such as an image's, with explicit positions, one or four per row, and the
+# keys of the positions they take; NON_CAUSAL)
+PROTOCOL_VERSION = 7
 
 # Hard limits of the protocol (the same in every version). A receiver may be configured tighter
 # (see Limits), never looser.
@@ -131,6 +136,7 @@ class MessageKind(enum.IntEnum):
     PING = 0x16
     RESTORE_PREFIX = 0x17
     CACHE_QUERY = 0x18
+    STAGE_QUERY = 0x1F  # the end of the range: an operator's query, apart from the data path's kinds
 
 
 class ReplyKind(enum.IntEnum):
@@ -143,6 +149,7 @@ class ReplyKind(enum.IntEnum):
     PREFIX_RESTORED = 0x24
     CACHE_REPORT = 0x25
     PREDICTED_TOKEN_LOGPROBS = 0x26
+    STAGE_REPORT = 0x2F
 
 
 class Flags(enum.IntFlag):
@@ -686,8 +693,17 @@ class CacheQuery:
     clear: bool = attrs.field(default=False, converter=bool)
 
 
+@attrs.frozen
+class StageQuery:
+    """Report this stage's load and every later stage's. Reply: ``StageReport``, one record per stage from
+    this one to the final stage."""
+
+    kind: ClassVar[MessageKind] = MessageKind.STAGE_QUERY
+    request_id: int = attrs.field(validator=_u64)
+
+
 Message: TypeAlias = (ConfigureGeneration | PrefillChunk | DecodeStep | VerifyWindow | TrimSession | Stop | Ping
-                      | RestorePrefix | CacheQuery)
+                      | RestorePrefix | CacheQuery | StageQuery)
 
 
 # --------------------------------------------------------------------------
@@ -804,12 +820,17 @@ class CacheStats:
         return {**attrs.asdict(self), "hit_rate": self.hit_rate}
 
 
-def _cache_records(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
-    if len(value) > MAX_CACHE_REPORT_STAGES:
-        raise ValueError(f"{attribute.name}: {len(value)} records, at most {MAX_CACHE_REPORT_STAGES}")
-    for record in value:
-        if not isinstance(record, CacheStats):
-            raise TypeError(f"{attribute.name} holds {type(record).__name__}, not CacheStats")
+def _records_of(cls: type):
+    """The check of a report's records: at most one per stage (MAX_CACHE_REPORT_STAGES), each a ``cls``."""
+
+    def check(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
+        if len(value) > MAX_CACHE_REPORT_STAGES:
+            raise ValueError(f"{attribute.name}: {len(value)} records, at most {MAX_CACHE_REPORT_STAGES}")
+        for record in value:
+            if not isinstance(record, cls):
+                raise TypeError(f"{attribute.name} holds {type(record).__name__}, not {cls.__name__}")
+
+    return check
 
 
 @attrs.frozen
@@ -820,12 +841,58 @@ class CacheReport:
     kind: ClassVar[ReplyKind] = ReplyKind.CACHE_REPORT
     request_id: int = attrs.field(validator=_u64)
     session_id: int = attrs.field(validator=_u64)
-    stages: tuple[CacheStats, ...] = attrs.field(converter=tuple, validator=_cache_records)
+    stages: tuple[CacheStats, ...] = attrs.field(converter=tuple, validator=_records_of(CacheStats))
+    stats: StageStats = NO_STATS
+
+
+@attrs.frozen
+class StageLoad:
+    """One stage's load, as a StageReport carries it (pure data). The counters count from the stage's start;
+    whoever reads two reports divides their differences (``compute_us`` over ``clock_us``: the share of the
+    time the stage computed).
+
+    ``clock_us``          the stage's monotonic clock
+    ``compute_us``        time in llama_decode, summed
+    ``batches``           llama_decode calls; ``tokens``: the rows they computed
+    ``sessions``          live sessions (KV sequences); ``n_seq_max``: its slots
+    ``kv_tokens``         positions those sessions hold; ``kv_capacity``: the context's cells
+    ``cache_bytes``       bytes its prefix cache holds; ``cache_budget``: the most it may hold (0: off)
+    ``downstream_rtt_us`` the round trip of this query to the next stage, less that stage's own time
+                          answering it (0: the final stage, or the next one did not answer)
+    ``answer_us``         this stage's time from the query to its report (the stages after it included)
+    """
+
+    stage_index: int = attrs.field(validator=_u32)
+    layer_start: int = attrs.field(default=0, validator=_u32)
+    layer_end: int = attrs.field(default=0, validator=_u32)
+    n_seq_max: int = attrs.field(default=0, validator=_u32)
+    clock_us: int = attrs.field(default=0, validator=_u64)
+    compute_us: int = attrs.field(default=0, validator=_u64)
+    batches: int = attrs.field(default=0, validator=_u64)
+    tokens: int = attrs.field(default=0, validator=_u64)
+    sessions: int = attrs.field(default=0, validator=_u64)
+    kv_tokens: int = attrs.field(default=0, validator=_u64)
+    kv_capacity: int = attrs.field(default=0, validator=_u64)
+    cache_bytes: int = attrs.field(default=0, validator=_u64)
+    cache_budget: int = attrs.field(default=0, validator=_u64)
+    downstream_rtt_us: int = attrs.field(default=0, validator=_u64)
+    answer_us: int = attrs.field(default=0, validator=_u64)
+
+
+@attrs.frozen
+class StageReport:
+    """The answer to a StageQuery: one :class:`StageLoad` per stage, from the one asked to the final stage,
+    in stage order (as many records at most as a CacheReport)."""
+
+    kind: ClassVar[ReplyKind] = ReplyKind.STAGE_REPORT
+    request_id: int = attrs.field(validator=_u64)
+    session_id: int = attrs.field(validator=_u64)
+    stages: tuple[StageLoad, ...] = attrs.field(converter=tuple, validator=_records_of(StageLoad))
     stats: StageStats = NO_STATS
 
 
 Reply: TypeAlias = (Ack | PredictedToken | PredictedTokenLogprobs | PredictedTokens | ErrorReply | PrefixRestored
-                    | CacheReport)
+                    | CacheReport | StageReport)
 
 
 def with_stats(reply: Reply, stats: StageStats) -> Reply:
