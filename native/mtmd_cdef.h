@@ -51,6 +51,7 @@ mtmd_bitmap * mtmd_bitmap_init(uint32_t nx, uint32_t ny, const unsigned char * d
 uint32_t mtmd_bitmap_get_nx(const mtmd_bitmap * bitmap);
 uint32_t mtmd_bitmap_get_ny(const mtmd_bitmap * bitmap);
 size_t mtmd_bitmap_get_n_bytes(const mtmd_bitmap * bitmap);
+const unsigned char * mtmd_bitmap_get_data(const mtmd_bitmap * bitmap);
 bool mtmd_bitmap_is_audio(const mtmd_bitmap * bitmap);
 void mtmd_bitmap_free(mtmd_bitmap * bitmap);
 const char * mtmd_bitmap_get_id(const mtmd_bitmap * bitmap);
@@ -81,6 +82,10 @@ struct mtmd_helper_init_opt mtmd_helper_init_opt_default(void);
 struct mtmd_helper_bitmap_wrapper mtmd_helper_bitmap_init_from_buf(const mtmd_context * ctx, const unsigned char * buf,
                                                                    size_t len, bool placeholder,
                                                                    struct mtmd_helper_init_opt opt);
+
+/* stb_image (compiled into libmtmd by its helper): an image's size and channels from its header alone, nothing
+ * decoded; 0 for data it cannot read */
+int stbi_info_from_memory(const unsigned char * buffer, int len, int * x, int * y, int * comp);
 
 /* Our C helpers (native/mtmd_helpers.c) */
 void skippy_mtmd_log_setup(void);

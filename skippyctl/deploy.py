@@ -7,14 +7,16 @@ few of the model's layers there (the calibration), plans the split
 (skippyd.deploy.planner), cuts the model into the planned slices here, sends
 each host its slice over the control channel (authenticated by the same
 token; checksummed; resumed where an interrupted transfer stopped; nothing
-sent to a host that holds it already), starts the stages from the last to
-the head, and waits until the head answers a generation. Nothing is sent
-before the plan fits every host's memory.
+sent to a host that holds it already), and the head's host the model's
+multimodal projector (``--mmproj``) the same way, starts the stages from the
+last to the head, and waits until the head answers a generation. Nothing is
+sent before the plan fits every host's memory.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import time
@@ -362,9 +364,28 @@ def _slices_for(model: Path, ranges: list[tuple[int, int]], addresses: list[str]
 
 
 def _wire_topology(topology: Topology) -> str:
-    """The topology each host gets: stage files named by their sha256, as the hosts keep them."""
-    wire = attrs.evolve(topology, stages=[attrs.evolve(s, file=Path(f"{s.sha256}.gguf")) for s in topology.stages])
-    return wire.to_toml()
+    """The topology each host gets: stage files (and the head's projector) named by their sha256, as the hosts
+    keep them."""
+    def named(s):
+        mmproj = None if s.mmproj is None else Path(f"{s.mmproj_sha256}.gguf")
+        return attrs.evolve(s, file=Path(f"{s.sha256}.gguf"), mmproj=mmproj)
+
+    return attrs.evolve(topology, stages=[named(s) for s in topology.stages]).to_toml()
+
+
+def file_sha256(path: Path) -> str:
+    """A file's sha256, remembered in the cache by its name, size and modification time (a projector is hashed
+    once, not at every deploy)."""
+    record = _cache_dir() / f"{_source_key(path)}.sha256"
+    if record.exists():
+        return record.read_text().strip()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(4 << 20):
+            digest.update(block)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(digest.hexdigest() + "\n")
+    return digest.hexdigest()
 
 
 async def _wait_answering(head: Target, token_file: Path | None, timeout: float) -> float:
@@ -397,6 +418,9 @@ def deploy(
     ranges: Annotated[str | None, typer.Option(
         "--ranges", help="These layer ranges (0:10,10:20,20:30) on the first hosts, in the order given, "
         "instead of a plan (their memory is still checked).")] = None,
+    mmproj: Annotated[Path | None, typer.Option(
+        "--mmproj", help="The model's multimodal projector (llama.cpp's mmproj GGUF): sent to the head's host "
+        "as a slice is, for images in prompts.", metavar="FILE")] = None,
     out: OutOption = None,
     json_mode: JsonOption = False,
 ) -> None:
@@ -418,6 +442,8 @@ def deploy(
             fail(f"--ranges: {exc}", EXIT_USAGE)
         if len(chosen) > len(targets):
             fail(f"--ranges: {len(chosen)} stages need {len(chosen)} hosts, {len(targets)} given", EXIT_USAGE)
+    if mmproj is not None and not mmproj.is_file():
+        fail(f"--mmproj: {mmproj}: no such file", EXIT_USAGE)
 
     async def go():
         started = time.monotonic()
@@ -426,13 +452,26 @@ def deploy(
         placed = [by_name[s.host] for s in plan_.stages]
         addresses = [format_address(t.host, stage_port + k) for k, t in enumerate(placed)]
         topology = await trio.to_thread.run_sync(_slices_for, model, plan_.ranges, addresses)
+        if mmproj is not None:  # the head's: beside its slice, named by its sha256 as slices are
+            head = attrs.evolve(topology.stage(0), mmproj=mmproj.resolve(),
+                                mmproj_sha256=await trio.to_thread.run_sync(file_sha256, mmproj))
+            topology = attrs.evolve(topology, stages=[head, *topology.stages[1:]])
         sender = Sender(token_file, max_rate * 1e6)
         sent: dict[str, Sent] = {}
         with host_progress([t.name for t in placed], "sending to") as update:
             async def send(k: int, target: Target) -> None:
                 spec = topology.stage(k)
+                size = spec.file.stat().st_size
+                extra = spec.mmproj.stat().st_size if spec.mmproj is not None else 0
                 sent[target.name] = await sender.send(target, spec.file, spec.sha256,
-                                                      lambda done, total: update(target.name, done, total))
+                                                      lambda done, total: update(target.name, done, total + extra))
+                if spec.mmproj is not None:
+                    projector = await sender.send(target, spec.mmproj, spec.mmproj_sha256,
+                                                  lambda done, total: update(target.name, size + done, size + total))
+                    sent[target.name] = attrs.evolve(sent[target.name], size=size + extra,
+                                                     held=sent[target.name].held and projector.held,
+                                                     sent=sent[target.name].sent + projector.sent,
+                                                     resent=sent[target.name].resent + projector.resent)
 
             async with trio.open_nursery() as nursery:
                 for k, target in enumerate(placed):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import enum
 import json
 import sys
@@ -53,6 +54,10 @@ def generate(
         "--speculate", help="ngram: draft tokens from the context and verify several per trip round the "
         "pipeline (the output is the same; on is the same); off: token by token. Default: the daemon's setting.",
         case_sensitive=False)] = None,
+    images: Annotated[list[Path] | None, typer.Option(
+        "--image", help="An image (PNG, JPEG, ...) for a head started with --mmproj (repeatable). The images go "
+        "before the prompt's text, unless the prompt has one media marker (<__media__>) per image.",
+        metavar="FILE")] = None,
 ) -> None:
     """Generate a reply; text streams to the terminal. Ctrl-C cancels it on the daemon."""
     g = ctx.obj
@@ -64,12 +69,19 @@ def generate(
                 files[flag] = path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 fail(f"{flag}: cannot read {path}: {exc}", EXIT_USAGE)
+    encoded = []
+    for path in images or ():
+        try:
+            encoded.append(base64.b64encode(path.read_bytes()).decode("ascii"))
+        except OSError as exc:
+            fail(f"--image: cannot read {path}: {exc.strerror or exc}", EXIT_USAGE)
     try:  # the message's own checks (e.g. float32 ranges, a schema or grammar that compiles), before anything is sent
         request = m.Generate(id="1", prompt=prompt, system=system, raw=raw, max_tokens=max_tokens,
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=list(stop or []),
                              stream=not json_mode, json_schema=files.get("--json-schema"), json_object=json_object,
                              grammar=files.get("--grammar"), logprobs=logprobs,
-                             speculate=None if speculate is None else speculate is not Speculate.off)
+                             speculate=None if speculate is None else speculate is not Speculate.off,
+                             images=encoded)
         request.sampling()
     except (m.Invalid, InvalidSampling) as exc:
         fail(f"--{(exc.field or 'value').replace('_', '-')}: {exc}", EXIT_USAGE)
@@ -117,7 +129,9 @@ def generate(
         cached = f", cached {usage['cached_tokens']}" if "cached_tokens" in usage else ""
         sys.stderr.write(f"[{result['finish_reason']}: {usage['prompt_tokens']} prompt + "
                          f"{usage['completion_tokens']} generated tokens{cached}, ttft {t['ttft_ms']:.0f} ms, "
-                         f"{t['decode_tokens_per_s']:.1f} tok/s]\n")
+                         f"{t['decode_tokens_per_s']:.1f} tok/s"
+                         + (f", images encoded in {t['image_encode_ms']:.0f} ms" if t.get("image_encode_ms") else "")
+                         + "]\n")
     sys.stdout.flush()
     if result["finish_reason"] in ("cancelled", "error"):
         # killed on the daemon (skippyctl sessions kill, or a shutdown past its grace period)

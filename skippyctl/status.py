@@ -29,7 +29,8 @@ def _table(data: dict) -> Table:
                             + _listening(data.get("listeners"))
                             + _warnings(data.get("warnings"))
                             + _caches(data)
-                            + _speculation((data.get("head") or {}).get("speculation")))
+                            + _speculation((data.get("head") or {}).get("speculation"))
+                            + _vision((data.get("head") or {}).get("vision")))
     for s in (data.get("topology") or {}).get("stages", []):
         table.add_row(str(s["index"]), s["address"], f"[{s['layers'][0]},{s['layers'][1]})",
                       "yes" if s["local"] else "no", threads.get(s["index"], "-"), _yes(s["reachable"]),
@@ -105,6 +106,15 @@ def _speculation(spec: dict | None) -> str:
     if sessions:
         line += "; running: " + ", ".join(f"session {sid} {_percent(a)}" for sid, a in sessions.items())
     return line
+
+
+def _vision(vision: dict | None) -> str:
+    """Images: the head's projector (its type), and the tokens an image of its input size becomes."""
+    if not vision:
+        return ""
+    w, h = vision["image_size"]
+    return (f"\nimages: {vision['projector']} ({vision['projector_type']}), {vision['tokens_per_image']} tokens "
+            f"for a {w}x{h} image")
 
 
 def _percent(fraction: float | None) -> str:

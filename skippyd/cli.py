@@ -21,6 +21,7 @@ FLAG_KEYS = {
     "model": "pipeline.model",
     "slices_dir": "pipeline.slices_dir",
     "chat_template": "pipeline.chat_template_file",
+    "mmproj": "pipeline.mmproj",
     "lanes": "runtime.lanes",
     "ctx": "runtime.ctx",
     "threads": "runtime.threads",
@@ -138,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--chat-template", type=Path, metavar="FILE",
                      help="the head: a Jinja chat template for chat requests, in place of the model's own "
                           "(for a base model, which has none)")
+    src.add_argument("--mmproj", type=Path, metavar="FILE",
+                     help="the head: the model's multimodal projector (llama.cpp's mmproj GGUF), for images in "
+                          "prompts (default: the topology's stage 0 mmproj, if any)")
     run = p.add_argument_group("runtime")
     run.add_argument("--lanes", type=int, default=None, metavar="N",
                      help="concurrent sessions per stage (KV sequences, default 4)")

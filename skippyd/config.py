@@ -115,6 +115,9 @@ class PipelineSection:
     slices_dir: Path | None = None
     # a Jinja chat template for chat requests in place of the model's own (a base model has none)
     chat_template_file: Path | None = None
+    # the head's multimodal projector (llama.cpp's "mmproj" GGUF of the model's vision encoder): images in
+    # prompts; None: the topology's stage 0 mmproj, if any
+    mmproj: Path | None = None
 
 
 @attrs.frozen
@@ -155,6 +158,10 @@ class RuntimeSection:
     # the most memory (MiB) skippy may use on this host, as reported to a deployment's planner; 0: what the
     # host (or its cgroup) has available
     memory_limit_mb: int = attrs.field(default=0, validator=_at_least(0))
+    # the head with a projector: the largest image a request may send (MiB, encoded), and the most pixels its
+    # header may claim (checked before it is decoded)
+    image_max_mb: int = attrs.field(default=20, validator=_in_range(1, 1024))
+    image_max_pixels: int = attrs.field(default=1 << 25, validator=_in_range(1, 1 << 31))
 
 
 def _allow_list(_inst, attribute, value) -> None:

@@ -40,6 +40,9 @@ class HeadOptions:
     resume_window: float | None  # None: a generation a stage failure interrupts fails (no replay)
     speculate_max_draft: int = 0  # drafts per verify window at most; 0: no speculative decoding
     chat_template: str | None = None  # the operator's chat template (Jinja source); None: the model's own
+    mmproj: Path | None = None  # the operator's projector; None: the topology's stage 0 mmproj, if any
+    image_max_bytes: int = 20 << 20
+    image_max_pixels: int = 1 << 25
 
     def kwargs(self) -> dict[str, Any]:
         return attrs.asdict(self, recurse=False)
@@ -152,7 +155,9 @@ def head_options(config: Config) -> HeadOptions:
     return HeadOptions(prefill_chunk=rt.prefill_chunk, receipts_file=config.daemon.receipts,
                        queue_timeout=rt.queue_timeout, resume_window=rt.resume_window if rt.resume else None,
                        speculate_max_draft=rt.speculate_max_draft if rt.speculate != "off" else 0,
-                       chat_template=_chat_template(config.pipeline.chat_template_file))
+                       chat_template=_chat_template(config.pipeline.chat_template_file),
+                       mmproj=config.pipeline.mmproj, image_max_bytes=rt.image_max_mb << 20,
+                       image_max_pixels=rt.image_max_pixels)
 
 
 def _chat_template(path: Path | None) -> str | None:

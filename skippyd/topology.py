@@ -21,6 +21,8 @@ addresses. The format, with stage files relative to the topology file:
     host = "127.0.0.1"
     port = 7400
     output = "hidden"
+    mmproj = "mmproj.gguf"              # stage 0 only, optional: the head's
+    mmproj_sha256 = "..."               # multimodal projector (and its sha256)
 
 Unknown keys and bad values are errors that name the file and the key:
 a typo in a topology must not silently fall back to a default.
@@ -64,6 +66,9 @@ class StageSpec:
     host: str
     port: int
     output: Literal["hidden", "logits"]
+    # the head's multimodal projector (stage 0 only): images in prompts; its sha256 when deploy sent it
+    mmproj: Path | None = None
+    mmproj_sha256: str | None = None
 
     @property
     def n_layer(self) -> int:
@@ -99,7 +104,8 @@ class Topology:
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-friendly data (paths as strings)."""
         data = attrs.asdict(self, recurse=False)
-        data["stages"] = [{**attrs.asdict(s), "file": str(s.file)} for s in self.stages]
+        data["stages"] = [{**attrs.asdict(s), "file": str(s.file),
+                           "mmproj": None if s.mmproj is None else str(s.mmproj)} for s in self.stages]
         return data
 
     @classmethod
@@ -158,6 +164,10 @@ class Topology:
                 f"port = {s.port}",
                 f"output = {_toml_str(s.output)}",
             ]
+            if s.mmproj is not None:
+                lines.append(f"mmproj = {_toml_str(_relative(s.mmproj, base_dir))}")
+            if s.mmproj_sha256 is not None:
+                lines.append(f"mmproj_sha256 = {_toml_str(s.mmproj_sha256)}")
         return "\n".join(lines) + "\n"
 
 
@@ -240,7 +250,8 @@ def stage_addresses(
 # --- loading ---------------------------------------------------------------
 
 _TOP_KEYS = {"version", "model_name", "source_sha256", "architecture", "n_layer", "n_embd", "n_vocab", "stages"}
-_STAGE_KEYS = {"index", "file", "sha256", "layer_start", "layer_end", "host", "port", "output"}
+_STAGE_KEYS = {"index", "file", "sha256", "layer_start", "layer_end", "host", "port", "output", "mmproj",
+               "mmproj_sha256"}
 
 
 class _Fields:
@@ -313,6 +324,13 @@ def _from_toml(data: dict[str, Any], path: Path) -> Topology:
         if output != ("logits" if is_final else "hidden"):
             f.fail("output", f"the {'final' if is_final else 'non-final'} stage must output "
                              f"{'logits' if is_final else 'hidden'}, got {output!r}")
+        mmproj = mmproj_sha256 = None
+        if "mmproj" in raw or "mmproj_sha256" in raw:
+            if i != 0:
+                f.fail("mmproj", "only stage 0 (the head) takes a multimodal projector")
+            mmproj = base / f.string("mmproj")
+            if "mmproj_sha256" in raw:
+                mmproj_sha256 = f.string("mmproj_sha256", pattern=_SHA256_RE)
         stages.append(StageSpec(
             index=index,
             file=base / f.string("file"),
@@ -322,6 +340,8 @@ def _from_toml(data: dict[str, Any], path: Path) -> Topology:
             host=f.string("host"),
             port=f.integer("port", minimum=1, maximum=65535),
             output=output,
+            mmproj=mmproj,
+            mmproj_sha256=mmproj_sha256,
         ))
     if stages[-1].layer_end != n_layer:
         raise TopologyError(f"{path}: stages cover layers 0..{stages[-1].layer_end} but n_layer is {n_layer}")

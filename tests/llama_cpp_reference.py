@@ -73,7 +73,8 @@ def greedy_tokens(llama_cpp, model: str | os.PathLike[str], prompt: Sequence[int
 
 
 def mtmd_greedy_tokens(llama_cpp, model: str | os.PathLike[str], projector: str | os.PathLike[str], prompt: str,
-                       images: Sequence[bytes], n: int, *, n_ctx: int = 2048, n_batch: int = 512) -> list[int]:
+                       images: Sequence[bytes], n: int, *, n_ctx: int = 2048, n_batch: int = 512,
+                       add_special: bool = True, parse_special: bool = True) -> list[int]:
     """Up to `n` greedy tokens (ending at an end-of-generation token) after a multimodal `prompt` (one media
     marker per image of `images`, encoded PNG/JPEG bytes) as llama.cpp's own path computes them: libmtmd's
     helper decodes the image bytes, ``mtmd_tokenize`` cuts the prompt into chunks and
@@ -102,7 +103,7 @@ def mtmd_greedy_tokens(llama_cpp, model: str | os.PathLike[str], projector: str 
             bitmaps.append(bitmap)
         chunks = mtmd_cpp.mtmd_input_chunks_init()
         text = prompt.encode()
-        inp = mtmd_cpp.mtmd_input_text(text, len(text), True, True)
+        inp = mtmd_cpp.mtmd_input_text(text, len(text), add_special, parse_special)
         array = (mtmd_cpp.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
         if mtmd_cpp.mtmd_tokenize(mctx, chunks, ctypes.byref(inp), array, len(bitmaps)) != 0:
             raise RuntimeError("mtmd_tokenize failed")

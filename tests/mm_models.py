@@ -41,6 +41,10 @@ QWEN2VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
 
 SMOLLM2_WIDTH = 576
 
+# architectures whose splits the image tests verify against the whole model (and llama.cpp's own multimodal
+# path): tests/test_mtmd.py in one process, tests/test_images.py through skippyd on 1, 2 and 3 stages
+MM_ARCHITECTURES = frozenset({"qwen2vl"})
+
 
 # --------------------------------------------------------------------------- text models
 
@@ -174,12 +178,14 @@ class _Projector:
 
 def write_idefics3_projector(path: str | os.PathLike[str], *, n_embd_text: int = SMOLLM2_WIDTH, image_size: int = 32,
                              patch_size: int = 8, longest_edge: int = 64, scale_factor: int = 2, n_embd: int = 32,
-                             n_layer: int = 2, seed: int = 0) -> Path:
-    """SmolVLM's projector, small: a SigLIP tower over `image_size` tiles of `patch_size` patches (learned
-    position embeddings, a post-norm), the pixel shuffle by `scale_factor` and ``mm.model.fc`` to `n_embd_text`.
-    An image is resized so its longer side is `longest_edge`, then cut into tiles, plus a global view."""
+                             n_layer: int = 2, n_head: int = 2, n_ff: int | None = None, seed: int = 0) -> Path:
+    """SmolVLM's projector, small by default: a SigLIP tower over `image_size` tiles of `patch_size` patches
+    (learned position embeddings, a post-norm), the pixel shuffle by `scale_factor` and ``mm.model.fc`` to
+    `n_embd_text`. An image is resized so its longer side is `longest_edge`, then cut into tiles, plus a global
+    view. (SmolVLM-256M's tower: image_size 512, patch_size 16, scale_factor 4, n_embd 768, 12 layers of 12
+    heads, n_ff 3072.)"""
     path = Path(path)
-    p = _Projector(path, "idefics3", n_embd=n_embd, n_head=2, n_ff=2 * n_embd + 16, n_layer=n_layer,
+    p = _Projector(path, "idefics3", n_embd=n_embd, n_head=n_head, n_ff=n_ff or 2 * n_embd + 16, n_layer=n_layer,
                    image_size=image_size, patch_size=patch_size, projection_dim=n_embd_text, seed=seed)
     p.writer.add_uint32("clip.vision.projector.scale_factor", scale_factor)
     p.writer.add_uint32("clip.vision.preproc_image_size", longest_edge)
@@ -229,3 +235,15 @@ def image_bytes(width: int, height: int, *, seed: int, fmt: str = "PNG") -> byte
     out = io.BytesIO()
     Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8), "RGB").save(out, format=fmt)
     return out.getvalue()
+
+
+def claimed_size(png: bytes, width: int, height: int) -> bytes:
+    """`png` whose header claims `width` x `height` (its IHDR rewritten, with a valid CRC) over the same few
+    pixels: what a decompression bomb looks like before it is decoded."""
+    import struct
+    import zlib
+
+    if png[:8] != b"\x89PNG\r\n\x1a\n" or png[12:16] != b"IHDR":
+        raise ValueError("not a PNG starting with its IHDR")
+    ihdr = b"IHDR" + struct.pack(">II", width, height) + png[24:29]
+    return png[:12] + ihdr + struct.pack(">I", zlib.crc32(ihdr)) + png[33:]

@@ -308,10 +308,12 @@ class Pipeline:
 class SingleStage(Pipeline):
     """`skippyd --model FILE`: the whole model in one stage, driven like a pipeline."""
 
-    def __init__(self, model: Path, workdir: Path, extra: list[str] = (), config: dict[str, Any] | None = None):
+    def __init__(self, model: Path, workdir: Path, extra: list[str] = (), config: dict[str, Any] | None = None, *,
+                 wait: bool = True, name: str = "single"):
         self.workdir = workdir
-        self.stages = {0: Daemon(["--model", str(model), *extra], workdir, "single", config=config)}
-        self.stages[0].wait_ready()
+        self.stages = {0: Daemon(["--model", str(model), *extra], workdir, name, config=config)}
+        if wait:
+            self.stages[0].wait_ready()
 
 
 class Stage0Driver:

@@ -219,7 +219,7 @@ def test_decode_steps_of_a_bigger_model_compute_inline_and_slower_ones_in_a_work
     from skippyd.stage.execution import INLINE_MAX_US
 
     execution = _scheduler_without_a_model().execution
-    step, chunk = [SimpleNamespace(n=1, window=False)], [SimpleNamespace(n=32, window=False)]
+    step, chunk = [SimpleNamespace(n=1, window=False, solo=False)], [SimpleNamespace(n=32, window=False, solo=False)]
     assert not execution.inline_turn(step)  # nothing decoded yet
     execution.decode_native_us = 40_000
     assert execution.inline_turn(step) and not execution.inline_turn(chunk)

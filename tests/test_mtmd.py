@@ -11,13 +11,14 @@ each, and fewer positions than rows).
 from __future__ import annotations
 
 import hashlib
+import io
+import struct
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pytest
 
-from skippyd.runtime import architectures, mtmd, slicing
+from skippyd.runtime import mtmd
 from skippyd.runtime.llama import ClosedError, ContextParams, InvalidArgumentError, Model
 from skippyd.runtime.llama.ffi import ffi, lib
 from skippyd.runtime.slicing import split_model
@@ -26,6 +27,7 @@ from tests.local_pipeline import LocalPipeline
 from tests.mm_models import (
     QWEN2VL_TOKENS,
     SMOLVLM_TOKENS,
+    claimed_size,
     image_bytes,
     write_idefics3_projector,
     write_qwen2vl_projector,
@@ -125,8 +127,11 @@ def test_an_image_becomes_tiles_framed_by_the_projectors_tokens(projector: mtmd.
     assert len(images) == 5 and len(texts) == 6
     assert all(isinstance(a, mtmd.TextChunk) != isinstance(b, mtmd.TextChunk) for a, b in zip(chunks, chunks[1:]))
     assert all(c.n_tokens == c.n_pos == 4 and c.grid is None and not c.non_causal for c in images)
-    # every tile carries the image's id: the sha256 of its encoded bytes
-    assert {c.id for c in images} == {hashlib.sha256(data).hexdigest()}
+    # every tile carries the image's id: the sha256 of its size and decoded pixels
+    from PIL import Image
+
+    rgb = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    assert {c.id for c in images} == {hashlib.sha256(struct.pack("<II", 48, 40) + rgb.tobytes()).hexdigest()}
     framing = {head.tokenize(t, add_special=False)[0] for t in SMOLVLM_TOKENS[:1] + SMOLVLM_TOKENS[3:6]}
     framed = set(np.concatenate([c.tokens for c in texts]).tolist())
     assert framing <= framed  # <fake_token_around_image>, <global-img>, <row_1_col_1>, <row_1_col_2>
@@ -244,17 +249,11 @@ def test_mrope_prompt_gives_llama_cpps_tokens(qwen2vl, qwen_chunks, llama_cpp):
 
 @pytest.fixture(scope="module")
 def qwen_splits(qwen2vl, tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[Path]]:
-    """The Qwen2-VL model split in 2 and 3 stages. The slicer refuses M-RoPE models (the wire gives a later stage
-    one position per row); the refusal is lifted here to check the runtime's side: a stage after the first
-    taking an image's rows with 4 positions each and a text token's hidden state with one."""
+    """The Qwen2-VL model split in 2 and 3 stages: a stage after the first takes an image's rows with 4 positions
+    each and a text token's hidden state with one."""
     text, _ = qwen2vl
-    support = architectures.Support(architectures.Verdict.SAME_MECHANISM)
-    out = {}
-    with mock.patch.object(slicing, "support", lambda arch: support), \
-            mock.patch.dict(slicing._UNSPLITTABLE_KEYS, clear=True):
-        for n in (2, 3):
-            out[n] = [s.file for s in split_model(text, None, tmp_path_factory.mktemp(f"qsplit{n}"), stages=n).stages]
-    return out
+    return {n: [s.file for s in split_model(text, None, tmp_path_factory.mktemp(f"qsplit{n}"), stages=n).stages]
+            for n in (2, 3)}
 
 
 @pytest.mark.parametrize("n_stages", [2, 3])
@@ -337,6 +336,23 @@ def test_a_file_that_is_not_a_projector_is_refused_naming_it(head: Model, tmp_pa
             mtmd.Projector(head, path, warmup=False)
         message = str(err.value)
         assert "\n" not in message and str(path) in message and why in message
+
+
+def test_an_images_size_comes_from_its_header_alone():
+    for fmt in ("PNG", "JPEG"):
+        assert mtmd.image_size(image_bytes(37, 11, seed=0, fmt=fmt)) == (37, 11)
+    png = image_bytes(8, 8, seed=0)
+    assert mtmd.image_size(claimed_size(png, 60000, 50000)) == (60000, 50000)  # what it says, never decoded
+    for junk in (b"", b"not an image at all", png[:10]):
+        assert mtmd.image_size(junk) is None
+
+
+def test_the_same_pixels_are_the_same_image_whatever_the_file():
+    png, bmp = image_bytes(12, 9, seed=3, fmt="PNG"), image_bytes(12, 9, seed=3, fmt="BMP")
+    assert png != bmp
+    with mtmd.Bitmap.from_bytes(png) as a, mtmd.Bitmap.from_bytes(bmp) as b, \
+            mtmd.Bitmap.from_bytes(image_bytes(12, 9, seed=4)) as c:
+        assert a.id == b.id != c.id
 
 
 def test_bytes_that_are_not_an_image_raise_the_typed_error():

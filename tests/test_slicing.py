@@ -135,7 +135,6 @@ def test_layer_patterns_no_longer_refuse_a_model():
 
 @pytest.mark.parametrize("arch, suffix, value, reason", [
     ("deepseek2", "nextn_predict_layers", 1, "next-token-prediction"),
-    ("glm4", "rope.dimension_sections", [8, 12, 12, 0], "several positions per token"),
     ("granite", "n_deepstack_layers", 2, "deepstack"),
     ("granite", "deepstack_mapping", [0, -1, 1], "deepstack"),
 ])
@@ -144,6 +143,11 @@ def test_variants_that_pass_more_than_the_residual_stream_are_refused(arch, suff
     with pytest.raises(SliceError, match=f"this {arch} model: it sets {re.escape(key)}.*{reason}"):
         check_splittable({"general.architecture": arch, key: value})
     assert check_splittable({"general.architecture": arch, f"{arch}.block_count": 4}) == arch
+
+
+def test_mrope_sections_split_since_an_images_rows_carry_their_positions():
+    assert check_splittable({"general.architecture": "glm4", "glm4.rope.dimension_sections": [8, 12, 12, 0]}) == "glm4"
+    assert check_splittable({"general.architecture": "qwen2vl", "qwen2vl.rope.dimension_sections": [2, 3, 3, 0]})
 
 
 def test_slice_and_shard_refused():

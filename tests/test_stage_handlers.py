@@ -23,11 +23,13 @@ from skippyd.stage.prefix_cache import PrefixCache
 from skippyd.stage.roles import FinalStage, MiddleStage, handlers_for
 from skippyd.stage.sessions import SessionTable
 from skippyd.wire.messages import (
+    NO_TOKEN,
     Ack,
     ConfigureGeneration,
     DecodeStep,
     ErrorCode,
     ErrorReply,
+    MediaRows,
     Ping,
     PredictedToken,
     PrefillChunk,
@@ -51,6 +53,7 @@ class FakeContext:
     n_batch = 64
     n_embd = N_EMBD
     token_input = False
+    n_pos_per_embd = 4  # M-RoPE: media rows come with four positions each
 
     def __init__(self):
         self.trims: list[tuple[int, int]] = []
@@ -70,6 +73,7 @@ class FakeScheduler:
         self.jobs = []
         self.notes = 0
         self.hot_path = SimpleNamespace(note=self._note)
+        self.policy = SimpleNamespace(max_batch_tokens=16)
 
     def _note(self, *_) -> None:
         self.notes += 1
@@ -434,3 +438,63 @@ async def test_a_protocol_violation_ends_the_connection_with_an_error_and_releas
         while core.sessions.live:
             await trio.sleep(0.01)
     assert core.released == [1]
+
+
+# ---------------------------------------------------------------------------- media rows
+
+
+def image_rows(pos_start: int, lo: int, hi: int, *, last: bool, causal: bool = True) -> PrefillChunk:
+    """Rows [lo, hi) of an M-RoPE image of 3x2 rows at `pos_start` (it takes 3 positions, with its last rows)."""
+    pos = np.array([[pos_start] * 6, [pos_start + i // 3 for i in range(6)],
+                    [pos_start + i % 3 for i in range(6)], [0] * 6])[:, lo:hi]
+    end = pos_start + 3 if last else pos_start
+    media = MediaRows(pos, end, [-7, -8, -9][:end - pos_start], causal=causal)
+    return PrefillChunk(lo + 10, 5, pos_start, [NO_TOKEN] * (hi - lo), rows(hi - lo), final=last, media=media)
+
+
+async def test_media_rows_are_computed_at_their_positions_and_take_theirs():
+    core, h, up = final_stage()
+    await h.dispatch(greedy(1, 5))
+    await up.reply()
+    await h.dispatch(PrefillChunk(2, 5, 0, [3, 4], rows(2)))
+    await up.reply()
+    session = core.sessions.get(1, 5)
+    await h.dispatch(image_rows(2, 0, 4, last=False))  # the image's first rows: no position taken yet
+    assert isinstance(await up.reply(), Ack) and session.position == 2
+    job = core.scheduler.jobs[-1]
+    assert job.solo and job.positions.shape == (4, 4) and job.causal and job.tokens is None
+    await h.dispatch(image_rows(2, 4, 6, last=True))  # its last rows: the image's 3 positions
+    assert isinstance(await up.reply(), PredictedToken) and session.position == 5
+    assert session.held_keys().tolist() == [3, 4, -7, -8, -9]  # what a prefix cache would key them by
+    assert core.context.trims == []
+    await h.dispatch(DecodeStep(3, 5, 5, [TOKEN], rows(1)))  # decoding goes on at the prompt's positions
+    assert isinstance(await up.reply(), PredictedToken) and session.position == 6
+
+
+async def test_media_rows_this_model_cannot_take_are_refused():
+    core, h, up = final_stage()
+    await h.dispatch(greedy(1, 5))
+    await up.reply()
+    one_each = MediaRows(np.arange(3).reshape(1, 3), 3, [-1, -2, -3])
+    await h.dispatch(PrefillChunk(2, 5, 0, [NO_TOKEN] * 3, rows(3), final=True, media=one_each))
+    reply = await up.reply()
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BAD_VALUE and "takes 4 per row" in reply.message
+    # rows that attend both ways are computed in one batch: more than this stage's (16) are refused
+    n = 18
+    both_ways = MediaRows(np.zeros((4, n), np.int32), 1, [-1], causal=False)
+    await h.dispatch(PrefillChunk(3, 5, 0, [NO_TOKEN] * n, rows(n), final=True, media=both_ways))
+    reply = await up.reply()
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.BAD_VALUE and "batch of 16" in reply.message
+    assert core.scheduler.jobs == []
+
+
+async def test_a_middle_stage_forwards_media_rows_with_their_positions():
+    core, h, up, down = middle_stage()
+    await h.dispatch(greedy(1, 5))
+    await up.reply()
+    await h.dispatch(image_rows(0, 0, 6, last=True, causal=False))
+    await up.reply()
+    (how, forwarded), = [(how, msg) for how, msg in down.sent if isinstance(msg, PrefillChunk)]
+    assert forwarded.media == image_rows(0, 0, 6, last=True, causal=False).media
+    assert np.array_equal(forwarded.activation, image_rows(0, 0, 6, last=True).activation * 2)
+    assert not core.scheduler.jobs[-1].causal

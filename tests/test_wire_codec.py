@@ -37,6 +37,7 @@ from skippyd.wire.messages import (
     MAX_CACHE_REPORT_STAGES,
     MAX_LOGIT_BIAS,
     MAX_TOKENS,
+    NO_TOKEN,
     PROTOCOL_VERSION,
     Ack,
     CacheQuery,
@@ -50,6 +51,7 @@ from skippyd.wire.messages import (
     Hello,
     HelloReply,
     Limits,
+    MediaRows,
     MessageKind,
     Ping,
     PredictedToken,
@@ -127,9 +129,27 @@ def token_messages(draw, n_embd: int):
     return cls(draw(ids), draw(ids), draw(positions), tokens, act, **kwargs)
 
 
+@st.composite
+def media_chunks(draw, n_embd: int):
+    """A PrefillChunk of media rows: explicit positions (1 or 4 sections) from pos_start, the keys of the
+    positions it takes, causal or not."""
+    n = draw(st.integers(1, 12))
+    start = draw(positions)
+    sections = draw(st.sampled_from([1, 4]))
+    pos = draw(hnp.arrays(np.int32, (sections, n), elements=st.integers(start, start + 40)))
+    if sections == 4:
+        pos[3] = draw(st.integers(0, 3))
+    end = draw(st.integers(start, start + n))
+    keys = draw(token_arrays(end - start, end - start))
+    act = draw(st.none() | activations(n, n_embd))
+    media = MediaRows(pos, end, keys, causal=draw(st.booleans()))
+    return PrefillChunk(draw(ids), draw(ids), start, [NO_TOKEN] * n, act, final=draw(st.booleans()), media=media)
+
+
 def messages(n_embd: int):
     return st.one_of(
         token_messages(n_embd),
+        media_chunks(n_embd),
         st.builds(ConfigureGeneration, ids, ids, sampling_params, st.booleans()),
         st.builds(TrimSession, ids, ids, positions),
         st.builds(Stop, ids, ids),
@@ -462,7 +482,7 @@ def test_trusted_builders_make_what_the_constructors_make(stats, token, first, s
     cases = [(StageStats, attrs.astuple(stats)), (Ack, (first, second, stats)),
              (PredictedToken, (first, second, token, stats)),
              (DecodeStep, (first, second, pos, tokens, act, data.draw(st.booleans()))),
-             (PrefillChunk, (first, second, pos, tokens, act, True)),
+             (PrefillChunk, (first, second, pos, tokens, act, True, None)),
              (VerifyWindow, (first, second, pos, tokens, act))]
     assert {cls for cls, _ in cases} == set(codec.TRUSTED)
     for cls, values in cases:
@@ -738,8 +758,8 @@ def test_hello_of_another_version_names_both_versions():
     assert info.value.code == ErrorCode.VERSION_MISMATCH
     assert info.value.message == f"protocol version mismatch: peer {other}, ours {PROTOCOL_VERSION}"
     # a future version's hello may be longer; its version is still readable
-    future = b"SKPY" + struct.pack("<H", 7) + b"\0" * 500
-    assert hello_version(future) == 7
+    future = b"SKPY" + struct.pack("<H", other) + b"\0" * 500
+    assert hello_version(future) == other
     assert code_of(decode_frame, prefix(0x01, len(future)) + future) == ErrorCode.VERSION_MISMATCH
 
 
@@ -881,3 +901,70 @@ def test_token_return_role():
     refusal = check_hello(head, middle, dialer=False)
     assert refusal.startswith("non-adjacent stage: token-return must come from the final")
     assert check_hello(final, middle, dialer=True).startswith("non-adjacent stage: token-return goes to stage 0")
+
+
+# --------------------------------------------------------------------------
+# media rows
+
+
+def _media_chunk(sections: int = 4, *, end: int = 13, causal: bool = True) -> PrefillChunk:
+    """An M-RoPE image of 3x2 rows at position 10 (it takes 3 positions), or its rows counted (1 section)."""
+    if sections == 4:
+        pos = np.array([[10] * 6, [10, 10, 10, 11, 11, 11], [10, 11, 12, 10, 11, 12], [0] * 6])
+    else:
+        pos, end = np.arange(10, 16).reshape(1, 6), 16
+    keys = np.arange(-1, -1 - (end - 10), -1)
+    return PrefillChunk(1, 2, 10, [NO_TOKEN] * 6, np.ones((6, 4), np.float32),
+                        media=MediaRows(pos, end, keys, causal=causal))
+
+
+def test_media_rows_travel_with_their_positions_keys_and_flags():
+    msg = _media_chunk(causal=False)
+    wire = frame_bytes(msg)
+    assert wire[3] == Flags.POSITIONS | Flags.NON_CAUSAL
+    got = decode_frame(bytearray(wire), n_embd=4)
+    assert got == msg and got.pos_end == 13 and got.keys.tolist() == [-1, -2, -3] and not got.media.causal
+    assert got.media.positions.shape == (4, 6)
+    # counted rows: a chunk of text tokens is where it always was, its keys are its tokens
+    text = PrefillChunk(1, 2, 10, [7, 8], np.ones((2, 4), np.float32))
+    assert text.pos_end == 12 and text.keys.tolist() == [7, 8] and frame_bytes(text)[3] == 0
+
+
+@pytest.mark.parametrize("sections", [1, 4])
+def test_a_positions_block_whose_length_disagrees_is_refused(sections):
+    wire = bytearray(frame_bytes(_media_chunk(sections)))
+    header = PREFIX_SIZE
+    ext_words = struct.unpack_from("<H", wire, header + 30)[0]
+    struct.pack_into("<H", wire, header + 30, ext_words - 1)  # a word short: the body no longer adds up
+    with pytest.raises(ProtocolError) as err:
+        decode_frame(wire, n_embd=4)
+    assert err.value.code == ErrorCode.LENGTH_MISMATCH
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    (lambda w, at: struct.pack_into("<B", w, at, 3), "sections"),  # 3 sections: neither 1 nor M-RoPE's 4
+    (lambda w, at: struct.pack_into("<I", w, at + 4, 9), "pos_end"),  # before pos_start
+    (lambda w, at: struct.pack_into("<i", w, at + 8 + 12, 9), "positions outside"),  # a row before pos_start
+])
+def test_media_rows_that_make_no_sense_are_refused(change, why):
+    wire = bytearray(frame_bytes(_media_chunk()))
+    change(wire, PREFIX_SIZE + MESSAGE_HEADER_SIZE)
+    with pytest.raises(ProtocolError, match=why) as err:
+        decode_frame(wire, n_embd=4)
+    assert err.value.code in (ErrorCode.BAD_VALUE, ErrorCode.LENGTH_MISMATCH)
+
+
+def test_media_rows_carry_no_token_and_non_causal_needs_them():
+    with pytest.raises(ValueError, match="no token"):
+        PrefillChunk(1, 2, 10, [5] * 6, None, media=_media_chunk().media)
+    wire = bytearray(frame_bytes(PrefillChunk(1, 2, 0, [5], None)))
+    wire[3] = Flags.NON_CAUSAL
+    with pytest.raises(ProtocolError) as err:
+        decode_frame(wire, n_embd=4)
+    assert err.value.code == ErrorCode.BAD_FLAGS
+    for other in (DecodeStep(1, 2, 0, [5], None), VerifyWindow(1, 2, 0, [5], None)):
+        wire = bytearray(frame_bytes(other))
+        wire[3] |= Flags.POSITIONS
+        with pytest.raises(ProtocolError) as err:
+            decode_frame(wire, n_embd=4)
+        assert err.value.code == ErrorCode.BAD_FLAGS

@@ -384,7 +384,7 @@ async def test_handshake_token_return():
 @pytest.mark.parametrize(
     ("client_hello", "reason"),
     [
-        (stage(0, 0, 10, version=2), f"protocol version mismatch: peer 2, ours {PROTOCOL_VERSION}"),
+        (stage(0, 0, 10, version=6), f"protocol version mismatch: peer 6, ours {PROTOCOL_VERSION}"),
         (stage(0, 0, 10, fingerprint=bytes(32)), "model fingerprint mismatch: peer 0000000000000000"),
         (stage(0, 0, 12), "non-adjacent stage: peer is stage 0 with layers [0, 12) of 30, expected stage 0 ending"),
         (stage(1, 0, 10), "non-adjacent stage"),

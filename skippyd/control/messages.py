@@ -75,6 +75,9 @@ class Generate:
     grammar: str | None = None
     logprobs: int | None = None  # each token's logprob and this many alternatives' (0..20); None: none
     speculate: bool | None = None  # speculative decoding for this generation; None: the daemon's setting
+    # images (PNG, JPEG, ...: the file's bytes, base64), one per media marker of the prompt, in order; a prompt
+    # without markers gets them before its text
+    images: list[str] = attrs.field(factory=list)
 
     def sampling(self) -> SamplingParams:
         """Raises InvalidSampling (what the checks above cannot see: a seed beyond 32 bits, a schema or a grammar

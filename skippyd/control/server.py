@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import hmac
 import logging
@@ -37,7 +38,7 @@ from skippyd.config import DEFAULTS
 from skippyd.control import messages as m
 from skippyd.control.token import default_token_file, load_or_create_token
 from skippyd.head.cache_admin import CacheReportError, clear_local
-from skippyd.head.engine import GenerationError, GenerationRequest
+from skippyd.head.engine import GenerationError, GenerationRequest, ImageInput
 from skippyd.head.piece_relay import ClientStalled, PieceRelay
 from skippyd.listening import explain_bind_errors
 from skippyd.sampling import InvalidSampling
@@ -46,6 +47,14 @@ log = logging.getLogger("skippyd.control")
 
 KILL_WAIT_S = 5.0  # `sessions kill` answers once the session is released (or after this long)
 MESSAGE_TIMEOUT_S = DEFAULTS.control.message_timeout
+MESSAGE_BYTES = 1 << 20  # a request's largest JSON text, besides its images
+
+
+def max_message_bytes(config) -> int:
+    """A request may carry two images of the largest size the head takes (base64: 4 bytes for 3), or more
+    smaller ones, besides its text. Only a client that presented the control token can send one."""
+    image_bytes = (config.runtime.image_max_mb << 20) if config is not None else DEFAULTS.runtime.image_max_mb << 20
+    return MESSAGE_BYTES + 2 * (4 * image_bytes // 3 + 4)
 
 
 @attrs.define(eq=False)
@@ -113,7 +122,9 @@ class ControlServer:
         async with trio.open_nursery() as nursery:
             with explain_bind_errors("control channel", self.host, self.port,
                                      "--control HOST:PORT (or --no-control)"):
-                server = await nursery.start(serve_websocket, self._handle, self.host, self.port, None)
+                server = await nursery.start(functools.partial(
+                    serve_websocket, self._handle, self.host, self.port, None,
+                    max_message_size=max_message_bytes(getattr(self.daemon, "config", None))))
             self.port = server.port
             log.info("control channel on ws://%s:%d (token in %s)", self.host, self.port, self.token_file)
             task_status.started(self)
@@ -171,7 +182,7 @@ class ControlServer:
         except ConnectionClosed:
             raise
         except GenerationError as exc:
-            code = "unavailable" if exc.retryable else ("bad_request" if exc.status == 400 else "failed")
+            code = "unavailable" if exc.retryable else ("bad_request" if exc.status in (400, 413) else "failed")
             await send(m.Error(req.id, str(exc), code=code, retryable=exc.retryable))
         except _NotFound as exc:
             await send(m.Error(req.id, str(exc), code="not_found"))
@@ -209,7 +220,8 @@ class ControlServer:
             raise GenerationError(f"sampling parameters: {exc}", status=400) from exc
         greq = GenerationRequest(
             prompt=req.prompt, system=req.system, messages=tuple(req.messages), raw=req.raw,
-            max_tokens=req.max_tokens, sampling=sampling, stop=tuple(req.stop), speculate=req.speculate)
+            max_tokens=req.max_tokens, sampling=sampling, stop=tuple(req.stop), speculate=req.speculate,
+            images=_images(req.images))
 
         if req.stream:
             result = await self._generate_streamed(greq, req.id, send)
@@ -388,6 +400,18 @@ class ControlServer:
     async def on_receipts(self, req: m.Receipts, send) -> None:
         kept = list(self.engine.receipts)[-max(0, req.limit):]
         await send(m.Data(req.id, [attrs.asdict(r) for r in kept]))
+
+
+def _images(encoded: list[str]) -> tuple[ImageInput, ...]:
+    """A Generate's images, from base64 (GenerationError 400 naming one that is not)."""
+    out = []
+    for i, text in enumerate(encoded):
+        try:
+            data = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise GenerationError(f"images[{i}]: not base64 ({exc})", status=400) from None
+        out.append(ImageInput(data, f"images[{i}]"))
+    return tuple(out)
 
 
 def describe_cache(stats) -> dict:

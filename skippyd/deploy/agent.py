@@ -132,6 +132,12 @@ class Assignment:
             raise AssignError(f"stage {index}'s slice {spec.sha256[:12]} is not held here: send it first")
         if spec.file.resolve() != self.slices.path(spec.sha256).resolve():
             raise AssignError(f"stage {index}'s file must be its slice, {spec.sha256}.gguf")
+        if spec.mmproj is not None:  # the head's projector, sent as a slice is
+            sha = spec.mmproj_sha256
+            if sha is None or spec.mmproj.resolve() != self.slices.path(sha).resolve():
+                raise AssignError(f"stage {index}'s mmproj must be named by its sha256 (mmproj_sha256.gguf)")
+            if not self.slices.is_held(sha):
+                raise AssignError(f"stage {index}'s projector {sha[:12]} is not held here: send it first")
         path.write_text(text)
         return Topology.load(path)
 

@@ -2,7 +2,8 @@
 
 :class:`HeadEngine` admits a generation (:mod:`skippyd.head.admission`: one
 wait with one queue timeout, whichever way the request came in), checks its
-prompt, runs it (:class:`~skippyd.head.run.GenerationRun`: configure →
+prompt (its images too: held to the limits, decoded and cut into chunks by
+the projector, :meth:`HeadEngine.prepare`), runs it (:class:`~skippyd.head.run.GenerationRun`: configure →
 prefill → decode → cleanup), and keeps what the control plane shows of it:
 the live table (and a kill for each entry), receipts and totals.
 
@@ -15,6 +16,7 @@ in :mod:`skippyd.head.lane_client` and :mod:`skippyd.head.resume`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -31,20 +33,22 @@ import trio
 
 from skippyd.head.admission import AdmissionGate
 from skippyd.head.chunking import PrefillChunker
-from skippyd.head.errors import Draining, GenerationError, PromptTooLong, QueueTimeout
+from skippyd.head.errors import Draining, GenerationError, ImageRefused, PromptTooLong, QueueTimeout
+from skippyd.head.images import ImageInput, ImageLimits, image_prompt
 from skippyd.head.lane_client import LaneServices, TokenPaths
 from skippyd.head.lanes import LanePool
 from skippyd.head.live import LiveGeneration
 from skippyd.head.liveness import StageWatch
 from skippyd.head.local_lane import LocalLanes
 from skippyd.head.pipeline_lane import PipelineLanes
+from skippyd.head.prompt import Prompt
 from skippyd.head.run import GenerationRun, HeadParts
 from skippyd.head.sequence import HeadCompute
 from skippyd.head.sink import DISCARD, GenerationSink
 from skippyd.head.speculation import DEFAULT_MAX_DRAFT, SpeculationTotals
 from skippyd.head.states import FinishReason
 from skippyd.head.token_return import TokenReturnHub
-from skippyd.runtime import chat_template, llama
+from skippyd.runtime import chat_template, llama, mtmd
 from skippyd.sampling import InvalidSampling, SamplingParams
 from skippyd.stage.prefix_cache import PrefixCache
 from skippyd.stage.scheduler import Scheduler
@@ -53,7 +57,7 @@ from skippyd.telemetry import span
 from skippyd.wire.messages import StageStats
 
 __all__ = ["Draining", "FinishReason", "GenerationError", "GenerationRequest", "GenerationResult", "GenerationSink",
-           "HeadEngine", "LiveGeneration", "PromptTooLong", "QueueTimeout", "Receipt"]
+           "HeadEngine", "ImageInput", "ImageRefused", "LiveGeneration", "PromptTooLong", "QueueTimeout", "Receipt"]
 
 log = logging.getLogger("skippyd.head")
 
@@ -72,6 +76,10 @@ class GenerationRequest:
     tools: tuple[dict, ...] = ()  # OpenAI function tools, for a chat template that presents them itself
     speculate: bool | None = None  # speculative decoding for this generation (None: the daemon's setting)
     origin: str = "control"  # who asked (the console shows it): "control" or "openai"
+    # images, in prompt order: those of the messages' {"type": "image"} parts, or of the prompt's media markers
+    # (none in the prompt: they go before its text)
+    images: tuple[ImageInput, ...] = ()
+    prepared: Prompt | None = attrs.field(default=None, eq=False)  # the prompt, made already (HeadEngine.prepare)
 
 
 @attrs.define
@@ -88,6 +96,7 @@ class GenerationResult:
     stage_stats: dict = attrs.field(factory=dict)
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens restored from the stages' prefix caches, not computed
+    image_encode_ms: float = 0.0  # the projector's time on the prompt's images
     # with sampling.logprobs: one TokenLogprobs per token of ``tokens`` (the final stage's, from the distribution
     # it sampled from); None without
     logprobs: list | None = None
@@ -104,7 +113,7 @@ class GenerationResult:
                       "total_tokens": self.prompt_tokens + len(self.tokens), "cached_tokens": self.cached_tokens,
                       **({} if self.speculation is None else {"speculation": self.speculation})},
             "timings": {"ttft_ms": round(self.ttft_ms, 3), "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
-                        "elapsed_ms": round(self.elapsed_ms, 3),
+                        "elapsed_ms": round(self.elapsed_ms, 3), "image_encode_ms": round(self.image_encode_ms, 3),
                         # speculative decoding: draft tokens verified, those accepted, verify windows sent
                         "drafted": self.speculation["drafted"] if self.speculation else 0,
                         "accepted": self.speculation["accepted"] if self.speculation else 0,
@@ -142,8 +151,11 @@ class HeadEngine:
                  receipts_kept: int = 256, queue_timeout: float = 30.0, hub: TokenReturnHub | None = None,
                  watch: StageWatch | None = None, resume_window: float | None = None,
                  prefix_cache: PrefixCache | None = None, speculate_max_draft: int = 0,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, projector: mtmd.Projector | None = None,
+                 image_limits: ImageLimits | None = None):
         self.model = model
+        self.projector = projector  # images in prompts (None: this model takes none)
+        self.image_limits = image_limits or ImageLimits()
         self.chat_template = chat_template  # the operator's, in place of the model's own (None: the model's)
         self.context = context
         self.scheduler = scheduler
@@ -185,10 +197,10 @@ class HeadEngine:
 
     # ------------------------------------------------------------------ prompt
     def prompt_tokens(self, req: GenerationRequest) -> np.ndarray:
-        """The prompt the request asks for, tokenized (through the chat template unless raw) and checked:
-        not empty, and leaving room in a session's context. The one place a prompt is checked: raises
-        GenerationError (status 400), PromptTooLong when it does not fit; LlamaError if it cannot be
-        tokenized."""
+        """The prompt the request asks for, without images, tokenized (through the chat template unless raw)
+        and checked: not empty, and leaving room in a session's context. Raises GenerationError (status 400),
+        PromptTooLong when it does not fit; LlamaError if it cannot be tokenized. (A prompt with images:
+        :meth:`prepare`.)"""
         tokens = self._tokenize(req)
         n_ctx = self.context.n_ctx_seq
         if len(tokens) == 0:
@@ -203,17 +215,75 @@ class HeadEngine:
             return np.asarray(req.prompt_tokens, dtype=np.int32)
         if req.raw:
             return self.model.tokenize(req.prompt or "", add_special=True, parse_special=False)
+        return self.model.tokenize(self._chat_text(req), add_special=False, parse_special=True)
+
+    def _chat_text(self, req: GenerationRequest, marker: str | None = None) -> str:
+        """The chat the request asks for, through the chat template; image parts become `marker`."""
         messages = list(req.messages)
         if not messages:
             messages = [{"role": "user", "content": req.prompt or ""}]
         if req.system and not any(m.get("role") == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": req.system})
         try:
-            text = chat_template.render_chat(self.model, messages, tools=req.tools or None,
-                                             template_source=self.chat_template)
+            return chat_template.render_chat(self.model, messages, tools=req.tools or None,
+                                             template_source=self.chat_template, media_marker=marker)
         except llama.InvalidArgumentError as exc:
             raise GenerationError(f"{exc} (send a raw prompt instead)", status=400) from exc
-        return self.model.tokenize(text, add_special=False, parse_special=True)
+
+    async def prepare(self, req: GenerationRequest) -> Prompt:
+        """The request's prompt, checked (see :meth:`prompt_tokens`), with its images: each held to the image
+        limits before it is decoded, then decoded and cut into chunks in a worker thread. Raises
+        ImageRefused (400, 413) for an image this head cannot take, PromptTooLong (its tokens and image rows
+        counted) when it does not fit a session's context. The caller owns the prompt (``close`` it)."""
+        if req.prepared is not None:
+            return req.prepared
+        if not req.images:
+            return Prompt.of_tokens(self.prompt_tokens(req))
+        if self.projector is None:
+            raise ImageRefused("this model takes no images: start the head with --mmproj", source=req.images[0].source)
+        for image in req.images:
+            self.image_limits.check(image)
+        text = self._image_text(req)
+        prompt = await trio.to_thread.run_sync(functools.partial(image_prompt, self.projector, text, req.images,
+                                                                 raw=req.raw))
+        try:
+            self._check_fits(prompt)
+        except BaseException:
+            prompt.close()
+            raise
+        return prompt
+
+    def _image_text(self, req: GenerationRequest) -> str:
+        """The prompt's text with one media marker per image: the chat's (its image parts), or the raw prompt's
+        own markers, or, if it has none, the markers before its text."""
+        marker = self.projector.marker
+        if req.messages:
+            return self._chat_text(req, marker)
+        text, n = req.prompt or "", len(req.images)
+        found = text.count(marker)
+        if found not in (0, n):
+            raise ImageRefused(f"the prompt has {found} image markers ({marker}) for {n} images: none (the images "
+                               f"go first) or one per image", source="prompt")
+        if not found:
+            if not req.raw:  # the chat's user message: its images, then its text
+                content = [*({"type": "image"} for _ in req.images), {"type": "text", "text": text}]
+                return self._chat_text(attrs.evolve(req, messages=({"role": "user", "content": content},)), marker)
+            text = marker * n + text
+        return self._chat_text(req, marker) if not req.raw else text
+
+    def _check_fits(self, prompt: Prompt) -> None:
+        n_ctx = self.context.n_ctx_seq
+        # every row (a token, an image's row) takes a KV cell, and a session has n_ctx of them; an image may
+        # take fewer positions than rows (M-RoPE), never more
+        if prompt.n_rows >= n_ctx:
+            raise PromptTooLong(f"the prompt has {prompt.n_rows} tokens ({prompt.image_rows} of them for its "
+                                f"{len(prompt.images)} image parts); the context holds {n_ctx} per session",
+                                tokens=prompt.n_rows, n_ctx=n_ctx)
+        batch = self.context.n_batch
+        for piece in prompt.images:
+            if not piece.causal and piece.n_rows > batch:
+                raise ImageRefused(f"an image of {piece.n_rows} rows computed in one batch (its rows attend to each "
+                                   f"other both ways) exceeds the batch of {batch} (runtime.batch)")
 
     # ------------------------------------------------------------------ generate
     async def generate(self, req: GenerationRequest, sink: GenerationSink = DISCARD) -> GenerationResult:
@@ -229,11 +299,19 @@ class HeadEngine:
             raise GenerationError(f"sampling parameters: {exc}", status=400) from exc
         if req.max_tokens < 1:
             raise GenerationError("max_tokens must be >= 1", status=400)
-        prompt = self.prompt_tokens(req)
-        max_tokens = min(req.max_tokens, self.context.n_ctx_seq - len(prompt))
+        prompt = await self.prepare(req)
+        try:
+            return await self._generate(req, prompt, sink, started)
+        finally:
+            prompt.close()
+
+    async def _generate(self, req: GenerationRequest, prompt: Prompt, sink: GenerationSink,
+                        started: float) -> GenerationResult:
+        sampling = req.sampling
+        max_tokens = min(req.max_tokens, self.context.n_ctx_seq - prompt.n_rows)
         request_id = self.new_request_id()
         session_id = secrets.randbits(63)
-        live = LiveGeneration(request_id, session_id, len(prompt), time.monotonic(), trio.CancelScope(),
+        live = LiveGeneration(request_id, session_id, prompt.n_rows, time.monotonic(), trio.CancelScope(),
                               origin=req.origin)
         self.live[session_id] = live
         run = GenerationRun(self.parts, live, prompt, max_tokens, sampling, req.stop, req.ignore_eos, sink,
@@ -301,24 +379,25 @@ class HeadEngine:
         live, reply = run.live, run.reply
         return GenerationResult(
             request_id=live.request_id, session_id=live.session_id, text=reply.text.text, tokens=list(reply.tokens),
-            finish_reason=reply.finish_reason or FinishReason.ERROR, prompt_tokens=len(run.prompt),
+            finish_reason=reply.finish_reason or FinishReason.ERROR, prompt_tokens=run.prompt.n_rows,
             ttft_ms=reply.ttft_ms,
             decode_tokens_per_s=live.decode_rate() or 0.0, elapsed_ms=run.elapsed_ms(),
             stage_stats=attrs.asdict(run.stats), error=run.error, cached_tokens=run.cached_tokens,
             logprobs=None if reply.logprobs is None else list(reply.logprobs),
-            speculation=None if run.speculation is None else run.speculation.describe())
+            speculation=None if run.speculation is None else run.speculation.describe(),
+            image_encode_ms=run.prompt.encode_ms)
 
     def _record(self, run: GenerationRun) -> None:
         reply = run.reply
         if reply.finish_reason is None:
             reply.finish_reason = FinishReason.ERROR
         self.totals["generations"] += 1
-        self.totals["prompt_tokens"] += len(run.prompt)
+        self.totals["prompt_tokens"] += run.prompt.n_rows
         self.totals["completion_tokens"] += len(reply.tokens)
         receipt = Receipt(
             request_id=run.live.request_id, session_id=run.live.session_id,
-            prompt_sha256=hashlib.sha256(np.asarray(run.prompt, dtype="<i4").tobytes()).hexdigest(),
-            prompt_tokens=len(run.prompt), tokens=list(reply.tokens), final_position=run.live.position,
+            prompt_sha256=hashlib.sha256(np.asarray(run.prompt.keys, dtype="<i4").tobytes()).hexdigest(),
+            prompt_tokens=run.prompt.n_rows, tokens=list(reply.tokens), final_position=run.live.position,
             termination=reply.finish_reason, ttft_ms=reply.ttft_ms, elapsed_ms=run.elapsed_ms(),
             finished_at=time.time())
         self.receipts.append(receipt)

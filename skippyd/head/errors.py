@@ -28,6 +28,16 @@ class PromptTooLong(GenerationError):
         self.n_ctx = n_ctx
 
 
+class ImageRefused(GenerationError):
+    """An image the generation cannot take (status 400, or 413 for one over the size or pixel limit); `source`
+    names it as the request did (``messages[0].content[1]``, ``images[0]``), `code` says why in a word."""
+
+    def __init__(self, message: str, *, source: str | None = None, status: int = 400, code: str = "invalid_image"):
+        super().__init__(message, status=status)
+        self.source = source
+        self.code = code
+
+
 class QueueTimeout(GenerationError):
     """No place for the generation (a head slot, then a lane) within the queue timeout."""
 

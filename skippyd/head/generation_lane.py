@@ -19,6 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
+from skippyd.head.prompt import PromptPart
 from skippyd.head.sequence import HeadSequence
 from skippyd.head.sink import GenerationSink
 from skippyd.runtime.llama import TokenLogprobs
@@ -37,13 +38,13 @@ class GenerationLane(Protocol):
         """Make ready for the generation, from a (re)start: a lane checked out (waiting until ``deadline``,
         trio time, at most) and configured, or the head's sampler."""
 
-    async def restore(self, tokens: np.ndarray) -> int:
-        """How many of the positions of ``tokens`` (a prefix the head restored) the rest of the pipeline holds
+    async def restore(self, keys: np.ndarray) -> int:
+        """How many of the positions keyed ``keys`` (a prefix the head restored) the rest of the pipeline holds
         now, from its prefix caches."""
 
-    async def prompt_chunk(self, tokens: np.ndarray, pos: int, *, final: bool) -> int | None:
-        """Compute the prompt chunk ``tokens`` from ``pos``; the final one's answer is the first generated
-        token (None for the others)."""
+    async def prompt_part(self, part: PromptPart, *, final: bool) -> int | None:
+        """Compute a part of the prompt (text tokens, or an image's rows); the final one's answer is the first
+        generated token (None for the others)."""
 
     async def begin(self, token: int, drafts: Sequence[int]) -> object:
         """Begin the step for ``token`` with ``drafts`` (none: a plain step); what :meth:`finish` takes."""

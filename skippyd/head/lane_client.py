@@ -202,10 +202,11 @@ class LaneClient:
         return reply
 
     # ------------------------------------------------------------ the prompt
-    async def restore(self, tokens: np.ndarray) -> int:
-        """Ask every stage to restore the longest prefix of ``tokens`` it has cached; how many positions all
-        of them hold now (see RestorePrefix in skippy-protocol(7))."""
-        reply = await self.request(RestorePrefix(self.wire_request_id, self.session_id, tokens))
+    async def restore(self, keys: np.ndarray) -> int:
+        """Ask every stage to restore the longest prefix of the positions keyed ``keys`` (token ids, media
+        keys) it has cached; how many positions all of them hold now (see RestorePrefix in
+        skippy-protocol(7))."""
+        reply = await self.request(RestorePrefix(self.wire_request_id, self.session_id, keys))
         return int(reply.restored)
 
     async def send_chunk(self, msg: PrefillChunk) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import trio
 
+from skippyd.head.prompt import PromptPart
 from skippyd.head.sequence import HeadSequence
 from skippyd.head.sink import GenerationSink
 from skippyd.runtime import llama
@@ -51,11 +52,11 @@ class LocalLane:
         else:
             self.sampler = llama.sampler_for(self.model, self.sampling)
 
-    async def restore(self, tokens: np.ndarray) -> int:
-        return len(tokens)  # no other stage
+    async def restore(self, keys: np.ndarray) -> int:
+        return len(keys)  # no other stage
 
-    async def prompt_chunk(self, tokens: np.ndarray, pos: int, *, final: bool) -> int | None:
-        token = await self.sequence.compute(tokens, pos, want_token=final, sampler=self.sampler)
+    async def prompt_part(self, part: PromptPart, *, final: bool) -> int | None:
+        token = await self.sequence.compute_part(part, want_token=final, sampler=self.sampler)
         if not final:
             return None
         self._prompt_unrecorded = True  # not before the first token is out: a record is not its client's wait

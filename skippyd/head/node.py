@@ -1,4 +1,11 @@
-"""The head node: stage 0's model and context, its scheduler, the lane pool and the engine.
+"""The head node: stage 0's model and context, its multimodal projector, its scheduler, the lane pool and the
+engine.
+
+A projector (``--mmproj``, else the topology's stage 0 ``mmproj``) is loaded
+against the model at start; one that does not fit it (another width, a file
+that is no projector, a text model without the tokens that frame its images)
+stops the head with one line. Only the head loads it: the other stages get
+an image's rows as hidden states like any other.
 
 With three or more stages (and direct return on) the head also listens on
 stage 0's address in the topology for the final stage's token-return
@@ -15,9 +22,11 @@ import trio
 
 from skippyd.head import cache_admin
 from skippyd.head.engine import HeadEngine
+from skippyd.head.images import ImageLimits
 from skippyd.head.lanes import LanePool
 from skippyd.head.liveness import StageWatch
 from skippyd.head.token_return import TokenReturnHub
+from skippyd.runtime import mtmd
 from skippyd.runtime.llama import Context, Model
 from skippyd.stage.access import UpstreamAllow
 from skippyd.stage.prefix_cache import PrefixCache
@@ -32,7 +41,8 @@ class HeadNode:
     def __init__(self, config: StageConfig, *, topology: Topology | None = None, model_path: Path | None = None,
                  prefill_chunk: int = 256, receipts_file: Path | None = None, queue_timeout: float = 30.0,
                  resume_window: float | None = None, speculate_max_draft: int = 0,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, mmproj: Path | None = None, image_max_bytes: int = 20 << 20,
+                 image_max_pixels: int = 1 << 25):
         if topology is None and model_path is None:
             raise ValueError("the head needs a topology or a model file")
         self.config = config
@@ -44,6 +54,10 @@ class HeadNode:
         self.resume_window = resume_window  # None: a stage failure fails the generation
         self.speculate_max_draft = speculate_max_draft  # 0: no speculative decoding unless a request asks
         self.chat_template = chat_template  # the operator's chat template (None: the model's own)
+        self.mmproj = mmproj if mmproj is not None or topology is None else topology.stage(0).mmproj
+        self.image_limits = ImageLimits(image_max_bytes, image_max_pixels)
+        self.projector: mtmd.Projector | None = None
+        self.vision: dict | None = None  # what the projector takes (status, /v1/models); None: no images
         self.engine: HeadEngine | None = None
         self.pool: LanePool | None = None
         self.hub: TokenReturnHub | None = None
@@ -71,6 +85,8 @@ class HeadNode:
                 raise ValueError(f"{self.model_path} does not start at layer 0: it cannot be the head")
             if self.single_stage and not self.model.stage.is_last:
                 raise ValueError(f"{self.model_path} is a non-final slice: give the whole model or a topology")
+            if self.mmproj is not None:
+                self.projector, self.vision = await trio.to_thread.run_sync(self._load_projector)
             context = await trio.to_thread.run_sync(Context, self.model, cfg.context_params())
             scheduler = cfg.scheduler(context)
             if not self.single_stage:
@@ -92,7 +108,8 @@ class HeadNode:
                                      hub=self.hub, watch=self.watch, resume_window=self.resume_window,
                                      prefix_cache=PrefixCache(cfg.prefix_cache_mb << 20, stage_index=0),
                                      speculate_max_draft=self.speculate_max_draft,
-                                     chat_template=self.chat_template)
+                                     chat_template=self.chat_template, projector=self.projector,
+                                     image_limits=self.image_limits)
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(scheduler.serve)
@@ -116,7 +133,26 @@ class HeadNode:
                         await self.pool.aclose()
                 context.close()
         finally:
+            if self.projector is not None:
+                self.projector.close()
             self.model.close()
+
+    def _load_projector(self) -> tuple[mtmd.Projector, dict]:
+        """The projector, checked against the model, and what it takes: an image of its own input size is
+        tokenized once (which fails for a text model without the tokens that frame its images)."""
+        projector = mtmd.Projector(self.model, self.mmproj, n_threads=self.config.n_threads)
+        try:
+            width = height = projector.image_size
+            rows = projector.image_rows(width, height)
+        except BaseException:
+            projector.close()
+            raise
+        log.info("head: projector %s (%s): an image of %d x %d pixels takes %d tokens", self.mmproj.name,
+                 projector.projector_type, width, height, rows)
+        return projector, {"projector": self.mmproj.name, "projector_type": projector.projector_type,
+                           "marker": projector.marker, "tokens_per_image": rows, "image_size": [width, height],
+                           "mrope": projector.uses_mrope, "max_bytes": self.image_limits.max_bytes,
+                           "max_pixels": self.image_limits.max_pixels}
 
     async def _listen_for_token_return(self, nursery: trio.Nursery) -> None:
         cfg = self.config
@@ -164,7 +200,7 @@ class HeadNode:
                     lanes_task=None if self.pool is None else {"failures": self.lanes_task_failures,
                                                                "last_error": self.lanes_task_error},
                     prefix_cache=self.engine.prefix_cache.stats().to_json() if self.engine else None,
-                    speculation=self._speculation())
+                    speculation=self._speculation(), vision=self.vision)
         return snap
 
     def _speculation(self) -> dict | None:

@@ -28,6 +28,7 @@ import trio
 from skippyd.head.errors import GenerationError, QueueTimeout
 from skippyd.head.lane_client import InFlight, LaneClient, LaneServices, RelayedLane
 from skippyd.head.lanes import Lane, LanePool, NoLaneAvailable, PoolDraining
+from skippyd.head.prompt import PromptPart
 from skippyd.head.sequence import STOP_TIMEOUT_S, HeadSequence
 from skippyd.head.sink import GenerationSink
 from skippyd.runtime.llama import TokenLogprobs
@@ -98,16 +99,18 @@ class PipelineLane:
             raise GenerationError(f"stage 1 is unreachable: {exc}", retryable=True, status=503,
                                   stage_failure=True) from exc
 
-    async def restore(self, tokens: np.ndarray) -> int:
-        return await self.client.restore(tokens)
+    async def restore(self, keys: np.ndarray) -> int:
+        return await self.client.restore(keys)
 
-    async def prompt_chunk(self, tokens: np.ndarray, pos: int, *, final: bool) -> int | None:
+    async def prompt_part(self, part: PromptPart, *, final: bool) -> int | None:
         sequence, client = self.sequence, self.client
         native_before = sequence.clock.native_us
-        hidden = await sequence.compute(tokens, pos, want_token=False)
-        self._prompt_us += sequence.clock.native_us - native_before
-        self._prompt_tokens += len(tokens)
-        msg = PrefillChunk(self.wire_request_id, self.session_id, pos, tokens, hidden, final=final)
+        hidden = await sequence.compute_part(part, want_token=False)
+        if part.media is None:  # what sizes the chunks: the head's compute per text token
+            self._prompt_us += sequence.clock.native_us - native_before
+            self._prompt_tokens += len(part.tokens)
+        msg = PrefillChunk(self.wire_request_id, self.session_id, part.pos_start, part.tokens, hidden, final=final,
+                           media=part.media)
         if not final:
             await client.send_chunk(msg)  # its ack may come later (up to the link's credit)
             return None

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 
 import attrs
-import numpy as np
 import trio
 
 from skippyd.head.chunking import PrefillChunker
@@ -28,6 +27,7 @@ from skippyd.head.errors import GenerationError
 from skippyd.head.generation_lane import GenerationLane, LaneSource
 from skippyd.head.live import LiveGeneration
 from skippyd.head.liveness import StageWatch
+from skippyd.head.prompt import ImagePiece, Prompt
 from skippyd.head.resume import ResumePolicy
 from skippyd.head.sequence import HeadCompute, HeadSequence
 from skippyd.head.sink import GenerationSink
@@ -57,7 +57,7 @@ class HeadParts:
 class GenerationRun:
     """The state of one generation while it runs (admitted: it holds one of the engine's places)."""
 
-    def __init__(self, head: HeadParts, live: LiveGeneration, prompt: np.ndarray, max_tokens: int,
+    def __init__(self, head: HeadParts, live: LiveGeneration, prompt: Prompt, max_tokens: int,
                  sampling: SamplingParams, stops: tuple[str, ...], ignore_eos: bool, sink: GenerationSink,
                  started: float, *, max_draft: int = 0):
         self.head, self.live, self.prompt, self.sampling, self.sink = head, live, prompt, sampling, sink
@@ -65,7 +65,7 @@ class GenerationRun:
         self.reply = Reply(head.token_piece, head.is_eog, stops, sink, max_tokens=max_tokens, ignore_eos=ignore_eos,
                            logprobs=sampling.logprobs is not None)
         self.error: str | None = None
-        self.cached_tokens = 0  # prompt positions restored from the prefix caches, not computed
+        self.cached_tokens = 0  # prompt tokens (and image rows) restored from the prefix caches, not computed
         self.clock = StepClock(head.compute.scheduler.hot_path)
         self.resume = ResumePolicy(head.resume_window, head.watch)
         self._stats = StatsTotal()  # every stage's reports for this generation, merged as they come
@@ -97,7 +97,8 @@ class GenerationRun:
                     self.resume.recovered()  # the pipeline is whole again
                     self.live.state = GenerationState.DECODE
                     decoder = Decoder(self.reply, self.live, self.clock, self._drafts(), self.started)
-                    await decoder.run(lane, token, [*self.prompt.tolist(), *self.reply.tokens])
+                    # drafts come from the prompt's text (an image's rows are no tokens) and the reply
+                    await decoder.run(lane, token, [*self.prompt.text_tokens.tolist(), *self.reply.tokens])
                     return
                 except GenerationError as exc:
                     if not self.resume.may_resume(exc, self.live):
@@ -123,14 +124,19 @@ class GenerationRun:
         if sequence.position:  # a replay: the head's hidden states again from position 0, as the first time
             await sequence.clear()
         self.live.state = GenerationState.PREFILL
+        prompt = self.prompt
         start = await sequence.restore(lane.restore)
         if start:
-            self.cached_tokens = self.live.cached_tokens = start
+            self.cached_tokens = self.live.cached_tokens = prompt.rows_before(start)
         if self.chunk is None:
             self.chunk = self.head.chunker.size
-        prompt, chunk, n = self.prompt, self.chunk, len(self.prompt)
-        for lo in range(start, n, chunk):
-            token = await lane.prompt_chunk(prompt[lo:lo + chunk], lo, final=lo + chunk >= n)
+        parts = list(prompt.parts(start, self.chunk))
+        for i, (piece, lo, hi) in enumerate(parts):
+            if isinstance(piece, ImagePiece) and piece.rows is None:
+                self.live.state = GenerationState.ENCODE
+                await sequence.encode(piece)
+                self.live.state = GenerationState.PREFILL
+            token = await lane.prompt_part(prompt.part(piece, lo, hi), final=i == len(parts) - 1)
         for replayed in list(self.reply.tokens):  # already emitted: their predictions are not emitted again
             (token,) = await lane.finish(await lane.begin(replayed, ()))
         return token

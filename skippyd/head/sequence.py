@@ -1,16 +1,24 @@
 """The head's own share of a generation: its KV sequence in stage 0's context, and the slice it computes.
 
 Every compute of the generation on the head goes through
-:meth:`HeadSequence.compute` (through the head's scheduler, so that
-concurrent generations batch their decode steps); the lanes decide what it
-computes (hidden states to send on, or, on a single stage, the sampled
-token). The sequence also restores the longest cached prefix of the prompt,
+:meth:`HeadSequence.compute` (a decode step or a verify window) or
+:meth:`HeadSequence.compute_part` (a part of the prompt: text tokens, or an
+image's rows as input embeddings at their own positions), through the head's
+scheduler, so that concurrent generations batch their decode steps; the lanes
+decide what it computes (hidden states to send on, or, on a single stage, the
+sampled token). The sequence also encodes the prompt's images (the projector,
+off the event loop), restores the longest cached prefix of the prompt,
 records what it holds in the head's prefix cache and, once the generation
 ends, gives its slot back.
+
+``position`` is the positions the sequence holds, where its next compute
+starts: after the prompt, its position count (:attr:`Prompt.n_pos`), which
+an image makes differ from its token count.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
@@ -19,8 +27,9 @@ import trio
 
 from skippyd.head.errors import GenerationError
 from skippyd.head.live import LiveGeneration
+from skippyd.head.prompt import ImagePiece, Prompt, PromptPart
 from skippyd.head.step_clock import StepClock
-from skippyd.runtime import llama
+from skippyd.runtime import llama, mtmd
 from skippyd.stage.execution import Job
 from skippyd.stage.prefix_cache import PrefixCache, record_from, restore_into
 from skippyd.stage.scheduler import Scheduler
@@ -46,7 +55,7 @@ class HeadCompute:
 class HeadSequence:
     """One generation's sequence on the head (open from admission to cleanup) and its position in it."""
 
-    def __init__(self, head: HeadCompute, live: LiveGeneration, prompt: np.ndarray, stats: StatsTotal,
+    def __init__(self, head: HeadCompute, live: LiveGeneration, prompt: Prompt, stats: StatsTotal,
                  clock: StepClock):
         self.head, self.live, self.prompt = head, live, prompt
         self.scheduler = head.scheduler
@@ -63,9 +72,24 @@ class HeadSequence:
         states, or (``want_token``, a single stage) the sampled token, or a window's tokens."""
         job = Job(self.seq, pos, tokens=tokens, embd=None, sampler=sampler, want_token=want_token, out=out,
                   window=window, window_tokens=tokens if window else None)
+        return await self._run(job, pos + len(tokens))
+
+    async def compute_part(self, part: PromptPart, *, want_token: bool, sampler=None):
+        """Compute a part of the prompt (the sequence then holds ``part.pos_end`` positions): its hidden states
+        or (``want_token``, a single stage) the sampled token. Media rows go in as input embeddings at their
+        own positions."""
+        media = part.media
+        if media is None:
+            return await self.compute(part.tokens, part.pos_start, want_token=want_token, sampler=sampler)
+        job = Job(self.seq, part.pos_start, tokens=None, embd=part.rows, sampler=sampler, want_token=want_token,
+                  positions=media.positions, causal=media.causal)
+        return await self._run(job, media.pos_end)
+
+    async def _run(self, job: Job, end: int):
         live = self.live
         try:
-            with span("head.compute", request=live.request_id, session=live.session_id, pos=pos, tokens=len(tokens)):
+            with span("head.compute", request=live.request_id, session=live.session_id, pos=job.pos_start,
+                      tokens=job.n):
                 result = await self.scheduler.submit(job)
         except llama.LlamaError as exc:
             raise GenerationError(f"head compute failed: {exc}") from exc
@@ -74,9 +98,26 @@ class HeadSequence:
         clock.loop_native_cpu_us += job.loop_native_cpu_us
         clock.waited_us += job.lock_wait_us
         self.batched = job.batch_jobs > 1
-        live.position = self.position = pos + len(tokens)
+        live.position = self.position = end
         self.stats.add_compute(0, job.compute_us, job.queue_us)
         return result
+
+    async def encode(self, piece: ImagePiece) -> None:
+        """The image's rows from the projector, once (a replay keeps them), in a worker thread: the event loop
+        and the other sessions' steps go on meanwhile. The host's compute turn (stages sharing its cores) is
+        held while it encodes. A cancellation waits for the encode under way (the chunk's native memory is in
+        use until it returns)."""
+        if piece.rows is not None:
+            return
+        live = self.live
+        started = time.perf_counter()
+        try:
+            with span("head.encode_image", request=live.request_id, session=live.session_id,
+                      rows=piece.n_rows):
+                piece.rows = await trio.to_thread.run_sync(self.scheduler.execution.in_turn, piece.chunk.encode)
+        except mtmd.MtmdError as exc:
+            raise GenerationError(f"the projector could not encode an image: {exc}") from exc
+        self.prompt.encode_ms += (time.perf_counter() - started) * 1e3
 
     async def keep(self, n: int) -> None:
         """Hold only the first ``n`` positions (a verify window's token and its accepted drafts)."""
@@ -98,11 +139,15 @@ class HeadSequence:
         the prefill starts (0: a miss, the whole prompt is computed). A stage that restored more than that
         trims itself when the prefill comes (positions are authoritative)."""
         cache, prompt = self.head.prefix_cache, self.prompt
-        # the prompt's last token is always computed: its logits give the first generated token
-        hit = cache.lookup(prompt, min(len(prompt) - 1, MAX_TOKENS))  # MAX_TOKENS: one RestorePrefix
-        if hit is None:
+        keys = prompt.keys
+        # the prompt's last position is always computed: its logits give the first generated token (and a
+        # restore never ends inside an image: its rows are computed together)
+        hit = cache.lookup(keys, prompt.resume_point(min(prompt.n_pos - 1, MAX_TOKENS)))  # MAX_TOKENS: one
+        if hit is None:                                                                    # RestorePrefix
             return 0
-        length = min(hit.length, await held_downstream(prompt[:hit.length]))
+        length = prompt.resume_point(hit.length)
+        if length >= cache.min_hit:
+            length = prompt.resume_point(min(length, await held_downstream(keys[:length])))
         if length < cache.min_hit:
             return 0
         if not await restore_into(self.scheduler, self.head.context, self.seq, hit, length):
@@ -122,10 +167,11 @@ class HeadSequence:
             await self.scheduler.run_kv(lambda: head.context.kv_clear_seq(seq))
 
     def _held(self, generated: Sequence[int]) -> np.ndarray:
-        """The token ids of the positions the sequence holds."""
-        if self.position <= len(self.prompt):
-            return self.prompt[:self.position]
-        return np.concatenate([self.prompt, np.asarray(generated, dtype=np.int32)])[:self.position]
+        """The keys of the positions the sequence holds (the prompt's, then the generated tokens)."""
+        keys = self.prompt.keys
+        if self.position <= len(keys):
+            return keys[:self.position]
+        return np.concatenate([keys, np.asarray(generated, dtype=np.int32)])[:self.position]
 
     # ------------------------------------------------------------------ the end
     def leave_batches(self) -> None:

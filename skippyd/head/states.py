@@ -8,6 +8,7 @@ import enum
 
 class GenerationState(enum.StrEnum):
     QUEUED = "queued"  # admitted to the engine, waiting for a place (or a lane)
+    ENCODE = "encode"  # the head's projector encoding one of the prompt's images (then prefill goes on)
     PREFILL = "prefill"  # the prompt (again, on a replay) going through the stages
     DECODE = "decode"
     RESUMING = "resuming"  # a stage failed under it: waiting for the pipeline to replay on (see resume.py)

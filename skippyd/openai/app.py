@@ -12,9 +12,11 @@ rules first (skippyd.openai.auth): with an API key set, /v1/* needs it (401
 otherwise), /health never does.
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param",
-"code"}}``: 400 for a bad body or a prompt that does not fit, 404 for an
-unknown model or path, 503 with ``Retry-After`` while draining or when the
-engine found no place for the generation within its queue timeout.
+"code"}}``: 400 for a bad body or a prompt that does not fit (an image the
+head cannot take included), 413 for an image over the head's size or pixel
+limit, 404 for an unknown model or path, 503 with ``Retry-After`` while
+draining or when the engine found no place for the generation within its
+queue timeout.
 
 Every generation runs in a nursery beside a task that waits for the client's
 ``http.disconnect``: a client that goes away cancels its generation, and the
@@ -42,6 +44,7 @@ from skippyd.head.engine import (
     GenerationError,
     GenerationRequest,
     GenerationResult,
+    ImageRefused,
     PromptTooLong,
     QueueTimeout,
 )
@@ -81,6 +84,8 @@ class ApiError(Exception):
 
     @classmethod
     def from_generation(cls, exc: GenerationError) -> ApiError:
+        if isinstance(exc, ImageRefused):
+            return cls(exc.status, str(exc), param=exc.source, code=exc.code)
         if isinstance(exc, QueueTimeout):
             return cls(503, str(exc), code="no_lane", retry_after=RETRY_AFTER_S)
         if isinstance(exc, Draining):
@@ -421,7 +426,19 @@ class OpenAIApp:
 
     # ------------------------------------------------------------ endpoints
     def _model_object(self) -> dict:
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "skippy"}
+        # what it takes: text, and images when the head has a projector (its type, an image's tokens)
+        vision = getattr(self.daemon.head, "vision", None)
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "skippy",
+                "input_modalities": ["text", "image"] if vision else ["text"],
+                **({"vision": vision} if vision else {})}
+
+    @property
+    def body_limit(self) -> int:
+        """A request body's largest size: two images of the head's largest (as base64), or more smaller ones,
+        besides the rest of the request."""
+        config = getattr(self.daemon, "config", None)
+        image_mb = config.runtime.image_max_mb if config is not None else 20
+        return MAX_BODY_BYTES + 2 * (4 * (image_mb << 20) // 3 + 4)
 
     async def list_models(self, ex: Exchange) -> None:
         data = [self._model_object()] if self.engine is not None else []
@@ -471,7 +488,7 @@ class OpenAIApp:
         """The request, checked, as a generation with its prompt tokenized, and the shape of its answer:
         anything wrong is a 400 naming the field (or a 404, a 503) before any stage is touched."""
         try:
-            req = schemas.parse(await ex.body(), body_type)
+            req = schemas.parse(await ex.body(self.body_limit), body_type)
             self._check_model(req.model)
             engine = self._ready_engine()
             greq = req.to_generation(engine.model.n_vocab, engine.context.n_ctx_seq)
@@ -480,22 +497,27 @@ class OpenAIApp:
                 greq, plan = tools.prepare(req, greq, engine.model)
         except schemas.BadParameter as exc:
             raise ApiError(400, str(exc), param=exc.param, code=exc.code) from exc
-        greq = self._tokenized(engine, greq)
+        greq = await self._tokenized(engine, greq)
         shape = shape_type(self.model_id, engine.model.token_piece if greq.sampling.logprobs is not None else None,
                            plan)
         return req, engine, greq, shape
 
-    def _tokenized(self, engine, greq: GenerationRequest) -> GenerationRequest:
-        """Tokenize (and check) the prompt here so that one that cannot fit is a 400 naming its field, before
-        anything is sent."""
+    async def _tokenized(self, engine, greq: GenerationRequest) -> GenerationRequest:
+        """Tokenize (and check) the prompt here, its images decoded, so that one that cannot fit is a 400
+        naming its field, before anything is sent."""
         param = "prompt" if greq.raw else "messages"
         try:
+            if greq.images:
+                return attrs.evolve(greq, prepared=await engine.prepare(greq))
             tokens = engine.prompt_tokens(greq)
         except LlamaError as exc:  # e.g. a model without a chat template
             raise ApiError(400, str(exc), code="invalid_value") from exc
         except PromptTooLong as exc:
-            raise ApiError(400, f"This model's context holds {exc.n_ctx} tokens per request; the prompt has "
-                           f"{exc.tokens}", param=param, code="context_length_exceeded") from exc
+            message = (str(exc) if greq.images else
+                       f"This model's context holds {exc.n_ctx} tokens per request; the prompt has {exc.tokens}")
+            raise ApiError(400, message, param=param, code="context_length_exceeded") from exc
+        except ImageRefused as exc:
+            raise ApiError.from_generation(exc) from exc
         except GenerationError as exc:
             raise ApiError(400, str(exc), param=param, code="invalid_value") from exc
         return attrs.evolve(greq, prompt_tokens=tuple(int(t) for t in tokens), origin="openai")

@@ -18,10 +18,19 @@ Beyond OpenAI's parameters, llama.cpp server's ``top_k``, ``min_p`` and
 ``repeat_penalty`` are accepted. ``tools``, ``tool_choice``,
 ``parallel_tool_calls`` and the history's ``tool_calls`` and ``tool``
 messages are checked and shown to the model by :mod:`skippyd.openai.tools`.
+
+A user message's content may hold images: ``{"type": "image_url",
+"image_url": {"url": "data:image/png;base64,...", "detail": ...}}`` parts
+(``detail`` is accepted and changes nothing). Only data URLs: the daemon
+fetches nothing from the network. The parts become Hugging Face's
+``{"type": "image"}`` parts, and the images the generation's, in order; the
+head holds them to its limits and decodes them (skippyd.head.images).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import secrets
@@ -31,7 +40,7 @@ import attrs
 import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
-from skippyd.head.engine import GenerationRequest
+from skippyd.head.engine import GenerationRequest, ImageInput
 from skippyd.sampling import MAX_TOP_LOGPROBS, Constraint, InvalidSampling, SamplingParams
 
 MAX_STOPS = 16
@@ -200,22 +209,24 @@ class ChatCompletionRequest(_Sampling):
     def _max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def chat_messages(self) -> tuple[dict, ...]:
+    def chat_messages(self) -> tuple[tuple[dict, ...], tuple[ImageInput, ...]]:
+        """The messages as the chat template takes them, and their images in order."""
         if not self.messages:
             raise BadParameter("messages must hold at least one message", "messages")
         out = []
+        images: list[ImageInput] = []
         for i, msg in enumerate(self.messages):
             role = ROLES.get(msg.role)
             if role is None:
                 raise BadParameter(f"role {msg.role!r} is not supported (system, developer, user, assistant, "
                                    f"tool)", f"messages[{i}].role", "unsupported_value")
-            one = {"role": role, "content": _content(msg.content, role, f"messages[{i}].content")}
+            one = {"role": role, "content": _content(msg.content, role, f"messages[{i}].content", images)}
             if msg.tool_calls is not None and role == "assistant":
                 one["tool_calls"] = msg.tool_calls
             if role == "tool":
                 one["tool_call_id"] = msg.tool_call_id
             out.append(one)
-        return tuple(out)
+        return tuple(out), tuple(images)
 
     def to_generation(self, n_vocab: int, n_ctx: int) -> GenerationRequest:
         if self.top_logprobs is not None:
@@ -227,7 +238,8 @@ class ChatCompletionRequest(_Sampling):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         # chat has no default limit: the engine stops at the end of the context
         params = self._common(n_vocab, max_tokens, n_ctx, constraint=constraint, logprobs=logprobs)
-        return GenerationRequest(messages=self.chat_messages(), **params)
+        messages, images = self.chat_messages()
+        return GenerationRequest(messages=messages, images=images, **params)
 
 
 @attrs.frozen(kw_only=True)
@@ -308,23 +320,60 @@ def _logit_bias(bias: dict[str, float] | None, n_vocab: int) -> tuple[tuple[int,
     return tuple(out)
 
 
-def _content(content: Any, role: str, param: str) -> str:
+def _content(content: Any, role: str, param: str, images: list[ImageInput]) -> str | list[dict]:
+    """A message's content: its text, or (a user message with images) its parts, Hugging Face's way; the images
+    join `images`."""
     if isinstance(content, str):
         return content
     if content is None and role == "assistant":
         return ""
     if isinstance(content, list):
-        texts = []
+        parts: list[dict] = []
         for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise BadParameter(f"content part of type {kind!r} is not supported (only 'text')",
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind == "image_url":
+                if role != "user":
+                    raise BadParameter(f"images go in user messages, not in a {role} message", f"{param}[{i}]",
+                                       "unsupported_value")
+                images.append(ImageInput(_image_url(part, f"{param}[{i}]"), f"{param}[{i}]"))
+                parts.append({"type": "image"})
+                continue
+            if kind != "text":
+                raise BadParameter(f"content part of type {kind!r} is not supported (text, image_url)",
                                    f"{param}[{i}].type", "unsupported_value")
             if set(part) - {"type", "text"} or not isinstance(part.get("text"), str):
                 raise BadParameter("a text content part is {\"type\": \"text\", \"text\": STRING}", f"{param}[{i}]")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise BadParameter("content must be a string or a list of text parts", param, "invalid_type")
+            parts.append({"type": "text", "text": part["text"]})
+        if any(p["type"] == "image" for p in parts):
+            return parts
+        return "".join(p["text"] for p in parts)
+    raise BadParameter("content must be a string or a list of parts", param, "invalid_type")
+
+
+def _image_url(part: dict, param: str) -> bytes:
+    """The image bytes of an image_url part: a base64 data URL's."""
+    spec = part.get("image_url")
+    if set(part) - {"type", "image_url"} or not isinstance(spec, dict) or set(spec) - {"url", "detail"}:
+        raise BadParameter('an image part is {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}',
+                           param)
+    url = spec.get("url")
+    if not isinstance(url, str):
+        raise BadParameter("expected a string", f"{param}.image_url.url", "invalid_type")
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme in ("http", "https"):
+        raise BadParameter("the server fetches nothing from the network: send the image itself, as a data URL "
+                           "(data:image/png;base64,...)", f"{param}.image_url.url", "unsupported_value")
+    if scheme != "data":
+        raise BadParameter("an image URL must be a data URL (data:image/png;base64,...)", f"{param}.image_url.url",
+                           "invalid_value")
+    header, comma, payload = url[5:].partition(",")
+    if not comma or not header.lower().endswith(";base64"):
+        raise BadParameter("an image's data URL must be base64 (data:image/png;base64,...)",
+                           f"{param}.image_url.url")
+    try:
+        return base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise BadParameter(f"the image's data URL is not valid base64: {exc}", f"{param}.image_url.url") from None
 
 
 # ---------------------------------------------------------------- the converter

@@ -64,7 +64,6 @@ _ENCODER = "an encoder or embedding model: it keeps no KV cache and generates no
 _DIFFUSION = "a diffusion language model: it denoises whole blocks without a causal KV cache"
 _DRAFT = "a draft model that reads another model's hidden states, not a model to split"
 _SPEECH = "a text-to-speech backbone whose output feeds an audio model, not a text generator"
-_MROPE = "its M-RoPE takes several positions per token and a stage after the first receives one"
 _HYPER = "hyper-connections widen the residual stream beyond the n_embd floats a stage passes on"
 
 ARCHITECTURES: dict[str, Support] = {
@@ -210,13 +209,14 @@ ARCHITECTURES: dict[str, Support] = {
     ),
     "hrm_text": _refused("its layer stacks run in loops over the same weights, so layers are not a straight sequence"),
     "nanbeige": _refused("its layers can run in loops over the same weights, so layers are not a straight sequence"),
-    "qwen3vl": _refused("deepstack makes its input wider than n_embd, and " + _MROPE),
-    "qwen3vlmoe": _refused("deepstack makes its input wider than n_embd, and " + _MROPE),
+    "qwen3vl": _refused("deepstack makes its input wider than n_embd"),
+    "qwen3vlmoe": _refused("deepstack makes its input wider than n_embd"),
     "talkie": _refused("every layer adds the normalised token embedding, which a later stage does not receive"),
-    # Multi-section rotary positions (vision-language decoders).
-    "hunyuan_vl": _refused(_MROPE),
-    "paddleocr": _refused(_MROPE),
-    "qwen2vl": _refused(_MROPE),
+    # Multi-section rotary positions (vision-language decoders): a prefill chunk of an image's rows carries their
+    # positions, four per row (skippy-protocol(7)); qwen2vl is verified by the image tests (tests/test_images.py)
+    "hunyuan_vl": _same(),
+    "paddleocr": _same(),
+    "qwen2vl": _verified(),
     # Encoders, embedding models, encoder-decoders.
     "bert": _refused(_ENCODER),
     "eurobert": _refused(_ENCODER),

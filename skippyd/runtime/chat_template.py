@@ -16,6 +16,15 @@ complaint.
 A template that reads ``tools`` knows how to present tools to its model
 (:attr:`ChatTemplate.knows_tools`); the OpenAI endpoint gives those templates
 the tools and describes them itself to the others.
+
+Images: a message's content may be a list of parts, ``{"type": "text",
+"text": ...}`` and ``{"type": "image"}``, as Hugging Face's templates take
+them. A template that renders image parts (:attr:`ChatTemplate.image_text`:
+what it writes for one, found by rendering a probe once) gets the list, and
+the projector's media marker takes the place of what it wrote for each image
+(the projector frames the image with the model's own tokens itself). Any
+other template, and the built-in renderer, which knows only strings, get
+each message's parts joined into a string, the marker where an image was.
 """
 
 from __future__ import annotations
@@ -92,6 +101,24 @@ class ChatTemplate:
         ast = env.parse(source)
         self.knows_tools = "tools" in jinja2.meta.find_undeclared_variables(ast)
         self._template = env.from_string(source)
+        self._image_text: str | None = None
+
+    @property
+    def image_text(self) -> str:
+        """What the template writes for an image part of a user message ("" when it renders none: a template
+        for text only). Found once, from a probe with an image between two text parts."""
+        if self._image_text is None:
+            before, after = "\ue000skippy-before", "skippy-after\ue000"
+            probe = [{"role": "user", "content": [{"type": "text", "text": before}, {"type": "image"},
+                                                  {"type": "text", "text": after}]}]
+            try:
+                text = self.render(probe, add_generation_prompt=False)
+            except TemplateRefused:
+                text = ""
+            start, end = text.find(before), text.find(after)
+            between = text[start + len(before):end] if 0 <= start < end else ""
+            self._image_text = between if between.strip() else ""
+        return self._image_text
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, Any]] | None = None, **extra: Any) -> str:
@@ -153,16 +180,46 @@ def _plain(messages: Sequence[Mapping[str, Any]]) -> bool:
     return all(isinstance(m.get("content"), str) and set(m) <= {"role", "content"} for m in messages)
 
 
+def _image_parts(messages: Sequence[Mapping[str, Any]]) -> int:
+    return sum(1 for m in messages if isinstance(m.get("content"), list)
+               for part in m["content"] if part.get("type") == "image")
+
+
+def _joined(messages: Sequence[Mapping[str, Any]], marker: str) -> list[dict]:
+    """Each message's content parts as one string: the text parts' text, `marker` where an image was."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(marker if part.get("type") == "image" else part.get("text", "") for part in content)
+        out.append({**m, "content": content})
+    return out
+
+
 def render_chat(model, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                tools: Sequence[Mapping[str, Any]] | None = None, template_source: str | None = None) -> str:
+                tools: Sequence[Mapping[str, Any]] | None = None, template_source: str | None = None,
+                media_marker: str | None = None) -> str:
     """``messages`` as the model's prompt: its Jinja template (or `template_source`, the operator's, in its
     place), or llama.cpp's built-in renderer when the template cannot render them (logged once per template).
-    InvalidArgumentError when neither can."""
+    InvalidArgumentError when neither can. Image parts (see the module docstring) become `media_marker`, one
+    per image, in order."""
     source = template_source or model.chat_template
     template = template_for(model, source)
     if source is None:
         raise InvalidArgumentError("apply chat template", f"{model.name} has no chat template (a base model?); "
                                    "start the head with skippyd --chat-template FILE")
+    images = _image_parts(messages)
+    if images:
+        if media_marker is None:
+            raise InvalidArgumentError("apply chat template", "image parts need the projector's media marker")
+        if template is not None and template.image_text:
+            try:
+                text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+            except TemplateRefused:
+                text = ""
+            if text.count(template.image_text) == images:
+                return text.replace(template.image_text, media_marker)
+        messages = _joined(messages, media_marker)
     refusal = None
     if template is not None:
         try:

@@ -15,8 +15,10 @@ C failures become :class:`MtmdError` subclasses; arguments are checked before th
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import struct
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -121,9 +123,62 @@ def _looks_like_audio(data: bytes) -> bool:
     )
 
 
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# JPEG markers of a frame header (SOF0..SOF15 but DHT, JPG and DAC), which holds the image's size
+_JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """The size in a JPEG's frame header, found by walking its marker segments (none of the image decoded)."""
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0x01, *range(0xD0, 0xD8)):  # markers without a segment
+            i += 2
+            continue
+        (length,) = struct.unpack_from(">H", data, i + 2)
+        if marker in _JPEG_SOF:
+            if i + 9 > n:
+                return None
+            height, width = struct.unpack_from(">HH", data, i + 5)
+            return width, height
+        i += 2 + length
+    return None
+
+
+def image_size(data: bytes | bytearray | memoryview) -> tuple[int, int] | None:
+    """(width, height) of an encoded image as its header says, without decoding it (nothing the size of the
+    image is allocated): PNG, JPEG, GIF and BMP read here (whatever size they claim), other formats by
+    stb_image's header reader; None for data whose header says nothing."""
+    data = data if isinstance(data, bytes) else bytes(data)
+    if data[:8] == _PNG_SIGNATURE and data[12:16] == b"IHDR" and len(data) >= 24:
+        return struct.unpack_from(">II", data, 16)
+    if data[:3] == b"\xff\xd8\xff":
+        return _jpeg_size(data)
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        return struct.unpack_from("<HH", data, 6)
+    if data[:2] == b"BM" and len(data) >= 26:
+        width, height = struct.unpack_from("<ii", data, 18)
+        return abs(width), abs(height)
+    if not data:
+        return None
+    _init()
+    x, y, comp = ffi.new("int *"), ffi.new("int *"), ffi.new("int *")
+    if not lib.stbi_info_from_memory(ffi.from_buffer("unsigned char[]", data), min(len(data), 2**31 - 1), x, y,
+                                     comp):
+        return None
+    return int(x[0]), int(y[0])
+
+
 class Bitmap(NativeObject):
-    """An image decoded to RGB by libmtmd (stb_image: PNG, JPEG, BMP, GIF, ...), with its id: the sha256 of
-    the encoded bytes, which libmtmd carries into the image's chunks."""
+    """An image decoded to RGB by libmtmd (stb_image: PNG, JPEG, BMP, GIF, ...), with its id: the sha256 of its
+    size and decoded pixels, which libmtmd carries into the image's chunks (the same picture sent as another
+    file, or with other metadata, has the same id)."""
 
     _kind = "bitmap"
 
@@ -131,8 +186,10 @@ class Bitmap(NativeObject):
         self._ptr = ptr
         self.nx = int(lib.mtmd_bitmap_get_nx(ptr))
         self.ny = int(lib.mtmd_bitmap_get_ny(ptr))
-        idp = lib.mtmd_bitmap_get_id(ptr)
-        self.id = "" if idp == ffi.NULL else ffi.string(idp).decode()
+        digest = hashlib.sha256(struct.pack("<II", self.nx, self.ny))
+        digest.update(ffi.buffer(lib.mtmd_bitmap_get_data(ptr), int(lib.mtmd_bitmap_get_n_bytes(ptr))))
+        self.id = digest.hexdigest()
+        lib.mtmd_bitmap_set_id(ptr, self.id.encode())
         self.encoded_bytes = nbytes
 
     @classmethod
@@ -153,6 +210,18 @@ class Bitmap(NativeObject):
             raise ImageDecodeError(op, f"{len(data)} bytes that are not an image this build decodes "
                                        f"(PNG, JPEG, BMP, GIF, TGA, PSD, HDR, PIC, PNM), starting {data[:8]!r}")
         return cls(wrapped.bitmap, len(data))
+
+    @classmethod
+    def blank(cls, width: int, height: int) -> Bitmap:
+        """A black image of that size (what the projector makes of an image of a size, whatever it shows)."""
+        op = "make image"
+        if not 0 < width <= 1 << 16 or not 0 < height <= 1 << 16:
+            raise InvalidArgumentError(op, f"an image of {width} x {height} pixels")
+        _init()
+        ptr = lib.mtmd_bitmap_init(width, height, bytes(3 * width * height))
+        if ptr == ffi.NULL:
+            raise MtmdError(op, "mtmd_bitmap_init returned NULL")
+        return cls(ptr, 0)
 
     @property
     def size(self) -> tuple[int, int]:
@@ -190,8 +259,8 @@ class ImageChunk(NativeObject):
     """One image (or one tile of it) of a multimodal prompt: ``n_tokens`` embedding rows taking ``n_pos``
     positions. :meth:`encode` runs the projector; :meth:`positions` gives the rows' positions.
 
-    ``id`` is the image's id, the sha256 of its encoded bytes for a :class:`Bitmap` from bytes: every tile of
-    one image has the same id (a cache keyed by it must also key on the tile's place). ``grid`` is the rows'
+    ``id`` is the image's id (a :class:`Bitmap`'s: the sha256 of its pixels): every tile of one image has the
+    same id (a cache keyed by it must also key on the tile's place). ``grid`` is the rows'
     layout ``(nx, ny)`` for an M-RoPE model (None otherwise); ``non_causal`` says that its rows attend to each
     other both ways (the context must decode them with causal attention off, in one batch)."""
 
@@ -201,6 +270,7 @@ class ImageChunk(NativeObject):
                  grid: tuple[int, int] | None, non_causal: bool):
         self._projector = projector
         self._ptr = chunk_ptr  # our own copy of the chunk (mtmd_input_chunk_copy), freed by close()
+        self._use = threading.Lock()  # held by an encode of it: close() waits for that, and no other
         self.n_tokens = n_tokens
         self.n_pos = n_pos
         self.id = id
@@ -213,12 +283,14 @@ class ImageChunk(NativeObject):
     def encode(self) -> np.ndarray:
         """The image's embedding rows, float32 ``[n_tokens, n_embd]`` (a copy; the projector's CPU threads)."""
         op = "encode image"
-        return self._projector._encode(self._live(op), self.n_tokens, op)
+        with self._use:
+            return self._projector._encode(self._live(op), self.n_tokens, op)
 
     def close(self) -> None:
-        if self._ptr != ffi.NULL:
-            lib.mtmd_input_chunk_free(self._ptr)
-            self._ptr = ffi.NULL
+        with self._use:  # never under an encode of it in another thread
+            if self._ptr != ffi.NULL:
+                lib.mtmd_input_chunk_free(self._ptr)
+                self._ptr = ffi.NULL
 
     def __repr__(self) -> str:
         return f"ImageChunk(n_tokens={self.n_tokens}, n_pos={self.n_pos}, id={self.id[:12]!r}, grid={self.grid})"
@@ -252,7 +324,8 @@ def _projector_info(path: Path) -> dict[str, object]:
     kind = field_value(reader, "clip.projector_type") or field_value(reader, "clip.vision.projector_type")
     if not vision:
         raise ProjectorLoadError(op, f"{path} has no vision encoder (a projector for audio only?)")
-    return {"projector_type": str(kind) if kind else "unknown"}
+    size = field_value(reader, "clip.vision.image_size", 0)
+    return {"projector_type": str(kind) if kind else "unknown", "image_size": int(size) if size else 0}
 
 
 class Projector(NativeObject):
@@ -293,6 +366,8 @@ class Projector(NativeObject):
             raise ProjectorLoadError(op, f"{self.path}: {reason}")
         self._ptr = ptr
         self.projector_type: str = info["projector_type"]  # type: ignore[assignment]
+        # the vision encoder's input (a side, in pixels): what an image is resized or cut to
+        self.image_size: int = info["image_size"] or 224  # type: ignore[assignment]
         self.n_embd = model.n_embd_inp
         self.marker = ffi.string(lib.mtmd_get_marker(ptr)).decode()
         self.supports_vision = bool(lib.mtmd_support_vision(ptr))
@@ -344,6 +419,18 @@ class Projector(NativeObject):
                     for i in range(lib.mtmd_input_chunks_size(chunks))]
         finally:
             lib.mtmd_input_chunks_free(chunks)
+
+    def image_rows(self, width: int, height: int) -> int:
+        """The embedding rows (tokens) an image of that size becomes, every tile's together. TokenizeError for a
+        text model that lacks the tokens this projector frames images with."""
+        with Bitmap.blank(width, height) as bitmap:
+            chunks = self.tokenize(self.marker, [bitmap], add_special=False)
+        try:
+            return sum(c.n_tokens for c in chunks if isinstance(c, ImageChunk))
+        finally:
+            for c in chunks:
+                if isinstance(c, ImageChunk):
+                    c.close()
 
     def _chunk(self, c, op: str) -> Chunk:
         kind = lib.mtmd_input_chunk_get_type(c)

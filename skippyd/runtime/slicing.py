@@ -59,8 +59,6 @@ TOPOLOGY_FILE = "topology.toml"
 # Metadata that a stage cannot honour whatever its architecture (variants of architectures that split).
 _UNSPLITTABLE_KEYS: dict[str, str] = {
     "nextn_predict_layers": "its next-token-prediction layers follow the main stack and read its last hidden state",
-    "rope.dimension_sections": "its M-RoPE takes several positions per token and a stage after the first "
-                               "receives one",
     "n_deepstack_layers": "deepstack inputs join the residual stream at layers that may be on another stage",
     "deepstack_mapping": "deepstack inputs join the residual stream at layers that may be on another stage",
     "embedding_length_per_layer_input": "per-layer token inputs travel beside the residual stream",

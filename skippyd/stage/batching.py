@@ -38,15 +38,20 @@ GATHER_GROUP_S = 0.0005  # a later stage with decode groups: the head sends a gr
 
 class Work(Protocol):
     """What the policy reads of a queued job: its sequence, and its tokens (1: a decode step); a job may also
-    have a true ``window`` attribute (a verify window: a decoding session's step of several tokens)."""
+    have a true ``window`` attribute (a verify window: a decoding session's step of several tokens) or a true
+    ``solo`` one (media rows: computed alone)."""
 
     seq: int
     n: int
 
 
+def _solo(job: Work) -> bool:
+    return getattr(job, "solo", False)
+
+
 def _decoding(job: Work) -> bool:
-    """A decode step or a verify window (a session decoding), not a prefill chunk."""
-    return job.n == 1 or getattr(job, "window", False)
+    """A decode step or a verify window (a session decoding), not a prefill chunk (nor media rows)."""
+    return (job.n == 1 and not _solo(job)) or getattr(job, "window", False)
 
 
 W = TypeVar("W", bound=Work)
@@ -136,7 +141,12 @@ class BatchPolicy:
         """The next batch from `queued` (which it leaves as it is), in sequence order (llama.cpp decodes
         rows that way faster): decode steps and verify windows first (all of them, windows while they fit;
         at the head with groups, a group's worth), then prefill chunks, smallest first, while they fit (only
-        one if there is no decode step or window); one job per sequence."""
+        one if there is no decode step or window); one job per sequence. Media rows (``solo``) go alone, the
+        first queued before anything else: they hold the others up for one compute, and are never put off
+        by a stream of decode steps."""
+        for job in queued:
+            if _solo(job):
+                return [job]
         budget = self.max_batch_tokens
         batch: list[W] = []
         seqs: set[int] = set()

@@ -83,7 +83,7 @@ class StageCore:
             try:
                 cache = self.prefix_cache
                 if cache.enabled and not self.draining:
-                    await record_from(cache, self.scheduler, self.context, seq, session.held_tokens(), clear=True)
+                    await record_from(cache, self.scheduler, self.context, seq, session.held_keys(), clear=True)
                 else:
                     await self.scheduler.run_kv(lambda: self.context.kv_clear_seq(seq))
             finally:

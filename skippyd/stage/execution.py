@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import attrs
 import numpy as np
@@ -39,6 +40,8 @@ from skippyd.wire.stream import PreparedFrame
 INLINE_MAX_SEQS = 8
 INLINE_MAX_US = 100_000
 
+T = TypeVar("T")
+
 
 @attrs.define(eq=False)
 class Job:
@@ -47,7 +50,7 @@ class Job:
     seq: int
     pos_start: int
     tokens: np.ndarray | None  # first stage
-    embd: np.ndarray | None  # later stages
+    embd: np.ndarray | None  # later stages; on a first stage, media rows' input embeddings (an image's)
     sampler: Sampler | GuidedSampler | None = None  # final stage: None = greedy; guided: sampled in Python
     want_token: bool = False  # final stage: sample after this job (the last prefill chunk or a decode step)
     # a verify window (the current token, then drafts): every row computed in one batch; on a final stage with
@@ -70,9 +73,20 @@ class Job:
     # step's compute ends (then its done_ns is set; a hidden state's result is a view of the frame's activation);
     # other computes leave it
     out: PreparedFrame | None = None
+    # media rows (an image's): their positions as given, int32 (sections, n), not counted from pos_start; and
+    # whether they attend to each other causally. Such a job computes alone (see ``solo``)
+    positions: np.ndarray | None = None
+    causal: bool = True
 
     def __attrs_post_init__(self) -> None:
         self.n = len(self.tokens) if self.tokens is not None else len(self.embd)
+
+    @property
+    def solo(self) -> bool:
+        """Media rows: a llama_decode of their own. A first stage's batch holds token ids or embeddings, not
+        both; rows without causal attention must be the whole batch; and given positions (four per row with
+        M-RoPE) are not merged with other jobs' counted ones."""
+        return self.positions is not None or not self.causal
 
 
 @attrs.define
@@ -186,13 +200,24 @@ class Execution:
         if self.host_lock is not None:
             self.host_lock.release()
 
+    def in_turn(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (other native compute: a projector's encode) holding the host's compute turn, if stages
+        take turns here, so that it does not compute beside another stage. Blocking: call it in a worker
+        thread."""
+        holding = self._wait_turn()
+        try:
+            return fn()
+        finally:
+            if holding:
+                self._end_turn()
+
     # ---------------------------------------------------------------- computes
     def inline_turn(self, batch: list[Job]) -> bool:
         """Whether to compute `batch` on the event loop's thread; True: holding the host lock (if any), which
         the compute that follows (``compute_row``, or ``compute``) releases. Prefill chunks, decode steps
         measured slower than INLINE_MAX_US or not measured yet, and any batch that would have to wait for the
         host lock go to the worker thread."""
-        if len(batch) > INLINE_MAX_SEQS or any(j.n != 1 or j.window for j in batch):
+        if len(batch) > INLINE_MAX_SEQS or any(j.n != 1 or j.window or j.solo for j in batch):
             return False
         if not 0 < self.decode_native_us < INLINE_MAX_US:
             return False
@@ -300,13 +325,20 @@ class Execution:
         holding = locked
         try:
             # a lone decode step: decode_row (never a verify window, whose rows all output logits)
-            row = batch[0] if len(batch) == 1 and batch[0].n == 1 and not batch[0].window else None
+            first = batch[0]
+            row = first if len(batch) == 1 and first.n == 1 and not first.window and not first.solo else None
             windows = [j.seq for j in batch if j.window]
             n_tokens = 1
-            if row is None:
+            causal = True
+            if first.solo:  # media rows, alone (BatchPolicy): their own positions, an image's embeddings
+                pos = first.positions[0] if len(first.positions) == 1 else first.positions
+                seq = np.full(first.n, first.seq, dtype=np.int32)
+                n_tokens, causal = first.n, first.causal
+                inputs = {"input_embd" if ctx.token_input else "embd": first.embd}
+            elif row is None:
                 pos = np.concatenate([np.arange(j.pos_start, j.pos_start + j.n, dtype=np.int32) for j in batch])
                 seq = np.concatenate([np.full(j.n, j.seq, dtype=np.int32) for j in batch])
-                n_tokens = len(pos)
+                n_tokens = len(seq)
                 key = "tokens" if ctx.token_input else "embd"
                 rows = [j.tokens if ctx.token_input else j.embd for j in batch]
                 inputs = {key: rows[0] if len(batch) == 1 else np.concatenate(rows)}
@@ -320,7 +352,7 @@ class Execution:
             native = time.perf_counter()
             native_cpu = time.thread_time()
             if row is None:
-                ctx.decode(pos, seq, windows=windows, **inputs)
+                ctx.decode(pos, seq, windows=windows, causal=causal, **inputs)
             else:
                 ctx.decode_row(row.pos_start, row.seq, **inputs)
         finally:
@@ -330,7 +362,7 @@ class Execution:
         self.stats.lock_wait_s += native - waiting
         native = time.perf_counter() - native
         native_cpu = time.thread_time() - native_cpu
-        if n_tokens == len(batch):  # decode steps only: what the thread count is judged by
+        if n_tokens == len(batch) and not first.solo:  # decode steps only: what the thread count is judged by
             self.threads.observe(threads, n_tokens, native)
         self._count_batch(len(batch), n_tokens)
         if ctx.hidden_output:
@@ -377,7 +409,8 @@ class Execution:
             self.hot_path.loop_native_cpu_s += self._native_cpu_us / 1e6
         self.stats.compute_s += now - started
         compute_us = int((now - started) * 1e6)
-        decoded = {j.seq for j in batch if j.n == 1 or j.window}  # decoding sessions: their steps and windows
+        # decoding sessions: their steps and windows
+        decoded = {j.seq for j in batch if (j.n == 1 and not j.solo) or j.window}
         if len(decoded) == len(batch) and not any(j.window for j in batch):
             # decode steps only (one job per sequence): its time decides inline_turn
             self.decode_native_us = self._native_us

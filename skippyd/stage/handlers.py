@@ -45,6 +45,7 @@ from skippyd.wire.messages import (
     DecodeStep,
     ErrorCode,
     ErrorReply,
+    MediaRows,
     Ping,
     PrefillChunk,
     Reply,
@@ -294,14 +295,17 @@ class StageHandlers:
     async def _compute(self, session: StageSession, msg, *, want_token: bool, out: PreparedFrame | None = None,
                        window: bool = False) -> Job:
         ctx = self.core.context
-        if msg.pos_start + len(msg.tokens) > ctx.n_ctx_seq:
+        media = msg.media if type(msg) is PrefillChunk else None
+        end = msg.pos_start + len(msg.tokens) if media is None else media.pos_end
+        if end > ctx.n_ctx_seq:
             raise ReplyError(ErrorCode.CONTEXT_FULL,
-                             f"positions up to {msg.pos_start + len(msg.tokens)} exceed the context of "
-                             f"{ctx.n_ctx_seq} per session")
+                             f"positions up to {end} exceed the context of {ctx.n_ctx_seq} per session")
         if window and len(msg.tokens) > self.core.scheduler.policy.max_batch_tokens:  # one batch, never split
             raise ReplyError(ErrorCode.BAD_VALUE, f"a verify window of {len(msg.tokens)} tokens exceeds this "
                              f"stage's batch of {self.core.scheduler.policy.max_batch_tokens}")
-        if ctx.token_input:
+        if media is not None:
+            job = self._media_job(session, msg, media)
+        elif ctx.token_input:
             job = Job(session.seq, msg.pos_start, tokens=msg.tokens, embd=None)
         else:
             if msg.activation is None:
@@ -322,8 +326,24 @@ class StageHandlers:
             raise ReplyError(ErrorCode.CONTEXT_FULL, str(exc)) from exc
         except llama.LlamaError as exc:
             raise ReplyError(ErrorCode.COMPUTE_FAILED, str(exc)) from exc
-        session.computed(msg.pos_start, msg.tokens)
+        session.computed(msg.pos_start, msg.tokens if media is None else media.keys)
         return job
+
+    def _media_job(self, session: StageSession, msg: PrefillChunk, media: MediaRows) -> Job:
+        """Media rows (an image's): their hidden states (a first stage: their input embeddings) at the positions
+        the message gives, in a batch of their own; without causal attention, all of them in one batch."""
+        ctx = self.core.context
+        if msg.activation is None:
+            raise ReplyError(ErrorCode.MISSING_ACTIVATION, "media rows come with their hidden states")
+        if media.sections != ctx.n_pos_per_embd:
+            raise ReplyError(ErrorCode.BAD_VALUE, f"media rows with {media.sections} positions each: this model "
+                                                  f"takes {ctx.n_pos_per_embd} per row")
+        batch = self.core.scheduler.policy.max_batch_tokens
+        if not media.causal and len(msg.tokens) > batch:
+            raise ReplyError(ErrorCode.BAD_VALUE, f"{len(msg.tokens)} media rows without causal attention exceed "
+                                                  f"this stage's batch of {batch} (they are computed in one)")
+        return Job(session.seq, msg.pos_start, tokens=None, embd=msg.activation, positions=media.positions,
+                   causal=media.causal)
 
     # ------------------------------------------------------------------ the prefix cache
     async def _restore(self, session: StageSession, tokens) -> int:
@@ -335,14 +355,14 @@ class StageHandlers:
         if hit is None or not await restore_into(core.scheduler, core.context, session.seq, hit, hit.length):
             return 0
         core.prefix_cache.note_restored(hit.length)
-        session.computed(0, hit.entry.tokens[:hit.length])
+        session.computed(0, hit.entry.keys[:hit.length])
         return hit.length
 
     async def _record(self, session: StageSession) -> None:
         """Keep what the session holds in the prefix cache, if the cache wants it."""
         core = self.core
         if core.prefix_cache.enabled:
-            await record_from(core.prefix_cache, core.scheduler, core.context, session.seq, session.held_tokens())
+            await record_from(core.prefix_cache, core.scheduler, core.context, session.seq, session.held_keys())
 
     def _cache_report(self, msg: CacheQuery):
         """This stage's line of a CacheReport (after emptying the cache, if the query says so)."""

@@ -1,15 +1,17 @@
 """A stage's prefix cache: the KV of its own layers for token prefixes it has computed, kept in host memory.
 
-An entry is the exact token ids of a sequence and that sequence's state as
-llama.cpp exports it (``Context.state_export``: the KV of this stage's layers
-for those positions). A later prompt that begins with the same tokens
+An entry is the exact keys of a sequence's positions (their token ids; a
+media position, an image's, has a negative key made from the image's pixels
+and its place, see skippyd.head.prompt) and that sequence's state as llama.cpp
+exports it (``Context.state_export``: the KV of this stage's layers for those
+positions). A later prompt that begins with the same keys
 restores the entry into its own sequence and trims it to the common prefix
 (:meth:`PrefixCache.lookup`), so only the rest is computed. Entries are
 looked up by longest common prefix; a hit shorter than ``min_hit`` tokens
 is not worth its import and counts as a miss.
 
 The cache belongs to one stage process, whose model, layer range and context
-settings are fixed for its life, so the token ids are the whole key; a
+settings are fixed for its life, so the positions' keys are the whole key; a
 restart or a new split starts empty. The budget counts the bytes held (the
 states and their token arrays); the least recently used entries go first,
 and an entry larger than the budget is not kept. A restore copies an entry
@@ -31,12 +33,12 @@ MIN_HIT = 16  # a common prefix shorter than this is recomputed rather than rest
 
 @attrs.define(eq=False)
 class CacheEntry:
-    tokens: np.ndarray  # int32, the sequence's token ids
+    keys: np.ndarray  # int32, the keys of the sequence's positions (token ids, or media keys)
     state: bytes | bytearray  # llama.cpp's per-sequence state for exactly those positions (never changed)
 
     @property
     def nbytes(self) -> int:
-        return len(self.state) + self.tokens.nbytes
+        return len(self.state) + self.keys.nbytes
 
 
 @attrs.frozen
@@ -78,17 +80,17 @@ class PrefixCache:
         return len(self._entries)
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, tokens: np.ndarray, limit: int | None = None) -> Hit | None:
-        """The entry sharing the longest prefix with ``tokens[:limit]`` (at least ``min_hit`` tokens), now the
+    def lookup(self, keys: np.ndarray, limit: int | None = None) -> Hit | None:
+        """The entry sharing the longest prefix with ``keys[:limit]`` (at least ``min_hit`` positions), now the
         most recently used; None on a miss. Counted as a lookup (and a hit), unless the query is too short to
         hit at all (a prompt of a token or a few: nothing is looked up)."""
-        query = tokens if limit is None else tokens[:limit]
+        query = keys if limit is None else keys[:limit]
         if not self.enabled or len(query) < self.min_hit:
             return None
         self.lookups += 1
         best_key, best_len = None, 0
         for key, entry in self._entries.items():
-            n = common_prefix(entry.tokens, query)
+            n = common_prefix(entry.keys, query)
             if n > best_len:
                 best_key, best_len = key, n
         if best_key is None or best_len < self.min_hit:
@@ -102,28 +104,28 @@ class PrefixCache:
         self.restored_tokens += n_tokens
 
     # ------------------------------------------------------------------ record
-    def wants(self, tokens: np.ndarray) -> bool:
-        """Whether an entry for ``tokens`` would add anything: long enough, not already held by an entry that
+    def wants(self, keys: np.ndarray) -> bool:
+        """Whether an entry for ``keys`` would add anything: long enough, not already held by an entry that
         begins with them, and an export of them could fit the budget (checked again by :meth:`record`)."""
-        if not self.enabled or len(tokens) < self.min_hit:
+        if not self.enabled or len(keys) < self.min_hit:
             return False
-        n = len(tokens)
+        n = len(keys)
         for entry in self._entries.values():
-            if len(entry.tokens) >= n and common_prefix(entry.tokens, tokens) == n:
+            if len(entry.keys) >= n and common_prefix(entry.keys, keys) == n:
                 return False
         return True
 
-    def record(self, tokens: np.ndarray, state: bytes | bytearray) -> bool:
-        """Keep ``state`` (the exported sequence) for ``tokens``; entries it covers (their tokens are a prefix
+    def record(self, keys: np.ndarray, state: bytes | bytearray) -> bool:
+        """Keep ``state`` (the exported sequence) for ``keys``; entries it covers (their keys are a prefix
         of these) are dropped, then the least recently used ones until it fits. False if not kept."""
-        if not self.wants(tokens):
+        if not self.wants(keys):
             return False
-        entry = CacheEntry(np.array(tokens, dtype=np.int32, copy=True), state)
+        entry = CacheEntry(np.array(keys, dtype=np.int32, copy=True), state)
         if entry.nbytes > self.budget_bytes:
             return False
-        n = len(entry.tokens)
+        n = len(entry.keys)
         for key, old in list(self._entries.items()):
-            if len(old.tokens) <= n and common_prefix(old.tokens, entry.tokens) == len(old.tokens):
+            if len(old.keys) <= n and common_prefix(old.keys, entry.keys) == len(old.keys):
                 self._drop(key)
         while self._entries and self.bytes_held + entry.nbytes > self.budget_bytes:
             self._drop(next(iter(self._entries)))
@@ -154,7 +156,7 @@ class PrefixCache:
     # ------------------------------------------------------------------ report
     def stats(self) -> CacheStats:
         return CacheStats(self.stage_index, self.budget_bytes, self.bytes_held, len(self._entries),
-                          sum(len(e.tokens) for e in self._entries.values()), self.lookups, self.hits,
+                          sum(len(e.keys) for e in self._entries.values()), self.lookups, self.hits,
                           self.restored_tokens, self.recorded_tokens, self.evictions)
 
 
@@ -179,19 +181,19 @@ async def restore_into(scheduler, context, seq: int, hit: Hit, length: int) -> b
     return restored
 
 
-async def record_from(cache: PrefixCache, scheduler, context, seq: int, tokens: np.ndarray, *,
+async def record_from(cache: PrefixCache, scheduler, context, seq: int, keys: np.ndarray, *,
                       clear: bool = False) -> bool:
-    """Keep ``seq``'s KV (its positions [0, len(tokens)), computed from ``tokens``) if the cache wants it;
+    """Keep ``seq``'s KV (its positions [0, len(keys)), whose keys are ``keys``) if the cache wants it;
     with ``clear``, empty ``seq`` afterwards in the same KV operation (whatever the export did). True if
     kept."""
-    wanted = cache.wants(tokens)
+    wanted = cache.wants(keys)
     state = None
 
     def export() -> None:
         nonlocal state
         try:
             if wanted:
-                context.kv_trim(seq, len(tokens))  # nothing past the positions the tokens name
+                context.kv_trim(seq, len(keys))  # nothing past the positions the keys name
                 state = context.state_export(seq)
         finally:
             if clear:
@@ -200,4 +202,4 @@ async def record_from(cache: PrefixCache, scheduler, context, seq: int, tokens: 
     if not wanted and not clear:
         return False
     await scheduler.run_kv(export)
-    return state is not None and cache.record(tokens, state)
+    return state is not None and cache.record(keys, state)

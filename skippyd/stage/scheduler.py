@@ -106,7 +106,7 @@ class Scheduler:
     def _direct(self, job: Job) -> bool:
         """One session decoding alone, the scheduler idle: compute `job` right here (inline), without the
         hand-off to the scheduler's task and back (two task switches per step). True if it did."""
-        if (self._busy or self._closed or self._jobs or self._kv_ops or job.n != 1
+        if (self._busy or self._closed or self._jobs or self._kv_ops or job.n != 1 or job.solo
                 or not self.policy.ready({job.seq}) or not self.execution.inline_turn([job])):
             return False
         self.execution.compute_row(job)  # awaits nothing: no other job can slip in

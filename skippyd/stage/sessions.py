@@ -39,7 +39,7 @@ class StageSession:
     request_id: int
     seq: int
     created: float = attrs.field(factory=time.monotonic)
-    position: int = 0  # KV length on this stage
+    position: int = 0  # positions held on this stage: where its next message starts
     sampler: Sampler | None = None
     generated: int = 0
     state: SessionState = SessionState.PREFILL
@@ -50,22 +50,24 @@ class StageSession:
     # a middle stage's reports of the decode steps it did not acknowledge (DIRECT_RETURN): they go up with
     # the session's next reply on the lane (its Stop's, usually); summed in place, as they come every token
     unreported: StatsTotal = attrs.field(factory=StatsTotal)
-    # the token id at each position this stage holds KV for (what the prefix cache keys an entry by)
-    _tokens: np.ndarray = attrs.field(factory=lambda: np.empty(0, dtype=np.int32), repr=False)
+    # the key of each position this stage holds KV for (what the prefix cache keys an entry by): its token id,
+    # or a media position's key (negative)
+    _keys: np.ndarray = attrs.field(factory=lambda: np.empty(0, dtype=np.int32), repr=False)
 
-    def computed(self, pos: int, tokens: np.ndarray) -> None:
-        """The KV of ``tokens`` at positions [pos, pos + len) was computed: the session now holds up to there."""
-        end = pos + len(tokens)
-        if end > len(self._tokens):
-            grown = np.empty(max(end, 2 * len(self._tokens), 256), dtype=np.int32)
-            grown[:len(self._tokens)] = self._tokens
-            self._tokens = grown
-        self._tokens[pos:end] = tokens
+    def computed(self, pos: int, keys: np.ndarray) -> None:
+        """The positions [pos, pos + len(keys)) were computed (their KV: the rows of those tokens, or media rows
+        taking those positions): the session now holds up to there."""
+        end = pos + len(keys)
+        if end > len(self._keys):
+            grown = np.empty(max(end, 2 * len(self._keys), 256), dtype=np.int32)
+            grown[:len(self._keys)] = self._keys
+            self._keys = grown
+        self._keys[pos:end] = keys
         self.position = end
 
-    def held_tokens(self) -> np.ndarray:
-        """The token ids of the positions this session holds (a view: copy it to keep it)."""
-        return self._tokens[:self.position]
+    def held_keys(self) -> np.ndarray:
+        """The keys of the positions this session holds (a view: copy it to keep it)."""
+        return self._keys[:self.position]
 
     def describe(self) -> dict:
         return {

@@ -25,6 +25,10 @@ Message body (kinds 0x10–0x18, 0x1F)::
             ext_len bytes: u8 constraint kind (0 none, 1 json_schema, 2 json_object, 3 grammar),
                            u8 logprobs (alternatives per token, 0..20; 0xFF: none), u16 reserved = 0,
                            the constraint's text (UTF-8, the rest); absent (ext_len 0) when neither
+            PREFILL with Flags.POSITIONS: the positions block, 4 * ext_len bytes (ext_len counts 32-bit
+                           words here): u8 sections (1 or 4), u8 reserved = 0, u16 reserved = 0, u32 pos_end,
+                           (pos_end - pos_start) * i32 keys, sections * token_count * i32 positions
+                           (section-major)
             token_count * i32 tokens
             activation_bytes of f32, row-major (token_count, n_embd)
 
@@ -78,6 +82,7 @@ from skippyd.wire.messages import (
     MAX_HELLO_BODY_BYTES,
     MAX_NODE_NAME_BYTES,
     MAX_POSITION,
+    MAX_POSITION_SECTIONS,
     MAX_REASON_BYTES,
     MAX_TOKENS,
     MAX_TOP_LOGPROBS,
@@ -97,6 +102,7 @@ from skippyd.wire.messages import (
     Hello,
     HelloReply,
     Limits,
+    MediaRows,
     Message,
     MessageKind,
     Ping,
@@ -117,6 +123,7 @@ from skippyd.wire.messages import (
     Stop,
     TrimSession,
     VerifyWindow,
+    check_media_rows,
     trusted,
 )
 
@@ -165,6 +172,7 @@ _MSG_HEADER = struct.Struct("<QQiIIHH")
 _SAMPLING = struct.Struct("<fifffffiI")  # ..., penalty_last_n i32, seed u32
 _BIAS = struct.Struct("<if")
 _EXT_HEAD = struct.Struct("<BBH")  # constraint kind, logprobs (0xFF: none), reserved
+_POSITIONS_HEAD = struct.Struct("<BBHI")  # sections, reserved, reserved, pos_end
 _LOGPROB = struct.Struct("<if")  # token, logprob
 _CONSTRAINT_CODES = {kind: i + 1 for i, kind in enumerate(CONSTRAINT_KINDS)}  # 0: no constraint
 _CONSTRAINT_KINDS = {i: kind for kind, i in _CONSTRAINT_CODES.items()}
@@ -197,7 +205,7 @@ _ALL_KINDS = MESSAGE_KINDS | REPLY_KINDS | HANDSHAKE_KINDS
 
 # flags each kind may carry / must carry
 _ALLOWED_FLAGS = {int(k): 0 for k in _ALL_KINDS}
-_ALLOWED_FLAGS[MessageKind.PREFILL] = int(Flags.FINAL)  # ints (see _FINAL_FLAG)
+_ALLOWED_FLAGS[MessageKind.PREFILL] = int(Flags.FINAL | Flags.POSITIONS | Flags.NON_CAUSAL)  # ints (see _FINAL_FLAG)
 _ALLOWED_FLAGS[MessageKind.CONFIGURE_GENERATION] = int(Flags.SAMPLING | Flags.DIRECT_RETURN)
 _ALLOWED_FLAGS[MessageKind.DECODE] = int(Flags.DIRECT_RETURN)
 _ALLOWED_FLAGS[MessageKind.CACHE_QUERY] = int(Flags.CLEAR)
@@ -233,6 +241,7 @@ _F4 = np.dtype("<f4")
 # plain ints: an IntFlag operand makes every ``&`` a call into the enum module, and these run for every frame
 _FINAL_FLAG, _SAMPLING_FLAG, _DIRECT_RETURN_FLAG = int(Flags.FINAL), int(Flags.SAMPLING), int(Flags.DIRECT_RETURN)
 _CLEAR_FLAG = int(Flags.CLEAR)
+_POSITIONS_FLAG, _NON_CAUSAL_FLAG = int(Flags.POSITIONS), int(Flags.NON_CAUSAL)
 
 
 class FramePrefix(NamedTuple):
@@ -252,8 +261,8 @@ class MessageHeader(NamedTuple):
     token_count: int
     activation_bytes: int
     bias_count: int
-    tail_len: int  # sampling block + logit bias + generation extension + tokens
-    ext_len: int = 0  # CONFIGURE_GENERATION's generation extension
+    tail_len: int  # sampling block + logit bias + generation extension or positions block + tokens
+    ext_len: int = 0  # bytes of CONFIGURE_GENERATION's generation extension, or of PREFILL's positions block
 
 
 def _kind_name(kind: int) -> str:
@@ -290,6 +299,10 @@ def encode_message(msg: Message) -> list[Buffer]:
         case PrefillChunk():
             flags = _FINAL_FLAG if msg.final else 0
             pos_start, tokens, activation = msg.pos_start, msg.tokens, msg.activation
+            if msg.media is not None:
+                flags |= _POSITIONS_FLAG | (0 if msg.media.causal else _NON_CAUSAL_FLAG)
+                sampling = _encode_positions(msg.media)
+                ext_len = len(sampling) // 4
         case DecodeStep():
             flags = _DIRECT_RETURN_FLAG if msg.direct_return else 0
             pos_start, tokens, activation = msg.pos_start, msg.tokens, msg.activation
@@ -346,6 +359,13 @@ def _encode_sampling(p: SamplingParams) -> bytes:
         DEFAULT_SEED if p.seed is None else p.seed,
     )
     return block + b"".join(_BIAS.pack(t, b) for t, b in p.logit_bias)
+
+
+def _encode_positions(media: MediaRows) -> bytes:
+    """A prefill chunk's positions block (its media rows): the header, the keys, the positions."""
+    positions = np.ascontiguousarray(media.positions, dtype="<i4")
+    return (_POSITIONS_HEAD.pack(media.sections, 0, 0, media.pos_end)
+            + media.keys.astype("<i4", copy=False).tobytes() + positions.tobytes())
 
 
 def _encode_extension(p: SamplingParams) -> bytes:
@@ -518,7 +538,10 @@ def _max_message_body(kind: int, limits: Limits, n_embd: int) -> int:
         return MESSAGE_HEADER_SIZE + 4 + min(row, limits.max_activation_bytes)
     if kind in (MessageKind.PREFILL, MessageKind.VERIFY_WINDOW):
         act = min(limits.max_tokens * row, limits.max_activation_bytes)
-        return MESSAGE_HEADER_SIZE + 4 * limits.max_tokens + act
+        body = MESSAGE_HEADER_SIZE + 4 * limits.max_tokens + act
+        if kind == MessageKind.PREFILL:  # a positions block: ext_len (u16) words at most
+            body += 4 * 0xFFFF
+        return body
     if kind == MessageKind.RESTORE_PREFIX:  # tokens only, looked up and never computed: the protocol's cap
         return MESSAGE_HEADER_SIZE + 4 * MAX_TOKENS
     return MESSAGE_HEADER_SIZE  # trim, stop, ping, cache query
@@ -607,10 +630,21 @@ def parse_message_header(prefix: FramePrefix, data: Buffer, limits: Limits, n_em
     def fail(code: ErrorCode, text: str) -> ProtocolError:
         return ProtocolError(code, f"{kind.name}: {text}", request_id=request_id, session_id=session_id)
 
-    if ext_len and kind != MessageKind.CONFIGURE_GENERATION:
-        raise fail(ErrorCode.BAD_VALUE, "reserved header field is not zero")
-    if 0 < ext_len < _EXT_HEAD.size:
-        raise fail(ErrorCode.LENGTH_MISMATCH, f"generation extension of {ext_len} bytes, at least {_EXT_HEAD.size}")
+    positions = bool(prefix.flags & _POSITIONS_FLAG)  # (only PREFILL may carry the flag: parse_prefix)
+    if positions:
+        if 4 * ext_len < _POSITIONS_HEAD.size:
+            raise fail(ErrorCode.LENGTH_MISMATCH, f"positions block of {4 * ext_len} bytes, at least "
+                                                  f"{_POSITIONS_HEAD.size}")
+        ext_bytes = 4 * ext_len
+    else:
+        if prefix.flags & _NON_CAUSAL_FLAG:
+            raise fail(ErrorCode.BAD_FLAGS, "NON_CAUSAL without POSITIONS")
+        if ext_len and kind != MessageKind.CONFIGURE_GENERATION:
+            raise fail(ErrorCode.BAD_VALUE, "reserved header field is not zero")
+        if 0 < ext_len < _EXT_HEAD.size:
+            raise fail(ErrorCode.LENGTH_MISMATCH, f"generation extension of {ext_len} bytes, at least "
+                                                  f"{_EXT_HEAD.size}")
+        ext_bytes = ext_len
     max_tokens = MAX_TOKENS if kind == MessageKind.RESTORE_PREFIX else limits.max_tokens
     if n_tokens > max_tokens:
         raise fail(ErrorCode.LIMIT_EXCEEDED, f"{n_tokens} tokens, at most {max_tokens}")
@@ -639,12 +673,12 @@ def parse_message_header(prefix: FramePrefix, data: Buffer, limits: Limits, n_em
         raise fail(ErrorCode.BAD_VALUE, f"positions {pos_start}+{n_tokens} overflow int32")
     if kind in _NO_SESSION and session_id:
         raise fail(ErrorCode.BAD_VALUE, "session_id must be 0")
-    tail_len = (SAMPLING_SIZE + _BIAS.size * bias_count if sampling else 0) + ext_len + 4 * n_tokens
+    tail_len = (SAMPLING_SIZE + _BIAS.size * bias_count if sampling else 0) + ext_bytes + 4 * n_tokens
     expected = MESSAGE_HEADER_SIZE + tail_len + act_bytes
     if expected != prefix.body_len:
         raise fail(ErrorCode.LENGTH_MISMATCH, f"body of {prefix.body_len} bytes, header says {expected}")
     return MessageHeader(
-        kind, prefix.flags, request_id, session_id, pos_start, n_tokens, act_bytes, bias_count, tail_len, ext_len
+        kind, prefix.flags, request_id, session_id, pos_start, n_tokens, act_bytes, bias_count, tail_len, ext_bytes
     )
 
 
@@ -689,8 +723,9 @@ def decode_message(header: MessageHeader, tail: Buffer, activation: Buffer | Non
             return RestorePrefix(header.request_id, header.session_id, tokens)
         # parse_message_header checked the ids, positions, token count and activation size: built as trusted
         if kind == MessageKind.PREFILL:
+            media = _decode_positions(header, tail, tokens) if header.flags & _POSITIONS_FLAG else None
             return trusted(PrefillChunk, header.request_id, header.session_id, header.pos_start, tokens, act,
-                           bool(header.flags & _FINAL_FLAG))
+                           bool(header.flags & _FINAL_FLAG), media)
         if kind == MessageKind.DECODE:
             return trusted(DecodeStep, header.request_id, header.session_id, header.pos_start, tokens, act,
                            bool(header.flags & _DIRECT_RETURN_FLAG))
@@ -747,6 +782,28 @@ def _decode_extension(ext: memoryview) -> tuple[Constraint | None, int | None]:
     else:
         raise ProtocolError(ErrorCode.BAD_VALUE, f"generation extension: unknown constraint kind {code}")
     return constraint, None if logprobs == _NO_LOGPROBS else logprobs
+
+
+def _decode_positions(header: MessageHeader, tail: Buffer, tokens: np.ndarray) -> MediaRows:
+    """A prefill chunk's positions block (its media rows), checked as MediaRows checks them (ProtocolError
+    BAD_VALUE) and against the block's length (LENGTH_MISMATCH)."""
+    sections, reserved, reserved2, pos_end = _POSITIONS_HEAD.unpack_from(tail)
+    n, start = header.token_count, header.pos_start
+    if reserved or reserved2 or sections not in (1, MAX_POSITION_SECTIONS):
+        raise ProtocolError(ErrorCode.BAD_VALUE, f"PREFILL: positions block of {sections} sections (1 or "
+                                                 f"{MAX_POSITION_SECTIONS}), or a reserved field set")
+    if not start <= pos_end <= MAX_POSITION:
+        raise ProtocolError(ErrorCode.BAD_VALUE, f"PREFILL: pos_end {pos_end} outside [{start}, {MAX_POSITION}]")
+    n_keys = pos_end - start
+    if _POSITIONS_HEAD.size + 4 * (n_keys + sections * n) != header.ext_len:
+        raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"PREFILL: positions block of {header.ext_len} bytes for "
+                                                       f"{n_keys} keys and {sections} x {n} positions")
+    at = _POSITIONS_HEAD.size
+    keys = np.frombuffer(tail, dtype="<i4", count=n_keys, offset=at)
+    positions = np.frombuffer(tail, dtype="<i4", count=sections * n, offset=at + 4 * n_keys).reshape(sections, n)
+    media = MediaRows(positions, pos_end, keys, causal=not header.flags & _NON_CAUSAL_FLAG)
+    check_media_rows(media, start, tokens)  # ValueError: BAD_VALUE (decode_message)
+    return media
 
 
 def _need(body: Buffer, size: int, what: str) -> None:

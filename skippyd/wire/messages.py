@@ -62,6 +62,8 @@ __all__ = [
     "HelloReply",
     "Limits",
     "Message",
+    "MediaRows",
+    "check_media_rows",
     "MessageKind",
     "Ping",
     "PredictedToken",
@@ -89,8 +91,10 @@ __all__ = [
 # too (no lane reply on success, an Error on the lane on failure); 4: the prefix cache's RestorePrefix and
 # CacheQuery (flag CLEAR), answered by PrefixRestored and CacheReport; 5: ConfigureGeneration's generation
 # extension (a constraint on the output, the logprobs wanted), answered per token by PredictedTokenLogprobs;
-# 6: StageQuery, answered by StageReport (each stage's load, for the console)
-PROTOCOL_VERSION = 6
+# 6: StageQuery, answered by StageReport (each stage's load, for the console); 7: PrefillChunk's media rows (flag
+# POSITIONS: rows that are no tokens, such as an image's, with explicit positions, one or four per row, and the
+# keys of the positions they take; NON_CAUSAL)
+PROTOCOL_VERSION = 7
 
 # Hard limits of the protocol (the same in every version). A receiver may be configured tighter
 # (see Limits), never looser.
@@ -104,6 +108,8 @@ MAX_NODE_NAME_BYTES = 255  # Hello node name (UTF-8)
 MAX_HELLO_BODY_BYTES = 4096  # any Hello body, in every protocol version
 MAX_FRAME_BYTES = MAX_ACTIVATION_BYTES + 64 * 1024  # prefix + body of any frame
 MAX_POSITION = 2**31 - 1  # positions are llama_pos (int32)
+MAX_POSITION_SECTIONS = 4  # positions per row at most (M-RoPE: time, row, column and a fourth)
+NO_TOKEN = -1  # the token of a row that is not a token (a media row): llama.cpp's LLAMA_TOKEN_NULL
 MAX_CACHE_REPORT_STAGES = 256  # CacheStats records in one CacheReport (one per stage)
 DEFAULT_SEED = RANDOM_SEED  # a seed of None on the wire
 
@@ -150,7 +156,11 @@ class Flags(enum.IntFlag):
     """The flags byte of the frame prefix.
 
     ``FINAL`` is only valid on ``PREFILL`` (the last chunk of a prompt: the
-    final stage answers it with a prediction). ``SAMPLING`` marks a sampling
+    final stage answers it with a prediction). ``POSITIONS``, only on
+    ``PREFILL``: its rows are media rows with explicit positions (the
+    positions block, see skippy-protocol(7)); ``NON_CAUSAL``, only with
+    ``POSITIONS``: its rows attend to each other both ways (one batch, causal
+    attention off). ``SAMPLING`` marks a sampling
     block; it is required on ``CONFIGURE_GENERATION`` and invalid elsewhere
     in version 2. ``DIRECT_RETURN`` on ``CONFIGURE_GENERATION``: the final
     stage sends this session's predictions on the token-return connection
@@ -167,6 +177,8 @@ class Flags(enum.IntFlag):
     SAMPLING = 0x02
     DIRECT_RETURN = 0x04
     CLEAR = 0x08
+    POSITIONS = 0x10
+    NON_CAUSAL = 0x20
 
 
 class ErrorCode(enum.IntEnum):
@@ -494,9 +506,60 @@ class ConfigureGeneration:
     direct_return: bool = attrs.field(default=False, converter=bool)
 
 
+def _as_positions(value: object) -> np.ndarray:
+    arr = np.asarray(value, dtype="<i4")
+    if arr.ndim == 1:
+        arr = arr.reshape(1, -1)
+    if arr.ndim != 2 or arr.shape[0] not in (1, MAX_POSITION_SECTIONS):
+        raise ValueError(f"positions must be (sections, rows) with 1 or {MAX_POSITION_SECTIONS} sections, got "
+                         f"shape {arr.shape}")
+    return arr
+
+
+@attrs.frozen
+class MediaRows:
+    """What makes a prefill chunk's rows media rows (an image's: rows that are no tokens, computed from the
+    input embeddings a projector made): their positions, given rather than counted, and what they take.
+
+    ``positions``: int32 ``(sections, rows)``, section-major: one per row, or the four an M-RoPE model takes
+    (time, image row, image column, 0); a text row's are (p, p, p, 0) there. ``pos_end``: the position the
+    session is at after the chunk (the next message starts there), which is not the count of its rows (an
+    M-RoPE image takes max(width, height) positions; a chunk that ends inside such an image takes none until
+    its last part). ``keys``: one int32 per position of ``[pos_start, pos_end)``, what a prefix cache keys
+    them by in place of token ids (negative: derived from the image's content and place). ``causal`` False:
+    the rows attend to each other both ways (computed in one batch with causal attention off)."""
+
+    positions: np.ndarray = attrs.field(converter=_as_positions, eq=attrs.cmp_using(eq=_tokens_eq), hash=False)
+    pos_end: int = attrs.field(validator=_position)
+    keys: np.ndarray = _tokens_field()
+    causal: bool = attrs.field(default=True, converter=bool)
+
+    @property
+    def sections(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def check_media_rows(media: MediaRows, pos_start: int, tokens: np.ndarray) -> None:
+    n = len(tokens)
+    if media.positions.shape[1] != n:
+        raise ValueError(f"media rows: {media.positions.shape[1]} positions per section for {n} rows")
+    if media.pos_end < pos_start:
+        raise ValueError(f"media rows: pos_end {media.pos_end} before pos_start {pos_start}")
+    if len(media.keys) != media.pos_end - pos_start:
+        raise ValueError(f"media rows: {len(media.keys)} keys for positions [{pos_start}, {media.pos_end})")
+    counted = media.positions[:3]  # the fourth section of an M-RoPE row is no position along the sequence
+    if n and (int(counted.min()) < pos_start or int(media.positions.max()) >= MAX_POSITION):
+        raise ValueError(f"media rows: positions outside [{pos_start}, {MAX_POSITION})")
+    if n and int(media.positions.min()) < 0:
+        raise ValueError("media rows: a negative position")
+    if not np.all(tokens == NO_TOKEN):
+        raise ValueError(f"media rows: their tokens must be {NO_TOKEN} (no token)")
+
+
 @attrs.frozen
 class PrefillChunk:
-    """Prompt tokens ``[pos_start, pos_start + len(tokens))`` and their hidden states.
+    """Prompt tokens ``[pos_start, pos_start + len(tokens))`` and their hidden states, or (``media``) media
+    rows, whose tokens are NO_TOKEN, with their positions (see :class:`MediaRows`).
 
     Reply: ``Ack`` (sent before compute) unless ``final``; the final chunk is
     answered with ``PredictedToken`` (the first generated token).
@@ -510,11 +573,25 @@ class PrefillChunk:
     tokens: np.ndarray = _tokens_field()
     activation: np.ndarray | None = _activation_field()
     final: bool = attrs.field(default=False, converter=bool)
+    media: MediaRows | None = None
 
     def __attrs_post_init__(self) -> None:
         _check_tokens(self.tokens, lo=1, hi=MAX_TOKENS, what="PrefillChunk")
         _check_positions(self.pos_start, len(self.tokens))
         _check_activation(self.activation, len(self.tokens))
+        if self.media is not None:
+            check_media_rows(self.media, self.pos_start, self.tokens)
+
+    @property
+    def pos_end(self) -> int:
+        """Where the session is once the chunk is computed (the next message's ``pos_start``)."""
+        return self.pos_start + len(self.tokens) if self.media is None else self.media.pos_end
+
+    @property
+    def keys(self) -> np.ndarray:
+        """What the positions ``[pos_start, pos_end)`` hold, as a prefix cache keys them: the tokens, or the
+        media rows' keys."""
+        return self.tokens if self.media is None else self.media.keys
 
 
 @attrs.frozen
