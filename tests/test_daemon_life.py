@@ -218,7 +218,9 @@ class SlowToAnswerEngine(FakeEngine):
         self.live[session_id].cancel()
 
     async def generate(self, req, sink=None):
-        with trio.CancelScope() as self.live[1]:
+        with trio.CancelScope() as scope:
+            # a running generation as the engine keeps it: the console's history reads its progress
+            self.live[1] = SimpleNamespace(cancel=scope.cancel, generated=0, state="decode")
             await self.release.wait()
         if self.killed is not None:
             await trio.sleep(self.cleanup_s)

@@ -350,6 +350,9 @@ class FakeEngine:
         self.cancelled = 0
         self.requests = []
         self.cached_tokens = 0  # what the stages' prefix caches restored of each prompt
+        # what the console's history reads of an engine, as HeadEngine keeps it
+        self.totals = {"generations": 0, "prompt_tokens": 0, "completion_tokens": 0, "errors": 0}
+        self.receipts = []
 
     def prompt_tokens(self, req):
         return np.arange(1, 6, dtype=np.int32)
