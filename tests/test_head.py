@@ -494,4 +494,4 @@ def test_states_and_finish_reasons_serialize_to_their_strings():
     live = LiveGeneration(1, 2, 3, 0.0, trio.CancelScope(), state=GenerationState.RESUMING)
     assert json.dumps(live.describe()["state"]) == '"resuming"'
     assert [r.value for r in FinishReason] == ["stop", "length", "cancelled", "error"]
-    assert [s.value for s in GenerationState] == ["queued", "prefill", "decode", "resuming"]
+    assert [s.value for s in GenerationState] == ["queued", "encode", "prefill", "decode", "resuming"]

@@ -50,10 +50,17 @@ MESSAGE_TIMEOUT_S = DEFAULTS.control.message_timeout
 MESSAGE_BYTES = 1 << 20  # a request's largest JSON text, besides its images
 
 
-def max_message_bytes(config) -> int:
-    """A request may carry two images of the largest size the head takes (base64: 4 bytes for 3), or more
-    smaller ones, besides its text. Only a client that presented the control token can send one."""
-    image_bytes = (config.runtime.image_max_mb << 20) if config is not None else DEFAULTS.runtime.image_max_mb << 20
+def max_message_bytes(daemon) -> int:
+    """A head that takes images (or a daemon that waits for a deployment, which may make it one) takes a
+    request carrying two images of the largest size it accepts (base64: 4 bytes for 3), or more smaller ones,
+    besides its text; any other daemon a request's text alone. Only a client that presented the control token
+    can send one."""
+    head = getattr(daemon, "head", None)
+    waiting = head is None and not getattr(daemon, "stages", None)
+    if not (waiting or getattr(head, "vision", None)):
+        return MESSAGE_BYTES
+    config = getattr(daemon, "config", None)
+    image_bytes = (config.runtime.image_max_mb if config is not None else DEFAULTS.runtime.image_max_mb) << 20
     return MESSAGE_BYTES + 2 * (4 * image_bytes // 3 + 4)
 
 
@@ -124,7 +131,7 @@ class ControlServer:
                                      "--control HOST:PORT (or --no-control)"):
                 server = await nursery.start(functools.partial(
                     serve_websocket, self._handle, self.host, self.port, None,
-                    max_message_size=max_message_bytes(getattr(self.daemon, "config", None))))
+                    max_message_size=max_message_bytes(self.daemon)))
             self.port = server.port
             log.info("control channel on ws://%s:%d (token in %s)", self.host, self.port, self.token_file)
             task_status.started(self)

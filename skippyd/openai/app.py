@@ -434,8 +434,10 @@ class OpenAIApp:
 
     @property
     def body_limit(self) -> int:
-        """A request body's largest size: two images of the head's largest (as base64), or more smaller ones,
-        besides the rest of the request."""
+        """A request body's largest size: for a head that takes images, two images of its largest (as base64), or
+        more smaller ones, besides the rest of the request."""
+        if not getattr(self.daemon.head, "vision", None):
+            return MAX_BODY_BYTES
         config = getattr(self.daemon, "config", None)
         image_mb = config.runtime.image_max_mb if config is not None else 20
         return MAX_BODY_BYTES + 2 * (4 * (image_mb << 20) // 3 + 4)
