@@ -142,7 +142,7 @@ class HeadSequence:
         keys = prompt.keys
         # the prompt's last position is always computed: its logits give the first generated token (and a
         # restore never ends inside an image: its rows are computed together)
-        hit = cache.lookup(keys, prompt.resume_point(min(prompt.n_pos - 1, MAX_TOKENS)))  # MAX_TOKENS: one
+        hit = await cache.lookup_tiers(keys, prompt.resume_point(min(prompt.n_pos - 1, MAX_TOKENS)))  # MAX_TOKENS: one
         if hit is None:                                                                    # RestorePrefix
             return 0
         length = prompt.resume_point(hit.length)

@@ -82,7 +82,8 @@ class StageCore:
         with trio.CancelScope(shield=True):
             try:
                 cache = self.prefix_cache
-                if cache.enabled and not self.draining:
+                # while draining too: a clean stop writes what the cache holds to its disk tier
+                if cache.enabled and (cache.disk_on or not self.draining):
                     await record_from(cache, self.scheduler, self.context, seq, session.held_keys(), clear=True)
                 else:
                     await self.scheduler.run_kv(lambda: self.context.kv_clear_seq(seq))

@@ -351,7 +351,7 @@ class StageHandlers:
         starts over from position 0); returns its length."""
         core = self.core
         await self._align(session, 0)
-        hit = core.prefix_cache.lookup(tokens, min(len(tokens), core.context.n_ctx_seq - 1))
+        hit = await core.prefix_cache.lookup_tiers(tokens, min(len(tokens), core.context.n_ctx_seq - 1))
         if hit is None or not await restore_into(core.scheduler, core.context, session.seq, hit, hit.length):
             return 0
         core.prefix_cache.note_restored(hit.length)
@@ -367,9 +367,10 @@ class StageHandlers:
     def _cache_report(self, msg: CacheQuery):
         """This stage's line of a CacheReport (after emptying the cache, if the query says so)."""
         cache = self.core.prefix_cache
-        if msg.clear:
-            dropped = cache.clear()
-            log.info("stage %d: prefix cache cleared (%d entries)", self.core.index, dropped)
+        if msg.clear or msg.clear_disk:
+            dropped = cache.clear(disk=msg.clear_disk)
+            log.info("stage %d: prefix cache cleared (%d entries%s)", self.core.index, dropped,
+                     ", the disk tier's included" if msg.clear_disk else "")
         return cache.stats()
 
     def _stage_load(self, started_ns: int, downstream_rtt_us: int = 0) -> StageLoad:
