@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from skippyd.stage.prefix_cache import PrefixCache
-from skippyd.stage.prefix_disk import LOCK_NAME, SUFFIX, DiskTier, default_dir, stage_identity
+from skippyd.stage.prefix_disk import HEADER_SIZE, LOCK_NAME, SUFFIX, DiskTier, default_dir, stage_identity
 
 IDENTITY = stage_identity(model="sha256:aa", stage_index=1, layers=(15, 30), n_ctx_seq=2048, flash_attn="off")
 OTHER_SPLIT = stage_identity(model="sha256:aa", stage_index=1, layers=(12, 30), n_ctx_seq=2048, flash_attn="off")
@@ -111,7 +111,7 @@ async def test_a_damaged_file_is_a_miss_deleted_with_one_warning(tmp_path, caplo
     if damage == "flipped byte":
         data[len(data) // 2] ^= 0x40  # in the state: only the checksum tells
     elif damage == "flipped key":
-        data[60 + 4 * 10] ^= 0x01  # key 10 (after the 60-byte header): the checksum tells
+        data[HEADER_SIZE + 4 * 10] ^= 0x01  # key 10: the checksum tells
     elif damage == "truncated":
         del data[len(data) - 100:]
     elif damage == "longer":
@@ -266,3 +266,36 @@ async def test_a_full_disk_turns_the_tier_off_and_the_cache_goes_on(tiny_fs, cap
     hit = await c.lookup_tiers(run(30, 11_000))  # memory still answers
     assert hit is not None and hit.length == 20
     c.close()
+
+
+# ---------------------------------------------------------------------- boundary rows
+async def test_boundary_rows_go_to_disk_and_come_back_with_their_entry(tmp_path):
+    rows = np.random.default_rng(5).standard_normal((20, 8)).astype(np.float32)
+    c = cache(tmp_path, memory=64 * KIB)
+    assert c.record(run(20), state(KIB, 1), rows[:15])  # rows for the first 15 positions only
+    assert c.stats().bytes_held == KIB + 20 * 4 + 15 * 8 * 4
+    c.close()
+    c = cache(tmp_path, memory=64 * KIB)
+    hit = await c.lookup_tiers(run(25))
+    assert hit.length == 20 and hit.entry.boundary_len == 15 and np.array_equal(hit.entry.boundary, rows[:15])
+    c.close()
+
+
+def test_boundary_rows_follow_the_sequence():
+    from skippyd.stage.boundary import BoundaryRows
+
+    rows = np.arange(40, dtype=np.float32).reshape(10, 4)
+    b = BoundaryRows()
+    b.wrote(0, rows[:6])
+    b.wrote(6, rows[6:7])  # a decode step
+    assert b.held == 7 and np.array_equal(b.view(2, 7), rows[2:7])
+    b.wrote(9, rows[9:])  # a gap: not kept
+    assert b.held == 7
+    b.trim(4)  # the sequence was trimmed
+    assert b.held == 4 and np.array_equal(b.copy(10), rows[:4])
+    b.wrote(4, rows[4:10])
+    assert b.held == 10 and np.array_equal(b.copy(10), rows)
+    b.load(rows, 3)
+    assert b.held == 3 and b.copy(0) is None
+    b.load(None, 5)
+    assert b.held == 0 and b.copy(5) is None

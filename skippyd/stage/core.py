@@ -84,7 +84,8 @@ class StageCore:
                 cache = self.prefix_cache
                 # while draining too: a clean stop writes what the cache holds to its disk tier
                 if cache.enabled and (cache.disk_on or not self.draining):
-                    await record_from(cache, self.scheduler, self.context, seq, session.held_keys(), clear=True)
+                    await record_from(cache, self.scheduler, self.context, seq, session.held_keys(), clear=True,
+                                      rows=None if self.is_final else session.rows)
                 else:
                     await self.scheduler.run_kv(lambda: self.context.kv_clear_seq(seq))
             finally:

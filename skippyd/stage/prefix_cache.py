@@ -45,10 +45,17 @@ MIN_HIT = 16  # a common prefix shorter than this is recomputed rather than rest
 class CacheEntry:
     keys: np.ndarray  # int32, the keys of the sequence's positions (token ids, or media keys)
     state: bytes | bytearray  # llama.cpp's per-sequence state for exactly those positions (never changed)
+    # a stage before the final one: the hidden states it sent on for the first len(boundary) positions
+    # (skippyd/stage/boundary.py), float32 (n, n_embd); None: none recorded
+    boundary: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
-        return len(self.state) + self.keys.nbytes
+        return len(self.state) + self.keys.nbytes + (0 if self.boundary is None else self.boundary.nbytes)
+
+    @property
+    def boundary_len(self) -> int:
+        return 0 if self.boundary is None else len(self.boundary)
 
 
 @attrs.frozen
@@ -147,12 +154,13 @@ class PrefixCache:
                 return False
         return True
 
-    def record(self, keys: np.ndarray, state: bytes | bytearray) -> bool:
-        """Keep ``state`` (the exported sequence) for ``keys``; entries it covers (their keys are a prefix
-        of these) are dropped, then the least recently used ones until it fits. False if not kept."""
+    def record(self, keys: np.ndarray, state: bytes | bytearray, boundary: np.ndarray | None = None) -> bool:
+        """Keep ``state`` (the exported sequence) for ``keys`` (with the stage's ``boundary`` rows, if it
+        recorded them; kept as given); entries it covers (their keys are a prefix of these) are dropped, then
+        the least recently used ones until it fits. False if not kept."""
         if not self.wants(keys):
             return False
-        if not self._keep(CacheEntry(np.array(keys, dtype=np.int32, copy=True), state)):
+        if not self._keep(CacheEntry(np.array(keys, dtype=np.int32, copy=True), state, boundary)):
             return False
         self.recorded_tokens += len(keys)
         return True
@@ -255,10 +263,10 @@ async def restore_into(scheduler, context, seq: int, hit: Hit, length: int) -> b
 
 
 async def record_from(cache: PrefixCache, scheduler, context, seq: int, keys: np.ndarray, *,
-                      clear: bool = False) -> bool:
-    """Keep ``seq``'s KV (its positions [0, len(keys)), whose keys are ``keys``) if the cache wants it;
-    with ``clear``, empty ``seq`` afterwards in the same KV operation (whatever the export did). True if
-    kept."""
+                      clear: bool = False, rows=None) -> bool:
+    """Keep ``seq``'s KV (its positions [0, len(keys)), whose keys are ``keys``) if the cache wants it, with
+    the boundary rows of ``rows`` (a BoundaryRows, for a stage before the final one); with ``clear``, empty
+    ``seq`` afterwards in the same KV operation (whatever the export did). True if kept."""
     wanted = cache.wants(keys)
     state = None
 
@@ -275,4 +283,5 @@ async def record_from(cache: PrefixCache, scheduler, context, seq: int, keys: np
     if not wanted and not clear:
         return False
     await scheduler.run_kv(export)
-    return state is not None and cache.record(keys, state)
+    boundary = rows.copy(len(keys)) if rows is not None and state is not None else None
+    return state is not None and cache.record(keys, state, boundary)

@@ -2,8 +2,10 @@
 
 One file per entry, in a directory of the stage's own (``DIR/stage-K``),
 named by a digest of its keys. A file is a header (magic, format, the
-stage's identity, the key and state lengths), the keys (int32), the state
-(``Context.state_export``'s bytes) and a SHA-256 of everything before it.
+stage's identity, the key, state and boundary lengths), the keys (int32), the
+state (``Context.state_export``'s bytes), the boundary rows (float32, a stage
+before the final one: skippyd/stage/boundary.py) and a SHA-256 of everything
+before it.
 
 The identity is a digest of what makes a state importable here: the model
 slice, its layer range, the KV type and the context settings (see
@@ -47,8 +49,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 MAGIC = b"SKIPPYKV"
-FORMAT = 1
-_HEADER = struct.Struct("<8sI32sQQ")  # magic, format, identity digest, key count, state bytes
+FORMAT = 2
+# magic, format, identity digest, key count, state bytes, boundary rows, their width (n_embd; 0: no rows)
+_HEADER = struct.Struct("<8sI32sQQII")
+HEADER_SIZE = _HEADER.size  # 68
 DIGEST_SIZE = 32
 SUFFIX = ".kv"
 LOCK_NAME = "owner.lock"
@@ -71,6 +75,10 @@ def default_dir(environ: dict[str, str] | None = None) -> Path | None:
     env = os.environ if environ is None else environ
     state = env.get("STATE_DIRECTORY")
     return Path(state.split(":")[0]) / "prefix-cache" if state else None
+
+
+def _file_size(n_keys: int, n_state: int, n_rows: int, width: int) -> int:
+    return _HEADER.size + 4 * n_keys + n_state + 4 * n_rows * width + DIGEST_SIZE
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -217,14 +225,14 @@ class DiskTier:
             head = f.read(_HEADER.size)
             if len(head) < _HEADER.size:
                 return None, size, "truncated"
-            magic, fmt, identity, n_keys, n_state = _HEADER.unpack(head)
+            magic, fmt, identity, n_keys, n_state, n_rows, width = _HEADER.unpack(head)
             if magic != MAGIC or fmt != FORMAT:
                 return None, size, "not a prefix cache file"
             if identity != self.identity:
                 return None, size, "foreign"
-            if size != _HEADER.size + 4 * n_keys + n_state + DIGEST_SIZE:
-                return None, size, "truncated" if size < _HEADER.size + 4 * n_keys + n_state + DIGEST_SIZE \
-                    else "longer than its header says"
+            expected = _file_size(n_keys, n_state, n_rows, width)
+            if size != expected:
+                return None, size, "truncated" if size < expected else "longer than its header says"
             keys = np.frombuffer(f.read(4 * n_keys), dtype="<i4").astype(np.int32)
         return keys, size, None
 
@@ -253,9 +261,9 @@ class DiskTier:
                 best, best_len = record, n
         return best, best_len
 
-    def load(self, record: DiskRecord) -> tuple[np.ndarray, bytes] | None:
-        """The record's keys and state, its checksum verified, now the most recently used; None when the file
-        is gone or damaged (deleted, one warning line). Blocking: run it in a worker thread."""
+    def load(self, record: DiskRecord) -> tuple[np.ndarray, bytes, np.ndarray | None] | None:
+        """The record's keys, state and boundary rows, its checksum verified, now the most recently used; None
+        when the file is gone or damaged (deleted, one warning line). Blocking: run it in a worker thread."""
         path = self.dir / record.name
         try:
             data = path.read_bytes()
@@ -272,10 +280,14 @@ class DiskTier:
         if why is not None:
             self._discard(path, why)
             return None
-        _magic, _fmt, _identity, n_keys, n_state = _HEADER.unpack_from(data)
+        _magic, _fmt, _identity, n_keys, n_state, n_rows, width = _HEADER.unpack_from(data)
         keys = np.frombuffer(data, dtype="<i4", count=n_keys, offset=_HEADER.size).astype(np.int32)
         start = _HEADER.size + 4 * n_keys
         state = memoryview(data)[start:start + n_state]
+        boundary = None
+        if n_rows and width:
+            boundary = np.frombuffer(data, dtype="<f4", count=n_rows * width, offset=start + n_state)
+            boundary = boundary.reshape(n_rows, width).astype(np.float32)
         with self._mutex:
             if record.name in self._index:
                 self._index.move_to_end(record.name)
@@ -284,17 +296,17 @@ class DiskTier:
             os.utime(path)  # the order survives a restart
         except OSError:
             pass
-        return keys, bytes(state)
+        return keys, bytes(state), boundary
 
     def _check(self, data: bytes) -> str | None:
         if len(data) < _HEADER.size + DIGEST_SIZE:
             return "truncated"
-        magic, fmt, identity, n_keys, n_state = _HEADER.unpack_from(data)
+        magic, fmt, identity, n_keys, n_state, n_rows, width = _HEADER.unpack_from(data)
         if magic != MAGIC or fmt != FORMAT:
             return "not a prefix cache file"
         if identity != self.identity:
             return "of another model, split or context settings"
-        if len(data) != _HEADER.size + 4 * n_keys + n_state + DIGEST_SIZE:
+        if len(data) != _file_size(n_keys, n_state, n_rows, width):
             return "truncated"
         if hashlib.sha256(memoryview(data)[:-DIGEST_SIZE]).digest() != data[-DIGEST_SIZE:]:
             return "checksum mismatch"
@@ -353,14 +365,17 @@ class DiskTier:
             except OSError:
                 pass
             return
-        size = _HEADER.size + keys.nbytes + len(entry.state) + DIGEST_SIZE
+        boundary = getattr(entry, "boundary", None)
+        rows = b"" if boundary is None else np.ascontiguousarray(boundary, dtype="<f4").tobytes()
+        n_rows, width = (0, 0) if boundary is None else boundary.shape
+        size = _file_size(len(keys), len(entry.state), n_rows, width)
         self._make_room(size)
         tmp = self.dir / f".{name}.{os.getpid()}.tmp"
         digest = hashlib.sha256()
         try:
             with tmp.open("wb") as f:
-                for part in (_HEADER.pack(MAGIC, FORMAT, self.identity, len(keys), len(entry.state)),
-                             keys.tobytes(), entry.state):
+                for part in (_HEADER.pack(MAGIC, FORMAT, self.identity, len(keys), len(entry.state), n_rows, width),
+                             keys.tobytes(), entry.state, rows):
                     digest.update(part)
                     f.write(part)
                 f.write(digest.digest())
