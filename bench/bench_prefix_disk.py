@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_prefix_disk.py --quick          # smoke run: 2 turns, a 300-token system prompt
 
 A 2-stage pipeline of the default model (one skippyd per stage on loopback,
-``--threads`` compute threads, ``--lanes 2 --ctx 4096``, ``--prefix-cache-mb
+``--threads`` compute threads, ``--lanes 2 --ctx 8192``, ``--prefix-cache-mb
 512``, ``--prefix-cache-dir`` in a temporary directory). Every request is a
 streamed greedy chat completion through the OpenAI endpoint (the ``openai``
 client); TTFT is the time to the first non-empty content delta
@@ -143,7 +143,7 @@ def main() -> int:
     ap.add_argument("--system-tokens", type=int, default=2000)
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 turns, a 300-token system prompt")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--ctx", type=int, default=8192, help="context tokens per session (the chat grows past 4,000)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)

@@ -92,6 +92,9 @@ def test_a_restart_with_a_populated_disk_tier_restores_and_answers_as_before(con
         rows = await_(call(pipe, lambda i: m.CacheShow(id=i)))
         for r in rows:
             assert r["disk"]["hits"] >= 1 and r["memory_hits"] == 0 and r["entries"] >= 1, r
+        from skippyctl.status import _caches
+
+        assert "on disk" in _caches(pipe.head.status())  # skippyctl status shows the tier too
     finally:
         pipe.stop_cleanly()
 

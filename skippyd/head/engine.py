@@ -188,7 +188,8 @@ class HeadEngine:
         lanes = LocalLanes(model) if pool is None else PipelineLanes(pool, self.lane_services, self.new_request_id)
         # a pipeline's head records the hidden states it sends on, so that it can send them again without
         # computing for a stage after it that lost a prefix the head holds (skippyd/stage/boundary.py)
-        compute = HeadCompute(context, scheduler, self.sessions, self.prefix_cache, boundary=pool is not None)
+        compute = HeadCompute(context, scheduler, self.sessions, self.prefix_cache,
+                              boundary=pool is not None and self.prefix_cache.enabled)
         self.parts = HeadParts(compute, lanes,
                                model.token_piece, model.is_eog, self.chunker, watch, resume_window, self.speculation)
 

@@ -328,7 +328,7 @@ class StageHandlers:
         except llama.LlamaError as exc:
             raise ReplyError(ErrorCode.COMPUTE_FAILED, str(exc)) from exc
         session.computed(msg.pos_start, msg.tokens if media is None else media.keys)
-        if not self.core.is_final:
+        if not self.core.is_final and self.core.prefix_cache.enabled:  # what the cache keeps with an entry
             result = job.result
             if isinstance(result, np.ndarray) and result.ndim == 2 and len(result) == end - msg.pos_start:
                 session.rows.wrote(msg.pos_start, result)
