@@ -15,6 +15,7 @@ import pytest
 from skippyctl.client import open_control
 from skippyd.control import messages as m
 from skippyd.stage.prefix_disk import SUFFIX
+from skippyd.topology import Topology
 from tests.procs import Pipeline, split_for_test
 
 pytestmark = pytest.mark.slow  # real daemon processes
@@ -25,9 +26,9 @@ SYSTEM = ("You are the assistant of a harbour office. You answer questions about
 NEAR_TIE = 0.25  # as tests/test_speculative.py: a restored prefix rounds differently from a whole prefill
 
 
-def start(topology, tmp_path) -> Pipeline:
-    return Pipeline(topology, tmp_path, extra=["--lanes", "2", "--ctx", "2048", "--prefix-cache-mb", "512",
-                                               "--prefix-cache-dir", str(tmp_path / "pc")]).start()
+def start(topology, tmp_path, workdir=None) -> Pipeline:
+    return Pipeline(topology, workdir or tmp_path, extra=["--lanes", "2", "--ctx", "2048", "--prefix-cache-mb",
+                                                          "512", "--prefix-cache-dir", str(tmp_path / "pc")]).start()
 
 
 async def call(pipe: Pipeline, make) -> object:
@@ -114,5 +115,25 @@ def test_a_damaged_entry_makes_a_cold_correct_turn_with_one_warning(conversation
         lines = [line for line in log.splitlines() if "checksum mismatch" in line]
         assert len(lines) == 1 and "deleted" in lines[0], log[-3000:]
         assert not any(str(p) in lines[0] for p in stage_files(tmp_path, 1))  # that file is gone
+    finally:
+        pipe.stop_cleanly()
+
+
+def test_a_re_split_never_uses_the_files_of_the_old_split(conversation, default_model_path, tmp_path):
+    _topology, follow, cold, _warm = conversation
+    resplit = tmp_path / "resplit"
+    topology = split_for_test(default_model_path, 2, resplit, balance="compute")
+    old = Topology.load(tmp_path / "topology.toml")
+    assert [(s.layer_start, s.layer_end) for s in topology.stages] != \
+        [(s.layer_start, s.layer_end) for s in old.stages]
+    pipe = start(resplit / "topology.toml", tmp_path, workdir=resplit)
+    try:
+        for k in (0, 1):  # deleted when the stage started, with one line
+            lines = [line for line in pipe.stages[k].log().splitlines() if "another model, split" in line]
+            assert len(lines) == 1 and "deleted" in lines[0], pipe.stages[k].log()[-3000:]
+            assert stage_files(tmp_path, k) == []
+        after = await_(pipe.generate(messages=follow, max_tokens=24))
+        assert after["usage"]["cached_tokens"] == 0, after["usage"]
+        assert_same_or_near_tie(after, cold)
     finally:
         pipe.stop_cleanly()

@@ -116,7 +116,7 @@ class PrefixCache:
             return self.lookup(keys, limit)
         self.lookups += 1
         memory_len = max((common_prefix(e.keys, query) for e in self._entries.values()), default=0)
-        record, disk_len = disk.find(query)
+        record, disk_len = await trio.to_thread.run_sync(disk.find, query)  # many files: not on the loop
         if record is not None and disk_len > memory_len and disk_len >= self.min_hit:
             loaded = await trio.to_thread.run_sync(disk.load, record)
             if loaded is not None:
