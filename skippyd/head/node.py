@@ -136,7 +136,9 @@ class HeadNode:
                 with trio.CancelScope(shield=True):
                     if self.pool is not None:
                         await self.pool.aclose()
-                self.engine.prefix_cache.close()  # what it holds goes to the disk tier (already, after a drain)
+                    # what the cache holds goes to the disk tier (written already after a drain)
+                    await self.engine.prefix_cache.write_through(timeout=30)
+                self.engine.prefix_cache.close()
                 context.close()
         finally:
             if self.projector is not None:

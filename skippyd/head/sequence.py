@@ -83,10 +83,11 @@ class HeadSequence:
         own positions."""
         media = part.media
         held = self._held(part, want_token)
-        if held:  # held already (restored past where the prefill starts): the hidden states recorded for them
-            rows = self.rows.view(part.pos_start, part.pos_start + held).copy()
-            if held == len(part.tokens):
-                return rows
+        rows = self.rows.view(part.pos_start, part.pos_start + held).copy() if held else None
+        if held and held == len(part.tokens):  # held already (restored past where the prefill starts): the
+            return rows                         # hidden states recorded for them
+        await self.keep(part.pos_start + held)  # what it holds past them is computed again (an image's rows)
+        if held:
             rest = await self.compute(part.tokens[held:], part.pos_start + held, want_token=False)
             return np.concatenate([rows, rest])
         if media is None:

@@ -202,12 +202,15 @@ class PrefixCache:
     def persist(self) -> int:
         """Queue every entry held for the disk tier, least recently used first (a clean stop or a drain; they
         stay in memory). Returns how many were queued."""
-        if self.disk is None or not self.disk.enabled:
+        disk = self.disk
+        if disk is None or not disk.enabled:
             return 0
-        return sum(self.disk.put(entry) for entry in list(self._entries.values()))
+        return sum(disk.put(entry, resident=True) for entry in list(self._entries.values())
+                   if not disk.holds(entry.keys))
 
     async def write_through(self, timeout: float = 60.0) -> int:
-        """persist, then wait (in a worker thread) until the disk tier has written them. Returns how many."""
+        """persist, then wait (in a worker thread) until the disk tier has written them. Returns how many were
+        queued (those it holds already are not written again)."""
         queued = self.persist()
         if queued:
             if not await trio.to_thread.run_sync(self.disk.flush, timeout, abandon_on_cancel=True):

@@ -313,13 +313,19 @@ class DiskTier:
         return None
 
     # ------------------------------------------------------------------ writes
-    def put(self, entry) -> bool:
+    def holds(self, keys: np.ndarray) -> bool:
+        """Whether the tier has a file for exactly these keys."""
+        with self._mutex:
+            return file_name(keys) in self._index
+
+    def put(self, entry, *, resident: bool = False) -> bool:
         """Queue ``entry`` (a CacheEntry) for the writer; never blocks. False if not queued (off, too large
-        for the budget, or the queue holds its limit of bytes already)."""
+        for the budget, or the queue holds its limit of bytes already: evicted entries wait there outside the
+        memory budget; ``resident`` ones, still in memory, are always queued)."""
         if not self.enabled or entry.nbytes + _HEADER.size + DIGEST_SIZE > self.budget_bytes:
             return False
         with self._mutex:
-            if self._queued_bytes + entry.nbytes > self._queue_limit:
+            if not resident and self._queued_bytes + entry.nbytes > self._queue_limit:
                 self.dropped_writes += 1
                 return False
             self._queued_bytes += entry.nbytes

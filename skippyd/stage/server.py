@@ -205,7 +205,9 @@ class StageServer:
                              self._shape.describe())
                 task_status.started(self)
         finally:
-            core.prefix_cache.close()  # what it holds goes to the disk tier (already written after a drain)
+            with trio.CancelScope(shield=True):  # what it holds goes to the disk tier (written already after a
+                await core.prefix_cache.write_through(timeout=30)  # drain), off the event loop
+            core.prefix_cache.close()
             if core.context is not None:
                 core.context.close()
             model.close()
