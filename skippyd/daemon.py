@@ -255,10 +255,10 @@ class Daemon:
     async def _write_prefix_caches(self) -> None:
         """A drain writes what each local stage's prefix cache holds to its disk tier (if it has one), so the
         next start finds it there."""
-        caches = [s.core.prefix_cache for s in self.stages]
+        caches = [getattr(s.core, "prefix_cache", None) for s in self.stages]
         if self.head is not None and self.head.engine is not None:
-            caches.append(self.head.engine.prefix_cache)
-        for cache in caches:
+            caches.append(getattr(self.head.engine, "prefix_cache", None))
+        for cache in filter(None, caches):
             written = await cache.write_through()
             if written:
                 log.info("stage %d: prefix cache: %d entries written to its disk tier", cache.stage_index, written)
