@@ -8,10 +8,13 @@ disk tier on, in a directory the test owns.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
+from typer.testing import CliRunner
 
+from skippyctl.app import app
 from skippyctl.client import open_control
 from skippyd.control import messages as m
 from skippyd.stage.prefix_disk import SUFFIX
@@ -34,6 +37,16 @@ def start(topology, tmp_path, workdir=None) -> Pipeline:
 async def call(pipe: Pipeline, make) -> object:
     async with open_control(pipe.head.url, pipe.head.token_file) as client:
         return await client.call(make(client.new_id()))
+
+
+def ctl(daemon, *args: str):
+    return CliRunner().invoke(app, ["--url", daemon.url, "--token-file", str(daemon.token_file), *args])
+
+
+def ctl_json(daemon, *args: str):
+    result = ctl(daemon, *args, "--json")
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    return json.loads(result.stdout)
 
 
 def stage_files(tmp_path, k: int) -> list:
@@ -96,6 +109,18 @@ def test_a_restart_with_a_populated_disk_tier_restores_and_answers_as_before(con
         from skippyctl.status import _caches
 
         assert "on disk" in _caches(pipe.head.status())  # skippyctl status shows the tier too
+        # skippyctl cache clear --disk empties both tiers of every stage
+        pipe.stop_cleanly()  # a drain: what was promoted and recorded since is on disk again
+        pipe = start(topology, tmp_path)
+        held = ctl_json(pipe.head, "cache", "show")
+        assert all(r["disk"]["entries"] >= 1 for r in held), held
+        cleared = ctl_json(pipe.head, "cache", "clear", "--disk")
+        for r in cleared:
+            assert r["cleared_disk"] == held[r["stage"]]["disk"]["entries"] and r["cleared_disk_bytes"] > 0, r
+            assert r["entries"] == 0 and r["disk"]["entries"] == 0 and r["disk"]["bytes"] == 0, r
+        assert stage_files(tmp_path, 0) == stage_files(tmp_path, 1) == []
+        plain = ctl(pipe.head, "cache", "clear", "--disk")
+        assert plain.exit_code == 0 and "stage 1: cleared 0 entries" in plain.stdout, plain.stdout
     finally:
         pipe.stop_cleanly()
 
