@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -221,12 +222,12 @@ def test_two_daemons_never_share_a_directory(tmp_path, caplog):
     script = ("import sys; from pathlib import Path; from skippyd.stage.prefix_disk import DiskTier; "
               "t = DiskTier(Path(sys.argv[1]), 1 << 20, b'x' * 32, stage_index=1).open(); "
               "print(t.enabled, t.off_reason)")
-    out = subprocess.run([os.sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
                          check=True)
     assert out.stdout.startswith("False ") and f"pid {os.getpid()}" in out.stdout, out
     assert "--prefix-cache-dir" in out.stdout and str(tmp_path / LOCK_NAME) in out.stdout
     mine.close()  # given up: the next one may take it
-    out = subprocess.run([os.sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
                          check=True)
     assert out.stdout.startswith("True "), out
 
