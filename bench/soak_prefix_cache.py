@@ -2,6 +2,7 @@
 on an identical pipeline with it off.
 
     .venv/bin/python bench/soak_prefix_cache.py --turns 1000 --json bench/results/soak_prefix_cache.json
+    .venv/bin/python bench/soak_prefix_cache.py --turns 1000 --disk-mb 16     # with a disk tier too
 
 Conversations are drawn at random (a new one, or the next turn of one of the
 last few), with random user messages and a random max_tokens; every few
@@ -14,6 +15,9 @@ it, or first differ at a near-tie (a restored prefix followed by a suffix
 prefill rounds differently from one whole prefill): the margin between the
 two best candidates there, computed in this process on the whole model, is
 printed. After each segment: every stage's cache holds at most its budget.
+With ``--disk-mb``, the cached pipeline has a disk tier of that budget, kept
+across its restarts (each segment starts warm from it): its bytes are checked
+against that budget too.
 Every 50 turns: the resident memory of each cached-pipeline process.
 """
 
@@ -68,11 +72,11 @@ async def cache_rows(pipe: Pipeline) -> list[dict]:
         return await client.call(m.CacheShow(id=client.new_id()))
 
 
-def start(topology: Path, work: Path, cache_mb: int) -> Pipeline:
+def start(topology: Path, work: Path, cache_mb: int, disk: list[str] = ()) -> Pipeline:
     """A pipeline of the split on ports of its own (the two pipelines run side by side)."""
     work.mkdir(parents=True, exist_ok=True)
     return Pipeline(retarget(topology, work), work,
-                    extra=["--ctx", str(CTX), "--lanes", "2", "--prefix-cache-mb", str(cache_mb)]).start()
+                    extra=["--ctx", str(CTX), "--lanes", "2", "--prefix-cache-mb", str(cache_mb), *disk]).start()
 
 
 def main() -> int:
@@ -81,6 +85,7 @@ def main() -> int:
     ap.add_argument("--segments", type=int, default=4, help="the cached pipeline restarts with a new budget")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--disk-mb", type=int, default=0, help="the cached pipeline's disk tier (MiB; 0: none)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     model = default_model_path()
@@ -98,7 +103,8 @@ def main() -> int:
     try:
         for seg in range(args.segments):
             budget = rng.choice(BUDGETS_MB)
-            on = start(topology, root / f"on{seg}", budget)
+            disk = ["--prefix-cache-dir", str(root / "disk"), "--prefix-cache-disk-mb", str(args.disk_mb)]
+            on = start(topology, root / f"on{seg}", budget, disk if args.disk_mb else [])
             try:
                 first_rss = None
                 for k in range(per_segment):
@@ -134,7 +140,9 @@ def main() -> int:
                               f"rss {sample['rss_kib']} KiB", flush=True)
                 rows = trio.run(cache_rows, on)
                 segments.append({"segment": seg, "budget_mb": budget, "turns": per_segment,
-                                 "stages": rows, "within_budget": all(r["bytes"] <= r["budget_bytes"] for r in rows),
+                                 "stages": rows, "within_budget": all(
+                                     r["bytes"] <= r["budget_bytes"] and r["disk"]["bytes"] <= args.disk_mb << 20
+                                     for r in rows),
                                  "rss_first_kib": first_rss["rss_kib"], "rss_last_kib": rss[-1]["rss_kib"]})
             finally:
                 on.stop()
@@ -155,6 +163,8 @@ def main() -> int:
     for s in segments:
         print(f"  {s['segment']}: budget {s['budget_mb']} MiB, within budget {s['within_budget']}, "
               f"bytes {[r['bytes'] for r in s['stages']]}, evictions {[r['evictions'] for r in s['stages']]}, "
+              f"disk bytes {[r['disk']['bytes'] for r in s['stages']]}, "
+              f"disk hits {[r['disk']['hits'] for r in s['stages']]}, "
               f"rss first {s['rss_first_kib']} last {s['rss_last_kib']} KiB")
     print("differences:")
     for t in diffs:

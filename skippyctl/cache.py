@@ -19,35 +19,44 @@ def budget(row: dict) -> str:
     return human_bytes(row["budget_bytes"]) if row["budget_bytes"] else "off"
 
 
-def hit_rate(row: dict) -> str:
-    return f"{100 * row['hit_rate']:.0f}% of {row['lookups']}" if row["lookups"] else "-"
-
-
 def _table(rows: list[dict]) -> Table | str:
     if not rows:
         return "no stages here"
-    table = listing("stage", *(Column(name, no_wrap=True, justify="right") for name in
-                               ("entries", "tokens", "bytes", "budget", "hit rate", "restored", "evictions")),
-                    caption="hit rate: of the lookups; restored: prompt tokens restored rather than computed")
+    table = listing(Column("stage", no_wrap=True), *(Column(name, no_wrap=True, justify="right") for name in
+                                       ("entries", "tokens", "bytes", "budget", "hits", "restored", "evictions")),
+                    caption="hits: lookups each tier served; restored: prompt tokens "
+                            "restored rather than computed; evictions: entries memory let go (to disk, when its "
+                            "tier is on)")
     for r in rows:
-        table.add_row(str(r["stage"]), str(r["entries"]), str(r["tokens"]), human_bytes(r["bytes"]), budget(r),
-                      hit_rate(r), str(r["restored_tokens"]), str(r["evictions"]))
+        disk = r.get("disk") or {}
+        table.add_row(f"{r['stage']} memory", str(r["entries"]), str(r["tokens"]), human_bytes(r["bytes"]),
+                      budget(r), str(r.get("memory_hits", r["hits"])), str(r["restored_tokens"]),
+                      str(r["evictions"]))
+        table.add_row("  disk", *([str(disk["entries"]), str(disk["tokens"]), human_bytes(disk["bytes"]),
+                                     human_bytes(disk["budget_bytes"]), str(disk["hits"])]
+                                    if disk.get("on") else ["-", "-", "-", "off", "-"]), "", "")
     return table
 
 
 def _cleared(rows: list[dict]) -> str:
-    lines = [f"stage {r['stage']}: cleared {entries(r['cleared'])} ({human_bytes(r['cleared_bytes'])})"
-             if r.get("cleared") is not None else f"stage {r['stage']}: cleared" for r in rows]
+    lines = []
+    for r in rows:
+        line = (f"stage {r['stage']}: cleared {entries(r['cleared'])} ({human_bytes(r['cleared_bytes'])})"
+                if r.get("cleared") is not None else f"stage {r['stage']}: cleared")
+        if r.get("cleared_disk"):
+            line += f"; on disk {entries(r['cleared_disk'])} ({human_bytes(r['cleared_disk_bytes'])})"
+        lines.append(line)
     return "\n".join(lines) or "no stages here"
 
 
 @app.command("show")
 def show(ctx: typer.Context, json_mode: JSON = False) -> None:
-    """Per stage: entries, tokens and bytes held, the budget, the hit rate."""
+    """Per stage and tier (memory, disk): entries, tokens and bytes held, the budget, the hits."""
     emit(ask(ctx, lambda i: m.CacheShow(id=i)), json_mode, _table)
 
 
 @app.command("clear")
-def clear(ctx: typer.Context, json_mode: JSON = False) -> None:
-    """Empty every stage's prefix cache (running sessions keep what they hold)."""
-    emit(ask(ctx, lambda i: m.CacheClear(id=i)), json_mode, _cleared)
+def clear(ctx: typer.Context, json_mode: JSON = False,
+          disk: Annotated[bool, typer.Option("--disk", help="Empty the disk tiers too.")] = False) -> None:
+    """Empty every stage's prefix cache (running sessions keep what they hold); --disk: its disk tier too."""
+    emit(ask(ctx, lambda i: m.CacheClear(id=i, disk=disk)), json_mode, _cleared)

@@ -258,7 +258,8 @@ async def calibrate(targets: list[Target], token_file: Path | None, model: Path,
 
 def _host_infos(targets: list[Target], reports: dict[str, dict], timings: dict[str, dict] | None) -> list[HostInfo]:
     return [HostInfo(name=t.name, memory_bytes=reports[t.name]["memory_bytes"],
-                     ms_per_layer=timings[t.name]["ms_per_layer"] if timings else 1.0) for t in targets]
+                     ms_per_layer=timings[t.name]["ms_per_layer"] if timings else 1.0,
+                     prefix_cache_bytes=reports[t.name].get("prefix_cache_mb", 0) << 20) for t in targets]
 
 
 async def plan_on(model: Path, targets: list[Target], token_file: Path | None, stages: int | None,
@@ -293,11 +294,12 @@ def _plan_data(plan, reports: dict[str, dict], timings: dict[str, dict]) -> dict
 def _plan_table(data: dict) -> Table:
     table = listing(title=f"{data['model']}: {len(data['stages'])} stage(s), "
                           f"{data['ms_per_token']:.2f} ms per token expected")
-    for column in ("stage", "host", "layers", "memory", "ms/token", "ms/layer there"):
+    for column in ("stage", "host", "layers", "memory", "of which cache", "ms/token", "ms/layer there"):
         table.add_column(column, justify="left" if column in ("host", "layers") else "right")
     for s in data["stages"]:
         table.add_row(str(s["index"]), s["host"], f"{s['layer_start']}:{s['layer_end']}",
-                      human_bytes(s["memory_bytes"]), f"{s['ms_per_token']:.2f}",
+                      human_bytes(s["memory_bytes"]), human_bytes(s.get("prefix_cache_bytes", 0)),
+                      f"{s['ms_per_token']:.2f}",
                       f"{data['hosts'][s['host']]['ms_per_layer']:.3f}")
     return table
 

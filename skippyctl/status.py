@@ -78,7 +78,8 @@ def _lanes_task(task: dict | None) -> str:
 
 
 def _caches(data: dict) -> str:
-    """A line per local stage: its prefix cache's entries, bytes held of its budget, and hit rate."""
+    """A line per local stage: its prefix cache's entries, bytes held of its budget, and hit rate (and its disk
+    tier's, when it has one)."""
     lines = []
     for snap in [data.get("head"), *(data.get("stages") or [])]:
         cache = (snap or {}).get("prefix_cache")
@@ -89,8 +90,10 @@ def _caches(data: dict) -> str:
             lines.append(head + "off")
             continue
         rate = f"hit rate {100 * cache['hit_rate']:.0f}% of {cache['lookups']}" if cache["lookups"] else "no lookups"
+        disk = (f"; on disk {entries(cache['disk_entries'])}, {human_bytes(cache['disk_bytes'])} of "
+                f"{human_bytes(cache['disk_budget_bytes'])}, {cache['disk_hits']} hits" if cache.get("disk_on") else "")
         lines.append(head + f"{entries(cache['entries'])}, {human_bytes(cache['bytes_held'])} of "
-                            f"{human_bytes(cache['budget_bytes'])}, {rate}")
+                            f"{human_bytes(cache['budget_bytes'])}, {rate}{disk}")
     return "".join(lines)
 
 

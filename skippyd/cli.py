@@ -28,6 +28,8 @@ FLAG_KEYS = {
     "queue_timeout": "runtime.queue_timeout",
     "resume": "runtime.resume",
     "prefix_cache_mb": "runtime.prefix_cache_mb",
+    "prefix_cache_dir": "runtime.prefix_cache_dir",
+    "prefix_cache_disk_mb": "runtime.prefix_cache_disk_mb",
     "speculate": "runtime.speculate",
     "listen": "stage.listen",
     "upstream_allow": "stage.upstream_allow",
@@ -158,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the most memory (MiB) each stage's prefix cache may hold: the KV of prompts it has "
                           "computed, so that a prompt that begins the same computes only the rest; 0: off "
                           "(default 512)")
+    run.add_argument("--prefix-cache-dir", type=Path, default=None, metavar="DIR",
+                     help="keep each stage's prefix cache on disk too, in DIR/stage-K: the entries memory "
+                          "evicts and those it holds at a clean stop, so a restart starts warm (default: "
+                          "$STATE_DIRECTORY/prefix-cache under systemd, else none)")
+    run.add_argument("--prefix-cache-disk-mb", type=_non_negative_int, default=None, metavar="N",
+                     help="the most disk (MiB) each stage's prefix cache may use in --prefix-cache-dir; 0: "
+                          "no disk tier (default 4096)")
     run.add_argument("--speculate", choices=cfgmod.SPECULATE_MODES, default=None,
                      help="the head: draft tokens from each session's own context (its prompt and reply) and "
                           "verify several at once in one trip round the pipeline; a session drafts only while "

@@ -150,6 +150,11 @@ class RuntimeSection:
     resume_window: float = attrs.field(default=30.0, validator=_at_least(0))  # ... waiting this long
     # the most memory (MiB) a stage's prefix cache may hold: the KV of prompts it has computed; 0: no cache
     prefix_cache_mb: int = attrs.field(default=512, validator=_at_least(0))
+    # where each stage keeps its prefix cache's disk tier (DIR/stage-K: entries evicted from memory, and those
+    # held at a clean stop); None: $STATE_DIRECTORY/prefix-cache under systemd, else no disk tier
+    prefix_cache_dir: Path | None = None
+    # the most disk (MiB) each stage's disk tier may use; 0: no disk tier
+    prefix_cache_disk_mb: int = attrs.field(default=4096, validator=_at_least(0))
     # the head: draft tokens from the session's own context and verify them in windows (speculative decoding)
     # ngram: drafts from n-grams of the session's own context, windows sized and gated by what they measure
     # (on: the same); off: token by token

@@ -249,7 +249,19 @@ class Daemon:
                     notify(f"STATUS={self.describe_load()}")
                     last = running
                 await trio.sleep(0.05)
+        await self._write_prefix_caches()
         return self._running() == 0
+
+    async def _write_prefix_caches(self) -> None:
+        """A drain writes what each local stage's prefix cache holds to its disk tier (if it has one), so the
+        next start finds it there."""
+        caches = [getattr(s.core, "prefix_cache", None) for s in self.stages]
+        if self.head is not None and self.head.engine is not None:
+            caches.append(getattr(self.head.engine, "prefix_cache", None))
+        for cache in filter(None, caches):
+            written = await cache.write_through()
+            if written:
+                log.info("stage %d: prefix cache: %d entries written to its disk tier", cache.stage_index, written)
 
     async def _cancel_running(self) -> None:
         """Kill every running generation through the engine's cleanup path, and wait a moment for it (and for

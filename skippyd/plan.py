@@ -19,6 +19,7 @@ import attrs
 from skippyd.config import Config, parse_hostport
 from skippyd.hosts import THIS_MACHINE, Machines
 from skippyd.openai.auth import ApiKey, KeyFileError
+from skippyd.stage.prefix_disk import default_dir as default_prefix_dir
 from skippyd.stage.server import StageConfig
 from skippyd.stage.threads import usable_cores
 from skippyd.topology import Topology, TopologyError
@@ -142,7 +143,8 @@ def stage_config(config: Config, n_local: int, decode_groups: int, link_auth: by
                       direct_return=rt.direct_return,
                       link_delay_ms=stage.link_delay_ms, link_mbps=stage.link_mbps,
                       frame_timeout_s=stage.frame_timeout, link_auth=link_auth,
-                      prefix_cache_mb=rt.prefix_cache_mb)
+                      prefix_cache_mb=rt.prefix_cache_mb, prefix_cache_disk_mb=rt.prefix_cache_disk_mb,
+                      prefix_cache_dir=rt.prefix_cache_dir or default_prefix_dir())
     if stage.listen:
         cfg.listen_host, cfg.listen_port = parse_hostport(stage.listen)
     if stage.upstream_allow is not None:

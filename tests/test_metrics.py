@@ -210,7 +210,9 @@ async def test_prefix_caches_per_stage_local_and_from_the_heads_report():
     async def report(clear=False):
         asked.append(clear)
         return [CacheStats(0), CacheStats(1, budget_bytes=3 << 20, bytes_held=500, entries=2, tokens_held=70,
-                                          lookups=4, hits=3, restored_tokens=60, recorded_tokens=90, evictions=1),
+                                          lookups=4, hits=3, restored_tokens=60, recorded_tokens=90, evictions=1,
+                                          disk_on=True, disk_budget_bytes=4 << 30, disk_bytes=9000, disk_entries=5,
+                                          disk_tokens=400, disk_hits=2, disk_writes=7),
                 CacheStats(2)]
 
     m = Metrics(cache_daemon(report))
@@ -234,6 +236,18 @@ async def test_prefix_caches_per_stage_local_and_from_the_heads_report():
     assert (at("recorded_tokens_total", 1), at("evictions_total", 1), at("bytes", 1)) == (90, 1, 500)
     assert (at("entries", 1), at("budget_bytes", 1)) == (2, 3 << 20)
     assert at("budget_bytes", 2) == 2 << 20
+    # per tier: stage 1's disk tier from the report
+    tier = {(name, labels): v for (name, labels), v in s.items() if "_tier_" in name}
+    assert tier[("skippy_prefix_cache_tier_hits_total", (("stage", "1"), ("tier", "disk")))] == 2
+    assert tier[("skippy_prefix_cache_tier_hits_total", (("stage", "1"), ("tier", "memory")))] == 1
+    assert tier[("skippy_prefix_cache_tier_entries", (("stage", "1"), ("tier", "disk")))] == 5
+    assert tier[("skippy_prefix_cache_tier_bytes", (("stage", "1"), ("tier", "disk")))] == 9000
+    assert tier[("skippy_prefix_cache_tier_budget_bytes", (("stage", "1"), ("tier", "disk")))] == 4 << 30
+    assert tier[("skippy_prefix_cache_tier_budget_bytes", (("stage", "0"), ("tier", "disk")))] == 0
+    assert tier[("skippy_prefix_cache_tier_entries", (("stage", "0"), ("tier", "memory")))] == 1
+    assert s[("skippy_prefix_cache_disk_writes_total", (("stage", "1"),))] == 7
+    assert s[("skippy_prefix_cache_disk_on", (("stage", "1"),))] == 1
+    assert s[("skippy_prefix_cache_disk_on", (("stage", "0"),))] == 0
 
 
 async def test_prefix_caches_without_an_answer_are_the_local_stages(autojump_clock):

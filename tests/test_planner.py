@@ -191,6 +191,34 @@ def test_the_kv_cache_and_margins_count_against_memory(shape):
     assert all(s.memory_bytes <= int(whole * 0.6) for s in plan.stages)
 
 
+def test_a_hosts_prefix_cache_counts_against_its_memory():
+    """A host that holds the even share of the layers, but not that share plus its stage's prefix cache
+    budget, gets a smaller share; the plan shows the cache in each stage's memory."""
+    plain = [_host("a", 800), _host("b", 1200)]
+    without = make_plan(UNIFORM, plain, ctx=1, lanes=1, **NO_MARGIN)
+    layers = {s.host: s.layer_end - s.layer_start for s in without.stages}
+    assert layers == {"a": 7, "b": 5} and without.stages[0].memory_bytes == 750 * MIB <= 800 * MIB
+    cached = [HostInfo("a", 800 * MIB, 1.0, prefix_cache_bytes=256 * MIB), HostInfo("b", 1200 * MIB, 1.0)]
+    plan = make_plan(UNIFORM, cached, ctx=1, lanes=1, **NO_MARGIN)
+    share = {s.host: s for s in plan.stages}
+    assert share["a"].layer_end - share["a"].layer_start < 7
+    assert share["a"].prefix_cache_bytes == 256 * MIB and share["b"].prefix_cache_bytes == 0
+    for stage, host in ((share["a"], cached[0]), (share["b"], cached[1])):
+        weights = UNIFORM.weight_bytes(stage.layer_start, stage.layer_end)
+        assert stage.memory_bytes == weights + host.prefix_cache_bytes <= host.memory_bytes
+    assert plan.as_dict()["stages"][plan.hosts.index("a")]["prefix_cache_bytes"] == 256 * MIB
+    # the ranges that fit without the cache are refused with it, naming it
+    with pytest.raises(PlanRefused) as refused:
+        place(UNIFORM, cached, [(0, 7), (7, 12)], ctx=1, lanes=1, **NO_MARGIN)
+    assert "host a has 800 MiB for skippy; layers 0:7 need 1,006 MiB (its prefix cache's 256 MiB included): " \
+           "206 MiB short" in str(refused.value)
+    # and a host whose cache leaves no room for any stage is named as such
+    with pytest.raises(PlanRefused) as refused:
+        make_plan(UNIFORM, [HostInfo("a", 800 * MIB, 1.0, prefix_cache_bytes=800 * MIB), _host("b", 1200)],
+                  ctx=1, lanes=1, stages=2, **NO_MARGIN)
+    assert "host a has 800 MiB for skippy" in str(refused.value) and "prefix cache" in str(refused.value)
+
+
 def _slowest(shape: ModelShape, ranges, speeds) -> float:
     mean = sum(shape.layer_costs) / shape.n_layer
     return max(ms * (sum(shape.layer_costs[a:b]) + (shape.head_cost if b == shape.n_layer else 0)) / mean
@@ -289,7 +317,7 @@ def test_as_dict_is_json_ready():
     assert data["model"] == "uniform" and data["ms_per_token"] == plan.ms_per_token
     first = data["stages"][0]
     assert set(first) == {"index", "host", "layers", "layer_start", "layer_end", "memory_bytes", "memory_mib",
-                          "ms_per_token"}
+                          "ms_per_token", "prefix_cache_bytes"}
     assert first["layers"] == [first["layer_start"], first["layer_end"]] == list(plan.ranges[0])
     assert first["memory_mib"] == round(first["memory_bytes"] / MIB, 1)
     assert isinstance(plan, DeployPlan)

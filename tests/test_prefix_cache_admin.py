@@ -31,7 +31,7 @@ MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
 BUDGET = 512 << 20  # the default, runtime.prefix_cache_mb = 512
 CACHE_ON = ["--prefix-cache-mb", "512"]  # (the tests' daemons may run without it unless told)
 FIELDS = {"stage", "entries", "tokens", "bytes", "budget_bytes", "lookups", "hits", "hit_rate", "restored_tokens",
-          "recorded_tokens", "evictions"}
+          "recorded_tokens", "evictions", "memory_hits", "disk"}
 # long enough for a hit (the cache restores a common prefix of 16 tokens or more); each prompt begins with its
 # test's own words, so that what one test cached is no hit for another
 SYSTEM = "You are a careful assistant who answers in one short sentence and never uses lists or tables. "
@@ -113,7 +113,7 @@ def test_cache_show_lists_every_stage(api):
         assert set(r) == FIELDS and r["budget_bytes"] == BUDGET
         assert r["bytes"] >= 0 and r["entries"] >= 0 and 0.0 <= r["hit_rate"] <= 1.0
     table = ctl(api.head, "cache", "show")
-    assert table.exit_code == 0 and "512 MiB" in table.stdout and "hit rate" in table.stdout, table.stdout
+    assert table.exit_code == 0 and "512 MiB" in table.stdout and "disk" in table.stdout, table.stdout
     # a daemon without the head: its own stage
     assert [r["stage"] for r in ctl_json(api.pipe.stages[1], "cache", "show")] == [1]
 
@@ -295,16 +295,21 @@ def test_cache_tables_fit_80_columns():
         "0 B", "812 B", "3.4 KiB", "512 MiB", "3 GiB", "1.5 KiB"]
     rows = [{"stage": k, "entries": 1234, "tokens": 1_234_567, "bytes": 536_000_000, "budget_bytes": BUDGET,
              "lookups": 123456, "hits": 61728, "hit_rate": 0.5, "restored_tokens": 12_345_678,
-             "recorded_tokens": 1, "evictions": 99999} for k in range(3)]
-    rows.append({**rows[0], "stage": 3, "budget_bytes": 0, "lookups": 0, "hit_rate": 0.0})
+             "recorded_tokens": 1, "evictions": 99999, "memory_hits": 61000,
+             "disk": {"on": True, "entries": 12345, "tokens": 12_345_678, "bytes": 3 << 30, "budget_bytes": 4 << 30,
+                      "hits": 728}} for k in range(3)]
+    rows.append({**rows[0], "stage": 3, "budget_bytes": 0, "lookups": 0, "hit_rate": 0.0, "disk": {"on": False}})
     console = Console(width=80, record=True)
     console.print(_table(rows))
     text = console.export_text()
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80, text
-    line = next(x for x in text.splitlines() if x.startswith("0 "))
-    assert line.split() == ["0", "1234", "1234567", "511.2", "MiB", "512", "MiB", "50%", "of", "123456", "12345678",
-                            "99999"], text
-    assert next(x for x in text.splitlines() if x.startswith("3 ")).split()[5:7] == ["off", "-"], text
+    lines = text.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("0 "))
+    assert lines[at].split() == ["0", "memory", "1234", "1234567", "511.2", "MiB", "512", "MiB", "61000", "12345678",
+                                 "99999"], text
+    assert lines[at + 1].split() == ["disk", "12345", "12345678", "3", "GiB", "4", "GiB", "728"], text
+    at = next(i for i, x in enumerate(lines) if x.startswith("3 "))
+    assert lines[at].split()[6] == "off" and lines[at + 1].split() == ["disk", "-", "-", "-", "off", "-"], text
     assert _cleared([{"stage": 0, "cleared": 1, "cleared_bytes": 2048},
                      {"stage": 1, "cleared": 3, "cleared_bytes": 0}]) == (
         "stage 0: cleared 1 entry (2 KiB)\nstage 1: cleared 3 entries (0 B)")

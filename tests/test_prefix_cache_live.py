@@ -95,7 +95,7 @@ async def test_a_restarted_stage_makes_a_cold_correct_turn_then_caches_again(pip
     pipe.stages[1].signal(signal.SIGKILL)
     pipe.stages[1].wait_exit()
     await pipe.astart_stage(1)
-    after = await ask(pipe, follow_up)  # stage 1 holds nothing: a miss, prefilled whole like the reference
+    after = await ask(pipe, follow_up)  # stage 1 holds nothing: it computes the prompt, fed what stage 0 recorded
     assert after["usage"]["cached_tokens"] == 0, after["usage"]
     assert after["tokens"] == cold["tokens"]
     warm = await ask(pipe, follow_up)

@@ -167,7 +167,7 @@ stage_stats = st.builds(
     st.integers(0, 2**32 - 1),
 )
 
-cache_stats = st.builds(CacheStats, st.integers(0, 2**32 - 1), *[ids] * 9)
+cache_stats = st.builds(CacheStats, st.integers(0, 2**32 - 1), *[ids] * 9, st.booleans(), *[ids] * 6)
 stage_loads = st.builds(StageLoad, *[st.integers(0, 2**32 - 1)] * 4, *[ids] * 11)
 
 replies = st.one_of(
@@ -310,17 +310,20 @@ def test_prefix_cache_frames_layout():
     assert restore == b"SK\x17\x00" + struct.pack("<I", 32 + 8) + header(7, 9, 0, 2) + struct.pack("<ii", 5, -6)
     assert frame_bytes(CacheQuery(3)) == b"SK\x18\x00" + struct.pack("<I", 32) + header(3, 0, 0, 0)
     assert frame_bytes(CacheQuery(3, clear=True))[:4] == b"SK\x18" + bytes([Flags.CLEAR])
+    assert frame_bytes(CacheQuery(3, clear=True, clear_disk=True))[:4] == b"SK\x18" + bytes([Flags.CLEAR | 0x40])
     stats = StageStats(1, 2, 3, 4, 5, 6, 7, 8)
     packed_stats = struct.pack("<QQQQQQII", 1, 2, 3, 4, 5, 6, 7, 8)
     restored = frame_bytes(PrefixRestored(5, 6, 2**32 - 1, stats))
     assert restored == (b"SK\x24\x00" + struct.pack("<I", 84) + struct.pack("<QQIHH", 5, 6, 1, 0, 0) + packed_stats
                         + struct.pack("<I", 2**32 - 1))
-    record = CacheStats(2, 512 << 20, 1000, 3, 250, 10, 4, 200, 300, 1)
+    record = CacheStats(2, 512 << 20, 1000, 3, 250, 10, 4, 200, 300, 1, True, 4 << 30, 9000, 5, 700, 2, 6)
     report = frame_bytes(CacheReport(5, 0, [record, CacheStats(3)], stats))
-    assert report == (b"SK\x25\x00" + struct.pack("<I", 80 + 160) + struct.pack("<QQIHH", 5, 0, 2, 0, 0)
-                      + packed_stats + struct.pack("<IIQQQQQQQQQ", 2, 0, 512 << 20, 1000, 3, 250, 10, 4, 200, 300, 1)
-                      + struct.pack("<IIQQQQQQQQQ", 3, 0, *[0] * 9))
-    assert codec.CACHE_RECORD_SIZE == 80
+    assert report == (b"SK\x25\x00" + struct.pack("<I", 80 + 256) + struct.pack("<QQIHH", 5, 0, 2, 0, 0)
+                      + packed_stats + struct.pack("<IIQQQQQQQQQ", 2, 1, 512 << 20, 1000, 3, 250, 10, 4, 200, 300, 1)
+                      + struct.pack("<QQQQQQ", 4 << 30, 9000, 5, 700, 2, 6)
+                      + struct.pack("<IIQQQQQQQQQQQQQQQ", 3, 0, *[0] * 15))
+    assert decode_frame(report).stages == (record, CacheStats(3))
+    assert codec.CACHE_RECORD_SIZE == 128
 
 
 def test_stage_query_and_report_layout():
@@ -344,13 +347,14 @@ def test_prefix_cache_messages_decode():
     assert type(msg) is RestorePrefix and list(msg.tokens) == list(range(100)) and msg.tokens.dtype == np.dtype("<i4")
     assert decode_frame(frame_bytes(CacheQuery(4, clear=True)), n_embd=8) == CacheQuery(4, True)
     assert decode_frame(frame_bytes(CacheQuery(4)), n_embd=8) == CacheQuery(4, False)
+    assert decode_frame(frame_bytes(CacheQuery(4, True, True)), n_embd=8) == CacheQuery(4, True, True)
     assert not hasattr(CacheQuery(4), "session_id")  # like Ping: the pipeline, not a session
 
 
 def test_cache_report_of_the_most_records_round_trips():
     report = CacheReport(1, 0, [CacheStats(i, lookups=i, hits=i // 2) for i in range(MAX_CACHE_REPORT_STAGES)])
     wire = frame_bytes(report)
-    assert len(wire) == 8 + 80 + 80 * MAX_CACHE_REPORT_STAGES
+    assert len(wire) == 8 + 80 + 128 * MAX_CACHE_REPORT_STAGES
     assert decode_frame(wire) == report
     assert decode_frame(wire, accept=codec.REPLY_KINDS).stages[-1].stage_index == MAX_CACHE_REPORT_STAGES - 1
 
@@ -370,10 +374,12 @@ def test_cache_stats():
     assert s.hit_rate == 0.25 and CacheStats(0).hit_rate == 0.0
     assert s.to_json() == {"stage_index": 1, "budget_bytes": 100, "bytes_held": 50, "entries": 2, "tokens_held": 40,
                            "lookups": 8, "hits": 2, "restored_tokens": 64, "recorded_tokens": 80, "evictions": 1,
-                           "hit_rate": 0.25}
+                           "disk_on": False, "disk_budget_bytes": 0, "disk_bytes": 0, "disk_entries": 0,
+                           "disk_tokens": 0, "disk_hits": 0, "disk_writes": 0, "hit_rate": 0.25, "memory_hits": 2}
     assert [f.name for f in attrs.fields(CacheStats)] == [
         "stage_index", "budget_bytes", "bytes_held", "entries", "tokens_held", "lookups", "hits", "restored_tokens",
-        "recorded_tokens", "evictions"]
+        "recorded_tokens", "evictions", "disk_on", "disk_budget_bytes", "disk_bytes", "disk_entries", "disk_tokens",
+        "disk_hits", "disk_writes"]
     for bad in (dict(stage_index=2**32), dict(stage_index=-1), dict(stage_index=0, evictions=2**64),
                 dict(stage_index=0, hits=-1), dict(stage_index=0, lookups=1.0), dict(stage_index=True)):
         with pytest.raises(ValueError):
@@ -677,7 +683,7 @@ def reply_body(kind: int, count: int, payload: bytes, request_id=1, session_id=2
 
 
 def test_bad_prefix_cache_replies():
-    record = struct.pack("<IIQQQQQQQQQ", 1, 0, *range(9))
+    record = struct.pack("<IIQQQQQQQQQQQQQQQ", 1, 0, *range(15))
     # PrefixRestored: exactly one u32
     for count in (0, 2):
         wire = bytearray(frame_bytes(PrefixRestored(1, 2, 5)))
@@ -707,14 +713,15 @@ def test_bad_prefix_cache_replies():
         CacheReport(1, 0, [CacheStats(0)] * n)
     with pytest.raises(TypeError):
         CacheReport(1, 0, [{"stage_index": 0}])
-    # a record's reserved field must be zero
-    body = reply_body(ReplyKind.CACHE_REPORT, 1, struct.pack("<IIQQQQQQQQQ", 1, 7, *range(9)))
+    # a record's flags: only bit 0 (disk_on)
+    body = reply_body(ReplyKind.CACHE_REPORT, 1, struct.pack("<IIQQQQQQQQQQQQQQQ", 1, 6, *range(15)))
     with pytest.raises(ProtocolError) as info:
         decode_frame(prefix(ReplyKind.CACHE_REPORT, len(body)) + body)
     assert info.value.code == ErrorCode.BAD_VALUE and (info.value.request_id, info.value.session_id) == (1, 2)
     # a good one, built by hand
     body = reply_body(ReplyKind.CACHE_REPORT, 1, record)
-    assert decode_frame(prefix(ReplyKind.CACHE_REPORT, len(body)) + body).stages == (CacheStats(1, *range(9)),)
+    assert decode_frame(prefix(ReplyKind.CACHE_REPORT, len(body)) + body).stages == (
+        CacheStats(1, *range(9), False, *range(9, 15)),)
 
 
 def test_restored_is_a_u32():

@@ -136,6 +136,7 @@ class CacheShow:
 @attrs.frozen
 class CacheClear:
     id: str
+    disk: bool = False  # the disk tiers too
 
 
 @attrs.frozen

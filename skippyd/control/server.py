@@ -331,15 +331,15 @@ class ControlServer:
             self.pool.undrain()
         await send(m.Data(req.id, self._lanes()))
 
-    async def _cache_stats(self, clear: bool = False) -> list:
+    async def _cache_stats(self, clear: bool = False, disk: bool = False) -> list:
         """Every stage's CacheStats: the whole pipeline's through the head, else this daemon's own stages."""
         head = self.daemon.head
         if head is not None:
-            return await head.cache_report(clear=clear)
+            return await head.cache_report(clear=clear, disk=disk)
         out = []
         for stage in sorted(self.daemon.stages, key=lambda s: s.index):
             if clear:
-                clear_local(stage.core.prefix_cache, stage.index)
+                clear_local(stage.core.prefix_cache, stage.index, disk)
             out.append(stage.core.prefix_cache.stats())
         return out
 
@@ -351,7 +351,7 @@ class ControlServer:
         entries, ``cleared_bytes``) and what it holds after."""
         before = {s.stage_index: s for s in await self._cache_stats()}
         try:
-            after = await self._cache_stats(clear=True)
+            after = await self._cache_stats(clear=True, disk=req.disk)
         except CacheReportError as exc:
             cleared = ", ".join(str(s.stage_index) for s in exc.partial) or "none"
             raise CacheReportError(exc.stage, f"{exc} (stages cleared before it: {cleared})", exc.partial) from exc
@@ -359,7 +359,9 @@ class ControlServer:
         for s in after:
             held = before.get(s.stage_index)
             out.append({**describe_cache(s), "cleared": held.entries if held else None,
-                        "cleared_bytes": held.bytes_held if held else None})
+                        "cleared_bytes": held.bytes_held if held else None,
+                        "cleared_disk": (held.disk_entries if held else None) if req.disk else 0,
+                        "cleared_disk_bytes": (held.disk_bytes if held else None) if req.disk else 0})
         await send(m.Data(req.id, out))
 
     async def on_status(self, req: m.Status, send) -> None:
@@ -426,7 +428,11 @@ def describe_cache(stats) -> dict:
     return {"stage": stats.stage_index, "entries": stats.entries, "tokens": stats.tokens_held,
             "bytes": stats.bytes_held, "budget_bytes": stats.budget_bytes, "lookups": stats.lookups,
             "hits": stats.hits, "hit_rate": stats.hit_rate, "restored_tokens": stats.restored_tokens,
-            "recorded_tokens": stats.recorded_tokens, "evictions": stats.evictions}
+            "recorded_tokens": stats.recorded_tokens, "evictions": stats.evictions,
+            "memory_hits": stats.hits - stats.disk_hits,
+            "disk": {"on": stats.disk_on, "entries": stats.disk_entries, "tokens": stats.disk_tokens,
+                     "bytes": stats.disk_bytes, "budget_bytes": stats.disk_budget_bytes, "hits": stats.disk_hits,
+                     "writes": stats.disk_writes}}
 
 
 class _NotFound(LookupError):

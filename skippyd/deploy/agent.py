@@ -62,7 +62,8 @@ class Assignment:
         held = max(0, anon_rss() - self._baseline_rss) if self.index is not None else 0
         report = host_report(runtime.memory_limit_mb, self.slices, held)
         report.update(assigned=self.describe(), accepts_stages=self.accepts_stages, ctx=runtime.ctx,
-                      lanes=runtime.lanes, threads=runtime.threads or report["cores"])
+                      lanes=runtime.lanes, threads=runtime.threads or report["cores"],
+                      prefix_cache_mb=runtime.prefix_cache_mb)
         return report
 
     async def calibrate(self, sha256: str, fresh: bool = False) -> dict:

@@ -10,10 +10,11 @@ matters: the final stage also runs the LM head, the first only looks up the embe
 hosts in the order the user gave. Everything is exact integer arithmetic, so the same inputs always give the
 same plan, ties included.
 
-Memory counts what a stage reads. A stage file also carries the token embedding and the output norm, which
-the llama loader insists on even where a stage never uses them; libllama maps (and pre-faults) the whole
-file, but pages a stage never reads are clean page cache the kernel takes back under pressure, so they are
-disk (`ModelShape.file_bytes`), not memory the stage needs.
+Memory counts what a stage reads, and the budget of its prefix cache on that host (the KV of prompts it keeps
+in host memory, up to runtime.prefix_cache_mb there). A stage file also carries the token embedding and the
+output norm, which the llama loader insists on even where a stage never uses them; libllama maps (and
+pre-faults) the whole file, but pages a stage never reads are clean page cache the kernel takes back under
+pressure, so they are disk (`ModelShape.file_bytes`), not memory the stage needs.
 """
 
 from __future__ import annotations
@@ -183,11 +184,19 @@ def _positive_int(reader: gguf.GGUFReader, path: Path, key: str) -> int:
 @attrs.frozen
 class HostInfo:
     """A host as the planner sees it: its name (the control address the user gave), the memory skippy may use
-    there, and how long one decode step takes per layer of this model there."""
+    there, how long one decode step takes per layer of this model there, and the prefix cache budget of the
+    stage it would run (runtime.prefix_cache_mb there: host memory the stage may fill besides its weights and
+    KV cache)."""
 
     name: str
     memory_bytes: int
     ms_per_layer: float
+    prefix_cache_bytes: int = 0
+
+    @property
+    def room(self) -> int:
+        """What a stage's weights, KV cache and margins may take here: the memory less the prefix cache."""
+        return self.memory_bytes - self.prefix_cache_bytes
 
 
 @attrs.frozen
@@ -196,8 +205,9 @@ class StagePlacement:
     host: str
     layer_start: int
     layer_end: int
-    memory_bytes: int
+    memory_bytes: int  # its prefix cache's budget included
     ms_per_token: float
+    prefix_cache_bytes: int = 0
 
 
 @attrs.frozen
@@ -229,6 +239,7 @@ class DeployPlan:
                     "layer_end": s.layer_end,
                     "memory_bytes": s.memory_bytes,
                     "memory_mib": round(s.memory_bytes / MIB, 1),
+                    "prefix_cache_bytes": s.prefix_cache_bytes,
                     "ms_per_token": s.ms_per_token,
                 }
                 for s in self.stages
@@ -296,7 +307,7 @@ def make_plan(
     for k in counts:
         best: tuple | None = None
         for subset in _orders(len(hosts), k):
-            found = _best_ranges(n, [hosts[i].memory_bytes for i in subset], [speed[i] for i in subset],
+            found = _best_ranges(n, [hosts[i].room for i in subset], [speed[i] for i in subset],
                                  needs, cost)
             if found is not None and (best is None or found + (subset,) < best):
                 best = found + (subset,)
@@ -380,8 +391,9 @@ def place(
     needs = {(a, b): stage_memory(shape, a, b, ctx=ctx, lanes=lanes, margin_bytes=margin_bytes,
                                   margin_fraction=margin_fraction) for a, b in ranges}
     short = [f"host {h.name} has {_mib(h.memory_bytes, up=False)} for skippy; layers {a}:{b} need "
-             f"{_mib(needs[a, b])}: {_mib(needs[a, b] - h.memory_bytes)} short"
-             for h, (a, b) in zip(hosts, ranges) if needs[a, b] > h.memory_bytes]
+             f"{_mib(needs[a, b] + h.prefix_cache_bytes)}{_with_cache(h)}: "
+             f"{_mib(needs[a, b] - h.room)} short"
+             for h, (a, b) in zip(hosts, ranges) if needs[a, b] > h.room]
     if short:
         raise PlanRefused(f"cannot run {shape.name} in these ranges: " + "; ".join(short))
     table = [[needs.get((a, b), 0) for b in range(shape.n_layer + 1)] for a in range(shape.n_layer + 1)]
@@ -414,8 +426,9 @@ def _plan(shape: ModelShape, hosts: Sequence[HostInfo], subset: tuple[int, ...],
             host=host.name,
             layer_start=start,
             layer_end=end,
-            memory_bytes=needs[start][end],
+            memory_bytes=needs[start][end] + host.prefix_cache_bytes,
             ms_per_token=host.ms_per_layer * work / mean,
+            prefix_cache_bytes=host.prefix_cache_bytes,
         ))
         start = end
     total = sum(p.ms_per_token for p in placements) + hop_ms * (len(placements) - 1)
@@ -439,8 +452,9 @@ def _check_arguments(shape: ModelShape, hosts: Sequence[HostInfo], ctx: int, lan
         if h.name in seen:
             raise PlanError(f"host {h.name} is given twice")
         seen.add(h.name)
-        if h.memory_bytes < 0:
-            raise PlanError(f"host {h.name}: memory {h.memory_bytes} is negative")
+        if h.memory_bytes < 0 or h.prefix_cache_bytes < 0:
+            raise PlanError(f"host {h.name}: memory {h.memory_bytes} or prefix cache {h.prefix_cache_bytes} is "
+                            f"negative")
         if not (math.isfinite(h.ms_per_layer) and h.ms_per_layer > 0):
             raise PlanError(f"host {h.name}: ms per layer must be a positive number, not {h.ms_per_layer}")
     if ctx < 1:
@@ -468,6 +482,10 @@ def _mib(n: int, *, up: bool = True) -> str:
     return f"{math.ceil(n / MIB) if up else n // MIB:,} MiB"
 
 
+def _with_cache(h: HostInfo) -> str:
+    return f" (its prefix cache's {_mib(h.prefix_cache_bytes)} included)" if h.prefix_cache_bytes else ""
+
+
 def _smallest_stage(shape: ModelShape, k: int, needs: list[list[int]]) -> tuple[int, str]:
     """The smallest stage any host must hold for a k-stage pipeline, and what it is."""
     n = shape.n_layer
@@ -485,22 +503,25 @@ def _refusal(shape: ModelShape, hosts: Sequence[HostInfo], stages: int | None, n
     k = stages if stages is not None else min(len(hosts), n)
     if stages is not None:
         smallest, what = _smallest_stage(shape, k, needs)
-        short = [h for h in hosts if h.memory_bytes < smallest]
+        short = [h for h in hosts if h.room < smallest]
         if len(hosts) - len(short) < k:
             named = "; ".join(
                 f"host {h.name} has {_mib(h.memory_bytes, up=False)} for skippy; the smallest stage it could run "
-                f"({what}) needs {_mib(smallest)}: {_mib(smallest - h.memory_bytes)} short"
+                f"({what}) needs {_mib(smallest + h.prefix_cache_bytes)}{_with_cache(h)}: "
+                f"{_mib(smallest - h.room)} short"
                 for h in short
             )
             return f"cannot run {shape.name} in {k} stages: {named}"
     # The whole model over k stages: its weights and KV cache, each stage's margins.
     total = sum(needs[a][b] for a, b in plan_ranges(n, stages=k))
-    have = sum(h.memory_bytes for h in hosts)
-    each = ", ".join(f"{h.name} {_mib(h.memory_bytes, up=False)}" for h in hosts)
+    have = sum(max(0, h.room) for h in hosts)
+    each = ", ".join(f"{h.name} {_mib(max(0, h.room), up=False)}" for h in hosts)
     message = (
         f"{shape.name} does not fit: in {k} stage{'s' if k > 1 else ''} with a context of {ctx} tokens x "
         f"{lanes} lanes it needs {_mib(total)} in all, and the hosts have {_mib(have, up=False)} ({each})"
     )
+    if any(h.prefix_cache_bytes for h in hosts):
+        message += " after their prefix caches"
     if total <= have:
         message += (
             "; together enough, but no split into contiguous layers, in any order of the hosts, fits each "

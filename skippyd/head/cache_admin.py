@@ -36,35 +36,38 @@ class CacheReportError(Exception):
         self.partial = list(partial or [])
 
 
-def clear_local(cache, stage: int) -> int:
-    """Empty one local cache; how many entries it held."""
-    dropped = cache.clear()
-    log.info("stage %d: prefix cache cleared (%d entries)", stage, dropped)
+def clear_local(cache, stage: int, disk: bool = False) -> int:
+    """Empty one local cache (with ``disk``, its disk tier too); how many entries it held."""
+    dropped = cache.clear(disk=disk)
+    log.info("stage %d: prefix cache cleared (%d entries%s)", stage, dropped,
+             ", the disk tier's included" if disk else "")
     return dropped
 
 
-async def cache_report(node: Any, *, clear: bool = False) -> list[CacheStats]:
+async def cache_report(node: Any, *, clear: bool = False, disk: bool = False) -> list[CacheStats]:
     """Every stage's :class:`CacheStats`, stage 0 first (``node``: the HeadNode, which imports this module); with
-    ``clear``, each cache is emptied before it reports. Raises CacheReportError (see the module docstring)."""
+    ``clear``, each cache is emptied before it reports (with ``disk``, its disk tier too). Raises
+    CacheReportError (see the module docstring)."""
     engine = node.engine
     if engine is None:
         raise CacheReportError(0, "the head is still loading its model")
     if clear:
-        clear_local(engine.prefix_cache, 0)
+        clear_local(engine.prefix_cache, 0, disk)
     report = [engine.prefix_cache.stats()]
     if node.single_stage:
         return report
-    return report + await query_pipeline(node, clear=clear, partial=report)
+    return report + await query_pipeline(node, clear=clear, disk=disk, partial=report)
 
 
-async def query_pipeline(node: Any, *, clear: bool, partial: list[CacheStats]) -> list[CacheStats]:
+async def query_pipeline(node: Any, *, clear: bool, partial: list[CacheStats], disk: bool = False
+                         ) -> list[CacheStats]:
     """Stages 1..N's stats, by a CacheQuery to stage 1 on a connection opened for it (the lanes' address,
     Hello and timeouts)."""
     pool = node.pool
     n_stages = len(node.topology.stages)
     address = pool.address
     try:
-        reply, _wait_us = await pool.request_once(CacheQuery(next(_query_ids), clear=clear))
+        reply, _wait_us = await pool.request_once(CacheQuery(next(_query_ids), clear=clear, clear_disk=clear and disk))
     except DownstreamError as failure:
         raise CacheReportError(1, f"stage 1 at {address}: {failure.detail}", partial) from failure
     if isinstance(reply, ErrorReply):

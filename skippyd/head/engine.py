@@ -186,7 +186,11 @@ class HeadEngine:
         self.speculation = SpeculationTotals(max_draft=speculate_max_draft)
         # a single stage's generations sample on the head; a pipeline's go down lanes (chosen here, once)
         lanes = LocalLanes(model) if pool is None else PipelineLanes(pool, self.lane_services, self.new_request_id)
-        self.parts = HeadParts(HeadCompute(context, scheduler, self.sessions, self.prefix_cache), lanes,
+        # a pipeline's head records the hidden states it sends on, so that it can send them again without
+        # computing for a stage after it that lost a prefix the head holds (skippyd/stage/boundary.py)
+        compute = HeadCompute(context, scheduler, self.sessions, self.prefix_cache,
+                              boundary=pool is not None and self.prefix_cache.enabled)
+        self.parts = HeadParts(compute, lanes,
                                model.token_piece, model.is_eog, self.chunker, watch, resume_window, self.speculation)
 
     def describe_token_return(self) -> dict | None:

@@ -30,6 +30,7 @@ from skippyd.runtime import mtmd
 from skippyd.runtime.llama import Context, Model
 from skippyd.stage.access import UpstreamAllow
 from skippyd.stage.prefix_cache import PrefixCache
+from skippyd.stage.prefix_disk import model_digest
 from skippyd.stage.server import StageConfig
 from skippyd.topology import Topology
 from skippyd.wire.messages import CacheStats, Hello
@@ -89,6 +90,10 @@ class HeadNode:
                 self.projector, self.vision = await trio.to_thread.run_sync(self._load_projector)
             context = await trio.to_thread.run_sync(Context, self.model, cfg.context_params())
             scheduler = cfg.scheduler(context)
+            stage = self.model.stage
+            sha256 = self.topology.stage(0).sha256 if self.topology is not None else None
+            disk = await trio.to_thread.run_sync(cfg.open_disk_tier, 0, model_digest(sha256, self.model_path),
+                                                 (stage.layer_start, stage.layer_end), context)
             if not self.single_stage:
                 topo = self.topology
                 s0, s1 = topo.stage(0), topo.stage(1)
@@ -106,7 +111,7 @@ class HeadNode:
             self.engine = HeadEngine(self.model, context, scheduler, self.pool, prefill_chunk=self.prefill_chunk,
                                      receipts_file=self.receipts_file, queue_timeout=self.queue_timeout,
                                      hub=self.hub, watch=self.watch, resume_window=self.resume_window,
-                                     prefix_cache=PrefixCache(cfg.prefix_cache_mb << 20, stage_index=0),
+                                     prefix_cache=PrefixCache(cfg.prefix_cache_mb << 20, stage_index=0, disk=disk),
                                      speculate_max_draft=self.speculate_max_draft,
                                      chat_template=self.chat_template, projector=self.projector,
                                      image_limits=self.image_limits)
@@ -131,6 +136,9 @@ class HeadNode:
                 with trio.CancelScope(shield=True):
                     if self.pool is not None:
                         await self.pool.aclose()
+                    # what the cache holds goes to the disk tier (written already after a drain)
+                    await self.engine.prefix_cache.write_through(timeout=30)
+                self.engine.prefix_cache.close()
                 context.close()
         finally:
             if self.projector is not None:
@@ -183,10 +191,11 @@ class HeadNode:
                 self.lanes_task_error = f"{type(exc).__name__}: {exc}"
             backoff = 1.0 if pool.last_error is None else min(backoff * 2, 10.0)
 
-    async def cache_report(self, clear: bool = False) -> list[CacheStats]:
-        """Every stage's prefix cache, stage 0 first (with ``clear``: each emptied first); see
-        skippyd/head/cache_admin.py. Raises CacheReportError naming a stage that did not answer."""
-        return await cache_admin.cache_report(self, clear=clear)
+    async def cache_report(self, clear: bool = False, disk: bool = False) -> list[CacheStats]:
+        """Every stage's prefix cache, stage 0 first (with ``clear``: each emptied first, with ``disk`` its disk
+        tier too); see skippyd/head/cache_admin.py. Raises CacheReportError naming a stage that did not
+        answer."""
+        return await cache_admin.cache_report(self, clear=clear, disk=disk)
 
     def snapshot(self) -> dict:
         snap = self.engine.sessions.snapshot() if self.engine else {}

@@ -50,6 +50,7 @@ class HeadCompute:
     scheduler: Scheduler
     sessions: SessionTable
     prefix_cache: PrefixCache
+    boundary: bool = False  # a pipeline: record the hidden states sent on (skippyd/stage/boundary.py)
 
 
 class HeadSequence:
@@ -63,6 +64,8 @@ class HeadSequence:
         self.clock = clock
         self.session = head.sessions.open(0, live.session_id, live.request_id)
         live.seq = self.seq = self.session.seq
+        # the hidden states sent on for positions [0, rows.held) (a pipeline's head; None: not recorded)
+        self.rows = self.session.rows if head.boundary else None
         self.position = 0  # positions the sequence holds
         self.batched = False  # the last compute was one llama_decode with other sessions' steps
 
@@ -72,18 +75,42 @@ class HeadSequence:
         states, or (``want_token``, a single stage) the sampled token, or a window's tokens."""
         job = Job(self.seq, pos, tokens=tokens, embd=None, sampler=sampler, want_token=want_token, out=out,
                   window=window, window_tokens=tokens if window else None)
-        return await self._run(job, pos + len(tokens))
+        return self._note_rows(pos, await self._run(job, pos + len(tokens)))
 
     async def compute_part(self, part: PromptPart, *, want_token: bool, sampler=None):
         """Compute a part of the prompt (the sequence then holds ``part.pos_end`` positions): its hidden states
         or (``want_token``, a single stage) the sampled token. Media rows go in as input embeddings at their
         own positions."""
         media = part.media
+        held = self._held(part, want_token)
+        rows = self.rows.view(part.pos_start, part.pos_start + held).copy() if held else None
+        if held and held == len(part.tokens):  # held already (restored past where the prefill starts): the
+            return rows                         # hidden states recorded for them
+        await self.keep(part.pos_start + held)  # what it holds past them is computed again (an image's rows)
+        if held:
+            rest = await self.compute(part.tokens[held:], part.pos_start + held, want_token=False)
+            return np.concatenate([rows, rest])
         if media is None:
             return await self.compute(part.tokens, part.pos_start, want_token=want_token, sampler=sampler)
         job = Job(self.seq, part.pos_start, tokens=None, embd=part.rows, sampler=sampler, want_token=want_token,
                   positions=media.positions, causal=media.causal)
-        return await self._run(job, media.pos_end)
+        return self._note_rows(part.pos_start, await self._run(job, media.pos_end))
+
+    def _held(self, part: PromptPart, want_token: bool) -> int:
+        """Leading positions of a text part the sequence holds with their recorded hidden states (an image's
+        rows are never held past where the prefill starts: a restore ends at an image's edge)."""
+        if self.rows is None or want_token or part.media is not None or part.pos_start >= self.position:
+            return 0
+        return max(0, min(self.position, self.rows.held, part.pos_start + len(part.tokens)) - part.pos_start)
+
+    def _note_rows(self, pos: int, result):
+        """Record a compute's hidden states (a pipeline's head), for the positions from ``pos``."""
+        if self.rows is not None:
+            if isinstance(result, np.ndarray) and result.ndim == 2 and len(result) == self.position - pos:
+                self.rows.wrote(pos, result)
+            else:
+                self.rows.trim(pos)
+        return result
 
     async def _run(self, job: Job, end: int):
         live = self.live
@@ -125,48 +152,63 @@ class HeadSequence:
             context, seq = self.head.context, self.seq
             await self.scheduler.run_kv(lambda: context.kv_trim(seq, n))
             self.live.position = self.position = n
+            if self.rows is not None:
+                self.rows.trim(n)
 
     async def clear(self) -> None:
         """Hold nothing (a replay computes the prompt again from position 0, as the first time)."""
         context, seq = self.head.context, self.seq
         await self.scheduler.run_kv(lambda: context.kv_clear_seq(seq))
         self.live.position = self.position = 0
+        if self.rows is not None:
+            self.rows.trim(0)
 
     # ------------------------------------------------------------------ the prefix cache
     async def restore(self, held_downstream: Callable[[np.ndarray], Awaitable[int]]) -> int:
-        """Restore the longest prefix of the prompt that every stage has in its prefix cache (the head's own
-        hit, then what ``held_downstream`` says the rest of the chain holds of it); returns its length, where
-        the prefill starts (0: a miss, the whole prompt is computed). A stage that restored more than that
-        trims itself when the prefill comes (positions are authoritative)."""
+        """Every stage restores the longest prefix of the prompt it has in its prefix cache: the head its own
+        hit, each later stage its own (``held_downstream`` asks them and says how much all of them hold).
+        Returns where the prefill starts: the least of those (0: the whole prompt is computed). A stage that
+        holds more answers the positions it holds with the hidden states it recorded for them and computes
+        only the rest (on a pipeline; see skippyd/stage/boundary.py); without them it trims itself when the
+        prefill comes (positions are authoritative)."""
         cache, prompt = self.head.prefix_cache, self.prompt
         keys = prompt.keys
         # the prompt's last position is always computed: its logits give the first generated token (and a
-        # restore never ends inside an image: its rows are computed together)
-        hit = cache.lookup(keys, prompt.resume_point(min(prompt.n_pos - 1, MAX_TOKENS)))  # MAX_TOKENS: one
-        if hit is None:                                                                    # RestorePrefix
+        # restore never ends inside an image: its rows are computed together); MAX_TOKENS: one RestorePrefix
+        limit = prompt.resume_point(min(prompt.n_pos - 1, MAX_TOKENS))
+        if not cache.enabled or limit < cache.min_hit:
             return 0
-        length = prompt.resume_point(hit.length)
-        if length >= cache.min_hit:
-            length = prompt.resume_point(min(length, await held_downstream(keys[:length])))
-        if length < cache.min_hit:
+        hit = await cache.lookup_tiers(keys, limit)
+        own = prompt.resume_point(hit.length) if hit is not None else 0
+        if self.rows is None and own < cache.min_hit:  # a single stage, or no boundary: a miss here is all
             return 0
-        if not await restore_into(self.scheduler, self.head.context, self.seq, hit, length):
+        start = prompt.resume_point(min(own, await held_downstream(keys[:limit])))
+        if start < cache.min_hit:
+            start = 0
+        if self.rows is not None:  # held past the start: only where the hidden states sent on are recorded
+            own = max(start, min(own, hit.entry.boundary_len if hit is not None else 0))
+        else:
+            own = start
+        own = prompt.resume_point(own)
+        if own < cache.min_hit or not await restore_into(self.scheduler, self.head.context, self.seq, hit, own):
             return 0
-        cache.note_restored(length)
-        self.live.position = self.position = length
-        return length
+        cache.note_restored(own)
+        self.live.position = self.position = own
+        if self.rows is not None:
+            self.rows.load(hit.entry.boundary, own)
+        return start
 
     async def record(self, generated: Sequence[int] = (), *, clear: bool = False) -> None:
         """Keep what the sequence holds (the prompt, then ``generated``) in the head's prefix cache, if the
         cache wants it; with ``clear``, then empty the sequence."""
         head, seq = self.head, self.seq
         if head.prefix_cache.enabled:
-            await record_from(head.prefix_cache, self.scheduler, head.context, seq, self._held(generated),
-                              clear=clear)
+            await record_from(head.prefix_cache, self.scheduler, head.context, seq, self._held_keys(generated),
+                              clear=clear, rows=self.rows)
         elif clear:
             await self.scheduler.run_kv(lambda: head.context.kv_clear_seq(seq))
 
-    def _held(self, generated: Sequence[int]) -> np.ndarray:
+    def _held_keys(self, generated: Sequence[int]) -> np.ndarray:
         """The keys of the positions the sequence holds (the prompt's, then the generated tokens)."""
         keys = self.prompt.keys
         if self.position <= len(keys):

@@ -300,3 +300,36 @@ class _DaemonCollector(Collector):
             for field, family in families:
                 family.add_metric([str(index)], getattr(stats, field))
         yield from (family for _, family in families)
+        yield from self._cache_tiers(caches)
+
+    @staticmethod
+    def _cache_tiers(caches: dict) -> Iterable:
+        """The prefix caches per tier (memory, disk): what each holds and the hits each served."""
+        labels = ["stage", "tier"]
+        hits = CounterMetricFamily("skippy_prefix_cache_tier_hits", "Prefix cache lookups each tier served "
+                                   "(memory, disk), per stage", labels=labels)
+        held = {name: GaugeMetricFamily(f"skippy_prefix_cache_tier_{name}", doc, labels=labels) for name, doc in (
+            ("entries", "Prefixes each tier of the prefix cache holds, per stage"),
+            ("bytes", "Bytes each tier of the prefix cache holds, per stage"),
+            ("tokens", "Tokens of the prefixes each tier of the prefix cache holds, per stage"),
+            ("budget_bytes", "The most bytes each tier of the prefix cache may hold (0: off), per stage"))}
+        writes = CounterMetricFamily("skippy_prefix_cache_disk_writes", "Prefix cache entries written to the disk "
+                                     "tier, per stage", labels=["stage"])
+        disk_on = GaugeMetricFamily("skippy_prefix_cache_disk_on", "Whether the prefix cache's disk tier is in use "
+                                    "(1) or off (0: none, full, or its directory is another daemon's), per stage",
+                                    labels=["stage"])
+        for index, st in sorted(caches.items()):
+            stage = str(index)
+            hits.add_metric([stage, "memory"], st.hits - st.disk_hits)
+            hits.add_metric([stage, "disk"], st.disk_hits)
+            for tier, values in (("memory", (st.entries, st.bytes_held, st.tokens_held, st.budget_bytes)),
+                                 ("disk", (st.disk_entries, st.disk_bytes, st.disk_tokens,
+                                           st.disk_budget_bytes if st.disk_on else 0))):
+                for family, value in zip(held.values(), values):
+                    family.add_metric([stage, tier], value)
+            writes.add_metric([stage], st.disk_writes)
+            disk_on.add_metric([stage], int(st.disk_on))
+        yield hits
+        yield from held.values()
+        yield writes
+        yield disk_on

@@ -82,8 +82,10 @@ class StageCore:
         with trio.CancelScope(shield=True):
             try:
                 cache = self.prefix_cache
-                if cache.enabled and not self.draining:
-                    await record_from(cache, self.scheduler, self.context, seq, session.held_keys(), clear=True)
+                # while draining too: a clean stop writes what the cache holds to its disk tier
+                if cache.enabled and (cache.disk_on or not self.draining):
+                    await record_from(cache, self.scheduler, self.context, seq, session.held_keys(), clear=True,
+                                      rows=None if self.is_final else session.rows)
                 else:
                     await self.scheduler.run_kv(lambda: self.context.kv_clear_seq(seq))
             finally:

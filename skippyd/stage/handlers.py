@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 import time
 
+import attrs
+import numpy as np
 import trio
 
 from skippyd.runtime import llama
@@ -173,9 +175,8 @@ class StageHandlers:
             return
         try:
             session = self._session(msg, create=True)
-            await self._align(session, msg.pos_start)
             session.state = SessionState.PREFILL
-            job = await self._compute(session, msg, want_token=False)
+            job = await self._prefill(session, msg, want_token=False)
             await self._pass_on_chunk(msg, job)
         except ReplyError as exc:
             self._deferred[msg.session_id] = ErrorReply(msg.request_id, msg.session_id, exc.code, exc.message)
@@ -183,8 +184,7 @@ class StageHandlers:
     async def _on_final_prefill(self, msg: PrefillChunk) -> None:
         self._take_deferred(msg.session_id)
         session = self._session(msg, create=True)
-        await self._align(session, msg.pos_start)
-        job = await self._compute(session, msg, want_token=self.want_token)
+        job = await self._prefill(session, msg, want_token=self.want_token)
         session.state = SessionState.DECODE
         await session.answer.send(session, msg, job)
         await self._record(session)  # the prompt, for the sessions that begin with it while this one runs
@@ -287,6 +287,7 @@ class StageHandlers:
             context = self.core.context
             await self.core.scheduler.run_kv(lambda: context.kv_trim(session.seq, pos_start))
             session.position = pos_start
+            session.rows.trim(pos_start)
         elif session.position < pos_start:
             raise ReplyError(ErrorCode.POSITION_GAP,
                              f"session {session.session_id} holds {session.position} positions, "
@@ -327,7 +328,52 @@ class StageHandlers:
         except llama.LlamaError as exc:
             raise ReplyError(ErrorCode.COMPUTE_FAILED, str(exc)) from exc
         session.computed(msg.pos_start, msg.tokens if media is None else media.keys)
+        if not self.core.is_final and self.core.prefix_cache.enabled:  # what the cache keeps with an entry
+            result = job.result
+            if isinstance(result, np.ndarray) and result.ndim == 2 and len(result) == end - msg.pos_start:
+                session.rows.wrote(msg.pos_start, result)
+            else:
+                session.rows.trim(msg.pos_start)
         return job
+
+    async def _prefill(self, session: StageSession, msg: PrefillChunk, *, want_token: bool) -> Job:
+        """A prompt chunk: the positions of it this stage holds already (restored from its prefix cache past
+        where the prefill starts, because an earlier stage held less) are answered with the hidden states this
+        stage recorded for them (see skippyd/stage/boundary.py), only the rest is computed; without those, the
+        stage trims itself to the chunk's start and computes it all."""
+        held = self._held_part(session, msg)
+        if not held:
+            await self._align(session, msg.pos_start)
+            return await self._compute(session, msg, want_token=want_token)
+        keep = msg.pos_start + held
+        await self._align(session, keep)
+        rows = None if self.core.is_final else session.rows.view(msg.pos_start, keep).copy()
+        if held == len(msg.tokens):
+            job = Job(session.seq, msg.pos_start, tokens=msg.tokens, embd=None)
+            job.result = rows
+            return job
+        rest = attrs.evolve(msg, pos_start=keep, tokens=msg.tokens[held:],
+                            activation=None if msg.activation is None else msg.activation[held:])
+        job = await self._compute(session, rest, want_token=want_token)
+        if rows is not None:
+            job.result = np.concatenate([rows, job.result])
+        return job
+
+    def _held_part(self, session: StageSession, msg: PrefillChunk) -> int:
+        """How many leading positions of the chunk this stage holds and may keep: the same keys, and (a stage
+        before the final one) their recorded hidden states; never the final chunk's last position (its
+        prediction is computed)."""
+        pos, n = msg.pos_start, len(msg.tokens)
+        if session.position <= pos or msg.media is not None:
+            return 0
+        keep = min(session.position, pos + n)
+        if not self.core.is_final:
+            keep = min(keep, session.rows.held)
+        if msg.final:
+            keep = min(keep, pos + n - 1)
+        if keep <= pos or not np.array_equal(session.held_keys()[pos:keep], msg.tokens[:keep - pos]):
+            return 0
+        return keep - pos
 
     def _media_job(self, session: StageSession, msg: PrefillChunk, media: MediaRows) -> Job:
         """Media rows (an image's): their hidden states (a first stage: their input embeddings) at the positions
@@ -351,25 +397,29 @@ class StageHandlers:
         starts over from position 0); returns its length."""
         core = self.core
         await self._align(session, 0)
-        hit = core.prefix_cache.lookup(tokens, min(len(tokens), core.context.n_ctx_seq - 1))
+        hit = await core.prefix_cache.lookup_tiers(tokens, min(len(tokens), core.context.n_ctx_seq - 1))
         if hit is None or not await restore_into(core.scheduler, core.context, session.seq, hit, hit.length):
             return 0
         core.prefix_cache.note_restored(hit.length)
         session.computed(0, hit.entry.keys[:hit.length])
+        if not core.is_final:
+            session.rows.load(hit.entry.boundary, hit.length)
         return hit.length
 
     async def _record(self, session: StageSession) -> None:
         """Keep what the session holds in the prefix cache, if the cache wants it."""
         core = self.core
         if core.prefix_cache.enabled:
-            await record_from(core.prefix_cache, core.scheduler, core.context, session.seq, session.held_keys())
+            await record_from(core.prefix_cache, core.scheduler, core.context, session.seq, session.held_keys(),
+                              rows=None if core.is_final else session.rows)
 
     def _cache_report(self, msg: CacheQuery):
         """This stage's line of a CacheReport (after emptying the cache, if the query says so)."""
         cache = self.core.prefix_cache
-        if msg.clear:
-            dropped = cache.clear()
-            log.info("stage %d: prefix cache cleared (%d entries)", self.core.index, dropped)
+        if msg.clear or msg.clear_disk:
+            dropped = cache.clear(disk=msg.clear_disk)
+            log.info("stage %d: prefix cache cleared (%d entries%s)", self.core.index, dropped,
+                     ", the disk tier's included" if msg.clear_disk else "")
         return cache.stats()
 
     def _stage_load(self, started_ns: int, downstream_rtt_us: int = 0) -> StageLoad:

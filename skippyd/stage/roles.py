@@ -244,12 +244,18 @@ class MiddleStage(StageHandlers):
         raise DownstreamError(self.down.address, f"no answer to a liveness ping within {wait:.2g} s")
 
     async def _pass_restore(self, msg: RestorePrefix, restored: int) -> None:
-        """The next stage restores at most what this one did: the reply going up is the smaller hit. On a miss
-        here nothing goes down (a later stage's prefix would be of no use)."""
-        if restored == 0 or self.down is None:
+        """Every stage restores what it holds of the tokens, whatever this one holds: the reply going up is the
+        smaller hit, where the prefill starts; a stage that holds more answers those positions from what it
+        recorded (see StageHandlers._prefill), so only the stages that miss compute them."""
+        if self.down is None:
             await self.reply(PrefixRestored(msg.request_id, msg.session_id, 0, stats=self._own_stats()))
             return
-        await self._relay(RestorePrefix(msg.request_id, msg.session_id, msg.tokens[:restored]), None)
+        with span("stage.downstream_wait", stage=self.core.index, request=msg.request_id, session=msg.session_id):
+            down_reply, sent, write_us, wait_us = await self.down.request(msg)
+        stats = merge(self._own_stats(write_us=write_us, wait_us=wait_us, sent=sent), down_reply.stats)
+        if isinstance(down_reply, PrefixRestored):
+            down_reply = PrefixRestored(msg.request_id, msg.session_id, min(restored, down_reply.restored))
+        await self.reply(with_stats(down_reply, stats))
 
     async def on_cache_query(self, msg: CacheQuery) -> None:
         """This stage's line, then every later stage's."""

@@ -32,6 +32,7 @@ from skippyd.stage.core import StageCore
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.stage.host_lock import HostComputeLock
 from skippyd.stage.prefix_cache import PrefixCache
+from skippyd.stage.prefix_disk import model_digest, open_disk_tier
 from skippyd.stage.scheduler import Scheduler
 from skippyd.stage.sessions import SessionTable
 from skippyd.stage.token_return import TokenReturnLink
@@ -85,6 +86,13 @@ class StageConfig:
     # (Scheduler.decode_groups; the daemon resolves 0, auto, from the topology's hosts)
     decode_groups: int = 1
     prefix_cache_mb: int = _RUNTIME.prefix_cache_mb  # the prefix cache's budget (MiB); 0: no cache
+    prefix_cache_dir: Path | None = None  # its disk tier's directory (each stage in DIR/stage-K); None: no tier
+    prefix_cache_disk_mb: int = _RUNTIME.prefix_cache_disk_mb  # ... and that tier's budget (MiB)
+
+    def open_disk_tier(self, stage_index: int, model: str, layers: tuple[int, int], context: Context):
+        """The prefix cache's disk tier for a stage (blocking; None: no tier)."""
+        return open_disk_tier(self.prefix_cache_dir, self.prefix_cache_disk_mb if self.prefix_cache_mb else 0,
+                              stage_index=stage_index, model=model, layers=layers, context=context)
 
     def context_params(self) -> ContextParams:
         return ContextParams(n_ctx_per_seq=self.n_ctx_per_seq, n_seq_max=self.lanes, n_batch=self.n_batch,
@@ -171,6 +179,10 @@ class StageServer:
                                  f"the topology says [{self.spec.layer_start},{self.spec.layer_end})")
             core.context = await trio.to_thread.run_sync(Context, model, cfg.context_params())
             core.scheduler = cfg.scheduler(core.context)
+            spec = self.spec
+            core.prefix_cache.disk = await trio.to_thread.run_sync(
+                cfg.open_disk_tier, self.index, model_digest(spec.sha256, self.model_path),
+                (spec.layer_start, spec.layer_end), core.context)
             async with trio.open_nursery() as nursery:
                 await nursery.start(core.scheduler.serve)
                 if core.token_return is not None:
@@ -193,6 +205,9 @@ class StageServer:
                              self._shape.describe())
                 task_status.started(self)
         finally:
+            with trio.CancelScope(shield=True):  # what it holds goes to the disk tier (written already after a
+                await core.prefix_cache.write_through(timeout=30)  # drain), off the event loop
+            core.prefix_cache.close()
             if core.context is not None:
                 core.context.close()
             model.close()

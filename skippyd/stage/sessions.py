@@ -19,6 +19,7 @@ import attrs
 import numpy as np
 
 from skippyd.runtime.llama import Sampler
+from skippyd.stage.boundary import BoundaryRows
 from skippyd.wire.messages import StatsTotal
 
 
@@ -53,6 +54,9 @@ class StageSession:
     # the key of each position this stage holds KV for (what the prefix cache keys an entry by): its token id,
     # or a media position's key (negative)
     _keys: np.ndarray = attrs.field(factory=lambda: np.empty(0, dtype=np.int32), repr=False)
+    # a stage before the final one: the hidden states it sent on for the positions it holds (what lets it
+    # answer a prefill of positions it holds without computing them; skippyd/stage/boundary.py)
+    rows: BoundaryRows = attrs.field(factory=BoundaryRows, repr=False)
 
     def computed(self, pos: int, keys: np.ndarray) -> None:
         """The positions [pos, pos + len(keys)) were computed (their KV: the rows of those tokens, or media rows

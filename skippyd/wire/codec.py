@@ -182,7 +182,8 @@ _REPLY_HEADER = struct.Struct("<QQIHH" "QQQQQQII")
 _HELLO = struct.Struct("<4sHBB32sIIIIIHH")
 _HELLO_VERSION = struct.Struct("<4sH")
 _HELLO_REPLY = struct.Struct("<BBH")
-_CACHE_RECORD = struct.Struct("<IIQQQQQQQQQ")  # stage_index, reserved, then CacheStats' u64 fields in order
+# stage_index, flags (bit 0: disk_on; the rest zero), then CacheStats' u64 fields in order
+_CACHE_RECORD = struct.Struct("<IIQQQQQQQQQQQQQQQ")
 _LOAD_RECORD = struct.Struct("<IIIIQQQQQQQQQQQ")  # StageLoad's fields in order
 
 PREFIX_SIZE = _PREFIX.size  # 8
@@ -192,11 +193,11 @@ REPLY_HEADER_SIZE = _REPLY_HEADER.size  # 80
 REPLY_COMPUTE_US_AT = PREFIX_SIZE + 24  # a reply frame's stats.compute_us (u64), compute_us_max after it
 HELLO_SIZE = _HELLO.size  # 64 (fixed part)
 HELLO_REPLY_SIZE = _HELLO_REPLY.size  # 4 (fixed part)
-CACHE_RECORD_SIZE = _CACHE_RECORD.size  # 80
+CACHE_RECORD_SIZE = _CACHE_RECORD.size  # 128
 LOAD_RECORD_SIZE = _LOAD_RECORD.size  # 104
 
 assert (PREFIX_SIZE, MESSAGE_HEADER_SIZE, SAMPLING_SIZE, REPLY_HEADER_SIZE, HELLO_SIZE, CACHE_RECORD_SIZE,
-        LOAD_RECORD_SIZE) == (8, 32, 36, 80, 64, 80, 104)
+        LOAD_RECORD_SIZE) == (8, 32, 36, 80, 64, 128, 104)
 
 MESSAGE_KINDS = frozenset(int(k) for k in MessageKind)
 REPLY_KINDS = frozenset(int(k) for k in ReplyKind)
@@ -208,7 +209,7 @@ _ALLOWED_FLAGS = {int(k): 0 for k in _ALL_KINDS}
 _ALLOWED_FLAGS[MessageKind.PREFILL] = int(Flags.FINAL | Flags.POSITIONS | Flags.NON_CAUSAL)  # ints (see _FINAL_FLAG)
 _ALLOWED_FLAGS[MessageKind.CONFIGURE_GENERATION] = int(Flags.SAMPLING | Flags.DIRECT_RETURN)
 _ALLOWED_FLAGS[MessageKind.DECODE] = int(Flags.DIRECT_RETURN)
-_ALLOWED_FLAGS[MessageKind.CACHE_QUERY] = int(Flags.CLEAR)
+_ALLOWED_FLAGS[MessageKind.CACHE_QUERY] = int(Flags.CLEAR | Flags.CLEAR_DISK)
 _REQUIRED_FLAGS = {int(k): 0 for k in _ALL_KINDS}
 _REQUIRED_FLAGS[MessageKind.CONFIGURE_GENERATION] = int(Flags.SAMPLING)
 
@@ -241,6 +242,7 @@ _F4 = np.dtype("<f4")
 # plain ints: an IntFlag operand makes every ``&`` a call into the enum module, and these run for every frame
 _FINAL_FLAG, _SAMPLING_FLAG, _DIRECT_RETURN_FLAG = int(Flags.FINAL), int(Flags.SAMPLING), int(Flags.DIRECT_RETURN)
 _CLEAR_FLAG = int(Flags.CLEAR)
+_CLEAR_DISK_FLAG = int(Flags.CLEAR_DISK)
 _POSITIONS_FLAG, _NON_CAUSAL_FLAG = int(Flags.POSITIONS), int(Flags.NON_CAUSAL)
 
 
@@ -319,7 +321,7 @@ def encode_message(msg: Message) -> list[Buffer]:
         case RestorePrefix():
             tokens = msg.tokens
         case CacheQuery():
-            flags = _CLEAR_FLAG if msg.clear else 0
+            flags = (_CLEAR_FLAG if msg.clear else 0) | (_CLEAR_DISK_FLAG if msg.clear_disk else 0)
         case Stop() | Ping() | StageQuery():
             pass
         case _:
@@ -434,8 +436,10 @@ def encode_reply(reply: Reply) -> list[Buffer]:
 
 
 def _encode_cache_record(r: CacheStats) -> bytes:
-    return _CACHE_RECORD.pack(r.stage_index, 0, r.budget_bytes, r.bytes_held, r.entries, r.tokens_held, r.lookups,
-                              r.hits, r.restored_tokens, r.recorded_tokens, r.evictions)
+    return _CACHE_RECORD.pack(r.stage_index, int(r.disk_on), r.budget_bytes, r.bytes_held, r.entries, r.tokens_held,
+                              r.lookups, r.hits, r.restored_tokens, r.recorded_tokens, r.evictions,
+                              r.disk_budget_bytes, r.disk_bytes, r.disk_entries, r.disk_tokens, r.disk_hits,
+                              r.disk_writes)
 
 
 def encode_hello(hello: Hello) -> bytes:
@@ -711,7 +715,8 @@ def decode_message(header: MessageHeader, tail: Buffer, activation: Buffer | Non
         if kind == MessageKind.PING:
             return Ping(header.request_id)
         if kind == MessageKind.CACHE_QUERY:
-            return CacheQuery(header.request_id, bool(header.flags & _CLEAR_FLAG))
+            return CacheQuery(header.request_id, bool(header.flags & _CLEAR_FLAG),
+                              bool(header.flags & _CLEAR_DISK_FLAG))
         if kind == MessageKind.STAGE_QUERY:
             return StageQuery(header.request_id)
         offset = header.tail_len - 4 * header.token_count
@@ -865,12 +870,13 @@ def decode_reply(prefix: FramePrefix, body: Buffer) -> Reply:
 
 def _decode_cache_records(body: Buffer, count: int) -> tuple[CacheStats, ...]:
     records = []
-    for stage_index, reserved, *counters in _CACHE_RECORD.iter_unpack(
+    for stage_index, flags, *counters in _CACHE_RECORD.iter_unpack(
         memoryview(body)[REPLY_HEADER_SIZE : REPLY_HEADER_SIZE + CACHE_RECORD_SIZE * count]
     ):
-        if reserved:
-            raise ValueError(f"cache record of stage {stage_index}: reserved field is not zero")
-        records.append(CacheStats(stage_index, *counters))
+        if flags & ~1:
+            raise ValueError(f"cache record of stage {stage_index}: unknown flags 0x{flags:x}")
+        memory, disk = counters[:9], counters[9:]
+        records.append(CacheStats(stage_index, *memory, bool(flags & 1), *disk))
     return tuple(records)
 
 

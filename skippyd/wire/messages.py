@@ -93,8 +93,9 @@ __all__ = [
 # extension (a constraint on the output, the logprobs wanted), answered per token by PredictedTokenLogprobs;
 # 6: StageQuery, answered by StageReport (each stage's load, for the console); 7: PrefillChunk's media rows (flag
 # POSITIONS: rows that are no tokens, such as an image's, with explicit positions, one or four per row, and the
-# keys of the positions they take; NON_CAUSAL)
-PROTOCOL_VERSION = 7
+# keys of the positions they take; NON_CAUSAL); 8: cache records carry the disk tier (128 bytes), CacheQuery's
+# CLEAR_DISK
+PROTOCOL_VERSION = 8
 
 # Hard limits of the protocol (the same in every version). A receiver may be configured tighter
 # (see Limits), never looser.
@@ -168,7 +169,8 @@ class Flags(enum.IntFlag):
     (set by the stage just before the final stage, for such a session): the
     final stage sends the prediction, or the error, on the token-return
     connection only, and no reply on the lane. ``CLEAR``, only on
-    ``CACHE_QUERY``: each stage empties its prefix cache before it reports.
+    ``CACHE_QUERY``: each stage empties its prefix cache before it reports; ``CLEAR_DISK``, only there
+    too: its disk tier as well.
     Every other bit must be zero.
     """
 
@@ -179,6 +181,7 @@ class Flags(enum.IntFlag):
     CLEAR = 0x08
     POSITIONS = 0x10
     NON_CAUSAL = 0x20
+    CLEAR_DISK = 0x40
 
 
 class ErrorCode(enum.IntEnum):
@@ -691,6 +694,7 @@ class CacheQuery:
     kind: ClassVar[MessageKind] = MessageKind.CACHE_QUERY
     request_id: int = attrs.field(validator=_u64)
     clear: bool = attrs.field(default=False, converter=bool)
+    clear_disk: bool = attrs.field(default=False, converter=bool)  # empty the disk tier too
 
 
 @attrs.frozen
@@ -797,6 +801,10 @@ class CacheStats:
     ``restored_tokens``  positions restored, summed
     ``recorded_tokens``  tokens of the prefixes recorded, summed
     ``evictions``        entries dropped to stay within the budget
+    ``disk_on``          whether the disk tier is in use (see skippyd/stage/prefix_disk.py)
+    ``disk_*``           the disk tier: its budget, bytes, entries and their tokens, the hits it served
+                         (``hits`` counts them too; ``memory_hits`` in to_json is the rest) and the entries
+                         written to it
     """
 
     stage_index: int = attrs.field(validator=_u32)
@@ -809,6 +817,13 @@ class CacheStats:
     restored_tokens: int = attrs.field(default=0, validator=_u64)
     recorded_tokens: int = attrs.field(default=0, validator=_u64)
     evictions: int = attrs.field(default=0, validator=_u64)
+    disk_on: bool = attrs.field(default=False, converter=bool)
+    disk_budget_bytes: int = attrs.field(default=0, validator=_u64)
+    disk_bytes: int = attrs.field(default=0, validator=_u64)
+    disk_entries: int = attrs.field(default=0, validator=_u64)
+    disk_tokens: int = attrs.field(default=0, validator=_u64)
+    disk_hits: int = attrs.field(default=0, validator=_u64)
+    disk_writes: int = attrs.field(default=0, validator=_u64)
 
     @property
     def hit_rate(self) -> float:
@@ -816,8 +831,8 @@ class CacheStats:
         return self.hits / self.lookups if self.lookups else 0.0
 
     def to_json(self) -> dict[str, int | float]:
-        """The fields by name, and ``hit_rate``."""
-        return {**attrs.asdict(self), "hit_rate": self.hit_rate}
+        """The fields by name, ``hit_rate`` and ``memory_hits`` (the hits memory served)."""
+        return {**attrs.asdict(self), "hit_rate": self.hit_rate, "memory_hits": self.hits - self.disk_hits}
 
 
 def _records_of(cls: type):
