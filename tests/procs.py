@@ -142,6 +142,10 @@ class Daemon:
         # speculative decoding off likewise (a later --speculate wins): a verify window computes its rows in one
         # batch, which rounds a little differently from steps one by one
         args = ["--prefix-cache-mb", "0", "--speculate", "off", *args]
+        # and activations float32 on the stage links unless the test asks for f16 (tests/test_activation_wire.py):
+        # half floats round each hidden state a little, so a split's greedy tokens equal the unsplit model's only
+        # up to a near-tie
+        config = {"runtime.activation_wire": "f32", **(config or {})}
         if config:
             args = ["--config", str(write_config(workdir / f"{name}.toml", config)), *args]
         self.args = [*(prefix or ()), sys.executable, "-m", "skippyd.daemon", *args,

@@ -20,6 +20,10 @@ next stage whose host vanished fails the socket within ``peer_timeout``
 when nothing of ours is in flight, and :meth:`DownstreamLink.looks_alive`
 says so before the link is used again.
 
+Activations go in the encoding both Hellos offer (``wire``: half floats unless
+either end keeps to float32, see WireFormat); the next stage widens them back
+to float32 before its layers.
+
 What the link sends goes through ``out``: the stream itself, or a wrapper
 that whoever made the stream put around it (``wrap`` of :meth:`DownstreamLink.connect`);
 closing ``out`` closes the stream.
@@ -33,9 +37,22 @@ from collections.abc import Callable
 
 import trio
 
+from skippyd.wire.codec import decode_step_head
 from skippyd.wire.errors import PeerClosed, ProtocolError, WireError
 from skippyd.wire.handshake import handshake_client
-from skippyd.wire.messages import NO_STATS, Ack, ErrorReply, Hello, Message, Reply, StageStats, merge, with_stats
+from skippyd.wire.messages import (
+    NO_STATS,
+    Ack,
+    ErrorReply,
+    Hello,
+    Message,
+    Reply,
+    StageStats,
+    WireFormat,
+    merge,
+    negotiate_wire,
+    with_stats,
+)
 from skippyd.wire.stream import (
     DEFAULT_FRAME_TIMEOUT,
     DEFAULT_PEER_TIMEOUT,
@@ -60,8 +77,10 @@ class DownstreamError(Exception):
 class DownstreamLink:
     def __init__(self, stream: trio.SocketStream, peer: Hello, address: str, receive: ReceiveBuffer, *,
                  credit_limit: int, reply_timeout: float, write_timeout: float,
-                 out: trio.abc.SendStream | None = None, nursery: trio.Nursery | None = None):
+                 out: trio.abc.SendStream | None = None, nursery: trio.Nursery | None = None,
+                 wire: WireFormat = WireFormat.F32):
         self.stream = stream
+        self.wire = wire  # how activations travel on this link (negotiated in the handshake)
         self._out = out if out is not None else stream  # the send side: the stream, or a conditioned link over it
         self.peer = peer
         self.address = address
@@ -111,7 +130,7 @@ class DownstreamLink:
             raise DownstreamError(address, f"handshake failed: {exc}") from exc
         return cls(stream, peer, address, receive, credit_limit=credit_limit, reply_timeout=reply_timeout,
                    write_timeout=write_timeout, out=wrap(stream, nursery) if wrap is not None else stream,
-                   nursery=nursery)
+                   nursery=nursery, wire=negotiate_wire(hello, peer))
 
     def looks_alive(self) -> bool:
         """Non-blocking check between requests: False once the next stage closed or reset the connection.
@@ -158,13 +177,19 @@ class DownstreamLink:
             await trio.aclose_forcefully(self._out)  # what it still holds is dropped
         await trio.aclose_forcefully(self.stream)
 
-    def prepare_step(self, head: bytes, activation_bytes: int) -> PreparedFrame | None:
-        """A decode step's frame for the compute that makes its activation to write (see PreparedFrame), then
-        :meth:`send` with it; None if this link cannot take one now (broken, given up, a frame half written).
-        Nothing else may be sent on the link in between (the single writer's rule)."""
+    def prepare_step(self, request_id: int, session_id: int, pos: int, token: int, direct_return: bool,
+                     n_embd: int) -> PreparedFrame | None:
+        """A decode step's frame, in this link's encoding, for the compute that makes its activation to write
+        (see PreparedFrame), then :meth:`send` with it; None if this link cannot take one now (broken, given
+        up, a frame half written). Nothing else may be sent on the link in between (the single writer's
+        rule). A compute that cannot fill a half-float frame (a value beyond half's range) leaves it unwritten,
+        and :meth:`send` encodes the step itself."""
         if self.broken or self.writing or (self._watch is not None and self._watch.expired is not None):
             return None
-        return PreparedFrame.for_stream(self._out, head, activation_bytes)
+        f16 = bool(self.wire & WireFormat.F16)
+        n = n_embd * (2 if f16 else 4)
+        return PreparedFrame.for_stream(self._out, decode_step_head(request_id, session_id, pos, token,
+                                                                    direct_return, n, f16=f16), n)
 
     async def send(self, msg: Message, prepared: PreparedFrame | None = None) -> tuple[int, int]:
         """Write one message; returns (bytes, microseconds). ``prepared``: its frame, which a native compute
@@ -179,7 +204,7 @@ class DownstreamLink:
                 raise DownstreamError(self.address, f"link given up: {self._watch.expired}")
         self.writing = True
         try:
-            n = await write_frame(self._out, msg, timeout=self.write_timeout, prepared=prepared)
+            n = await write_frame(self._out, msg, timeout=self.write_timeout, prepared=prepared, wire=self.wire)
         except WireError as exc:
             self.broken = True
             raise DownstreamError(self.address, f"send failed: {exc}") from exc

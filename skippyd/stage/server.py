@@ -38,7 +38,7 @@ from skippyd.stage.token_return import TokenReturnLink
 from skippyd.topology import StageSpec, Topology
 from skippyd.wire.errors import HandshakeRefused, PeerClosed, ReadTimeout, WireError
 from skippyd.wire.handshake import handshake_server, refuse_handshake
-from skippyd.wire.messages import Hello
+from skippyd.wire.messages import Hello, wire_formats
 from skippyd.wire.stream import DEFAULT_MIN_RATE, ReceiveBuffer, keep_alive
 
 log = logging.getLogger("skippyd.stage")
@@ -85,6 +85,7 @@ class StageConfig:
     # (Scheduler.decode_groups; the daemon resolves 0, auto, from the topology's hosts)
     decode_groups: int = 1
     prefix_cache_mb: int = _RUNTIME.prefix_cache_mb  # the prefix cache's budget (MiB); 0: no cache
+    activation_wire: str = _RUNTIME.activation_wire  # f16: offer half-float activations on stage links; f32: not
 
     def context_params(self) -> ContextParams:
         return ContextParams(n_ctx_per_seq=self.n_ctx_per_seq, n_seq_max=self.lanes, n_batch=self.n_batch,
@@ -131,6 +132,7 @@ class StageServer:
             n_embd=topology.n_embd,
             node=f"stage-{index}",
             auth=config.link_auth,
+            wire_formats=wire_formats(config.activation_wire),
         )
         self.upstream_allow = UpstreamAllow.for_stage(topology, index, config.upstream_allow) if index else None
         self._drop_logged = (-math.inf, 0)  # when the last "dropped" line was logged, and the count then
