@@ -42,6 +42,7 @@ from skippyd.wire.errors import PeerClosed, ProtocolError, WireError
 from skippyd.wire.handshake import handshake_client
 from skippyd.wire.messages import (
     NO_STATS,
+    TRUSTED,
     Ack,
     ErrorReply,
     Hello,
@@ -212,8 +213,11 @@ class DownstreamLink:
         return n, int((time.perf_counter() - started) * 1e6)
 
     async def send_deferred(self, msg: Message, prepared: PreparedFrame | None = None) -> tuple[int, int]:
-        """Send a message whose ack may arrive later (up to the credit limit outstanding)."""
+        """Send a message whose ack may arrive later (up to the credit limit outstanding). Its bytes and write
+        time travel with the next reply, as its ack's report does (this stage's report went up with its own
+        ack, before this forward)."""
         sent = await self.send(msg, prepared)
+        self._folded = merge(self._folded, TRUSTED[StageStats](0, 0, 0, sent[1], 0, sent[0], 0, 0))
         self.pending_acks += 1
         while self.pending_acks > self.credit_limit:
             await self._collect_one_ack()
