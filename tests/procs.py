@@ -210,10 +210,12 @@ class Daemon:
 
 class Pipeline:
     """Every stage of a topology as its own skippyd process (stage 0 is the head): `extra` flags and
-    `config` keys ({"runtime.prefill_chunk": 16}) for every daemon."""
+    `config` keys ({"runtime.prefill_chunk": 16}) for every daemon; `prefixes`: stage k's command prefix
+    (``taskset -c K``: a core of its own), if any."""
 
     def __init__(self, topology_path: Path, workdir: Path, *, extra: list[str] = (), env: dict | None = None,
-                 config: dict[str, Any] | None = None):
+                 config: dict[str, Any] | None = None, prefixes: dict[int, list[str]] | None = None):
+        self.prefixes = dict(prefixes or {})
         self.topology_path = topology_path
         self.topology = Topology.load(topology_path)
         self.workdir = workdir
@@ -224,7 +226,7 @@ class Pipeline:
 
     def start_stage(self, k: int, *, wait: bool = True) -> Daemon:
         d = Daemon(["--topology", str(self.topology_path), "--stage", str(k), *self.extra], self.workdir,
-                   f"stage{k}", env=self.env, config=self.config)
+                   f"stage{k}", env=self.env, config=self.config, prefix=self.prefixes.get(k))
         self.stages[k] = d
         if wait:
             d.wait_ready()
@@ -313,9 +315,9 @@ class SingleStage(Pipeline):
     """`skippyd --model FILE`: the whole model in one stage, driven like a pipeline."""
 
     def __init__(self, model: Path, workdir: Path, extra: list[str] = (), config: dict[str, Any] | None = None, *,
-                 wait: bool = True, name: str = "single"):
+                 wait: bool = True, name: str = "single", prefix: list[str] | None = None):
         self.workdir = workdir
-        self.stages = {0: Daemon(["--model", str(model), *extra], workdir, name, config=config)}
+        self.stages = {0: Daemon(["--model", str(model), *extra], workdir, name, config=config, prefix=prefix)}
         if wait:
             self.stages[0].wait_ready()
 
