@@ -31,11 +31,13 @@ from skippyd.wire.codec import (
 from skippyd.wire.errors import ProtocolError
 from skippyd.wire.messages import (
     DEFAULT_LIMITS,
+    NO_TOKEN,
     Ack,
     DecodeStep,
     ErrorCode,
     Flags,
     Hello,
+    MediaRows,
     PredictedToken,
     PrefillChunk,
     Stop,
@@ -83,6 +85,17 @@ def test_half_frames_round_trip_at_half_the_bytes(kind):
     assert got.activation.dtype == np.float32  # widened before anyone computes with it
     assert np.array_equal(got.activation, msg.activation.astype(np.float16).astype(np.float32))
     assert decode_frame(wide, n_embd=N_EMBD) == msg  # a float32 lane is unchanged, bit for bit
+
+
+def test_an_images_rows_travel_as_half_floats_with_their_positions():
+    pos = np.array([[10] * 6, [10, 10, 10, 11, 11, 11], [10, 11, 12, 10, 11, 12], [0] * 6])
+    act = rows(6)
+    msg = PrefillChunk(1, 2, 10, [NO_TOKEN] * 6, act, media=MediaRows(pos, 13, [-1, -2, -3], causal=False))
+    data = b"".join(bytes(p) for p in encode_frame(msg, WireFormat.F16))
+    assert data[3] == Flags.POSITIONS | Flags.NON_CAUSAL | Flags.F16
+    got = decode_frame(data, n_embd=N_EMBD)
+    assert np.array_equal(got.media.positions, pos) and got.keys.tolist() == [-1, -2, -3] and not got.media.causal
+    assert np.array_equal(got.activation, act.astype(np.float16).astype(np.float32))
 
 
 async def test_a_half_decode_step_read_from_the_buffer_is_the_general_paths():
