@@ -166,8 +166,8 @@ int32_t skippy_decode_row(struct llama_context * ctx, struct llama_batch * b, ll
                           const float * embd, int32_t n_embd, llama_pos pos, llama_seq_id seq);
 int32_t skippy_decode_row_send(struct llama_context * ctx, struct llama_batch * b, llama_token token,
                                const float * embd, int32_t n_embd, llama_pos pos, llama_seq_id seq,
-                               uint8_t * frame, int64_t head_len, int64_t frame_len, int lock_fd, int fd,
-                               int64_t * sent, int64_t * done_ns);
+                               uint8_t * frame, int64_t head_len, int64_t frame_len, int32_t half, int lock_fd,
+                               int fd, int64_t * sent, int64_t * done_ns);
 int32_t skippy_decode_row_sample_send(struct llama_context * ctx, struct llama_batch * b, llama_token token,
                                       const float * embd, int32_t n_embd, llama_pos pos, llama_seq_id seq,
                                       struct llama_sampler * smpl, uint8_t * frame, int64_t frame_len,

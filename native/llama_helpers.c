@@ -2,6 +2,7 @@
  * They exist to keep per-token loops out of Python and to handle llama.cpp's
  * logging without a Python callback on a C thread. */
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -113,21 +114,55 @@ static void skippy_release_and_send(int32_t rc, const uint8_t * frame, int64_t f
     }
 }
 
+/* The largest finite half float: a row with a larger value (or a NaN) cannot travel as half floats. */
+#define SKIPPY_HALF_MAX 65504.0f
+
+/* `n` floats as little-endian half floats into `out` (unaligned): 0, or -1 (nothing usable written) if a
+ * value is beyond half's range or not a number. */
+static int skippy_to_half(const float * x, uint8_t * out, int64_t n) {
+    float top = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+        const float a = fabsf(x[i]);
+        top = a > top || a != a ? a : top;  /* a NaN sticks */
+    }
+    if (!(top <= SKIPPY_HALF_MAX)) return -1;
+    ggml_fp16_t * y = (ggml_fp16_t *) out;
+    if (((uintptr_t) out & 1) == 0) {
+        ggml_fp32_to_fp16_row(x, y, n);
+    } else {
+        for (int64_t i = 0; i < n; ++i) {
+            const ggml_fp16_t h = ggml_fp32_to_fp16(x[i]);
+            memcpy(out + 2 * i, &h, 2);
+        }
+    }
+    return 0;
+}
+
 /* A decode step whose frame leaves from here the moment the compute ends, not after the Python that follows
  * it (~0.2 ms after a compute, caches cold): the row's hidden state is copied into `frame` after its first
- * `head_len` bytes, the host's compute lock is released (`lock_fd`, -1: none; released whatever the result),
- * and the frame is written to the socket `fd` without blocking (-1: not written, the caller hands it on).
- * *sent: the bytes written (0 if the socket took none, -errno if it failed); *done_ns: CLOCK_MONOTONIC at
- * the compute's end. Returns llama_decode's result, -100 as skippy_decode_row, -101 without hidden states. */
+ * `head_len` bytes (as half floats with `half`: the frame then has 2 bytes a value), the host's compute lock
+ * is released (`lock_fd`, -1: none; released whatever the result), and the frame is written to the socket
+ * `fd` without blocking (-1: not written, the caller hands it on). *sent: the bytes written (0 if the socket
+ * took none, -errno if it failed); *done_ns: CLOCK_MONOTONIC at the compute's end, or 0 if the row did not
+ * fit half floats (nothing written: the caller sends the row as float32). Returns llama_decode's result,
+ * -100 as skippy_decode_row, -101 without hidden states. */
 int32_t skippy_decode_row_send(struct llama_context * ctx, struct llama_batch * b, llama_token token,
                                const float * embd, int32_t n_embd, llama_pos pos, llama_seq_id seq,
-                               uint8_t * frame, int64_t head_len, int64_t frame_len, int lock_fd, int fd,
-                               int64_t * sent, int64_t * done_ns) {
+                               uint8_t * frame, int64_t head_len, int64_t frame_len, int32_t half, int lock_fd,
+                               int fd, int64_t * sent, int64_t * done_ns) {
     int32_t rc = skippy_decode_row(ctx, b, token, embd, n_embd, pos, seq);
+    int fits = 1;
     if (rc == 0) {
         const float * hidden = llama_get_embeddings(ctx);
         if (hidden == NULL) rc = -101;
+        else if (half) fits = skippy_to_half(hidden, frame + head_len, (frame_len - head_len) / 2) == 0;
         else memcpy(frame + head_len, hidden, (size_t) (frame_len - head_len));
+    }
+    if (!fits) {
+        if (lock_fd >= 0) flock(lock_fd, LOCK_UN);
+        *sent = 0;
+        *done_ns = 0;
+        return rc;
     }
     *done_ns = skippy_now_ns();
     skippy_release_and_send(rc, frame, frame_len, lock_fd, fd, sent);

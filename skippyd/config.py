@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 
 from skippyd.convert import Invalid, converter, structure_errors
+from skippyd.wire.messages import ACTIVATION_WIRES
 from skippyd.wire.stream import DEFAULT_FRAME_TIMEOUT, DEFAULT_PEER_TIMEOUT
 
 CONFIG_NAME = "skippyd.toml"
@@ -145,6 +146,9 @@ class RuntimeSection:
     # kernel probes a link after a second of quiet, so this is at least 2
     peer_timeout: float = attrs.field(default=DEFAULT_PEER_TIMEOUT, validator=_at_least(2))
     direct_return: bool = True  # 3+ stages: predictions go from the final stage straight to the head
+    # how activations cross a stage link: f16 (half the bytes) when the stage at the other end offers it too,
+    # else f32; f32 here keeps this daemon's links at float32 both ways
+    activation_wire: str = attrs.field(default="f16", validator=_one_of(ACTIVATION_WIRES))
     queue_timeout: float = attrs.field(default=30.0, validator=_at_least(0))  # the head: wait for a slot
     resume: bool = False  # the head: replay a generation a stage failure interrupted, once it is back
     resume_window: float = attrs.field(default=30.0, validator=_at_least(0))  # ... waiting this long

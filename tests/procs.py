@@ -142,6 +142,10 @@ class Daemon:
         # speculative decoding off likewise (a later --speculate wins): a verify window computes its rows in one
         # batch, which rounds a little differently from steps one by one
         args = ["--prefix-cache-mb", "0", "--speculate", "off", *args]
+        # and activations float32 on the stage links unless the test asks for f16 (tests/test_activation_wire.py):
+        # half floats round each hidden state a little, so a split's greedy tokens equal the unsplit model's only
+        # up to a near-tie
+        config = {"runtime.activation_wire": "f32", **(config or {})}
         if config:
             args = ["--config", str(write_config(workdir / f"{name}.toml", config)), *args]
         self.args = [*(prefix or ()), sys.executable, "-m", "skippyd.daemon", *args,
@@ -206,10 +210,12 @@ class Daemon:
 
 class Pipeline:
     """Every stage of a topology as its own skippyd process (stage 0 is the head): `extra` flags and
-    `config` keys ({"runtime.prefill_chunk": 16}) for every daemon."""
+    `config` keys ({"runtime.prefill_chunk": 16}) for every daemon; `prefixes`: stage k's command prefix
+    (``taskset -c K``: a core of its own), if any."""
 
     def __init__(self, topology_path: Path, workdir: Path, *, extra: list[str] = (), env: dict | None = None,
-                 config: dict[str, Any] | None = None):
+                 config: dict[str, Any] | None = None, prefixes: dict[int, list[str]] | None = None):
+        self.prefixes = dict(prefixes or {})
         self.topology_path = topology_path
         self.topology = Topology.load(topology_path)
         self.workdir = workdir
@@ -220,7 +226,7 @@ class Pipeline:
 
     def start_stage(self, k: int, *, wait: bool = True) -> Daemon:
         d = Daemon(["--topology", str(self.topology_path), "--stage", str(k), *self.extra], self.workdir,
-                   f"stage{k}", env=self.env, config=self.config)
+                   f"stage{k}", env=self.env, config=self.config, prefix=self.prefixes.get(k))
         self.stages[k] = d
         if wait:
             d.wait_ready()
@@ -309,9 +315,9 @@ class SingleStage(Pipeline):
     """`skippyd --model FILE`: the whole model in one stage, driven like a pipeline."""
 
     def __init__(self, model: Path, workdir: Path, extra: list[str] = (), config: dict[str, Any] | None = None, *,
-                 wait: bool = True, name: str = "single"):
+                 wait: bool = True, name: str = "single", prefix: list[str] | None = None):
         self.workdir = workdir
-        self.stages = {0: Daemon(["--model", str(model), *extra], workdir, name, config=config)}
+        self.stages = {0: Daemon(["--model", str(model), *extra], workdir, name, config=config, prefix=prefix)}
         if wait:
             self.stages[0].wait_ready()
 

@@ -167,7 +167,7 @@ class FakeDownstream:
     def take_folded(self):
         return StageStats.single(2, compute_us=3), None
 
-    def prepare_step(self, head, n):
+    def prepare_step(self, *step):  # no frame prepared: the step goes through send()
         return None
 
     def looks_alive(self) -> bool:

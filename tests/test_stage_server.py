@@ -543,7 +543,8 @@ async def test_a_step_written_at_its_compute_end_is_counted_though_cancelled(nur
     step = DecodeStep(5, 6, 3, [9], activation(1, 8))
     wire = frame_bytes(step)
     tail = step.activation.nbytes
-    prepared = link.prepare_step(wire[:-tail], tail)
+    prepared = link.prepare_step(5, 6, 3, 9, False, 8)  # a float32 link (made without a handshake)
+    assert prepared.frame[:-tail] == wire[:-tail]
     prepared.frame[-tail:] = wire[-tail:]
     os.write(prepared.fd, prepared.frame)  # as Context.decode_row_send does
     prepared.sent, prepared.done_ns = len(wire), time.clock_gettime_ns(time.CLOCK_MONOTONIC)
@@ -553,13 +554,13 @@ async def test_a_step_written_at_its_compute_end_is_counted_though_cancelled(nur
     assert not scope.cancelled_caught and link.pending_acks == 1 and link.settled is False and not link.writing
     assert await read_frame(ReceiveBuffer(other), timeout=5, frame_timeout=5, n_embd=8) == step
 
-    unwritten = link.prepare_step(wire[:-tail], tail)
+    unwritten = link.prepare_step(5, 6, 3, 9, False, 8)
     with trio.CancelScope() as scope:
         scope.cancel()
         await link.send_expecting_ack(step, unwritten)  # done_ns 0: the compute went elsewhere
     assert scope.cancelled_caught and link.pending_acks == 1
     link.writing = True  # a frame half written: no frame may be prepared on the link
-    assert link.prepare_step(wire[:-tail], tail) is None
+    assert link.prepare_step(5, 6, 3, 9, False, 8) is None
     link.writing = False
     await link.aclose()
 

@@ -310,7 +310,7 @@ def test_prefix_cache_frames_layout():
     assert restore == b"SK\x17\x00" + struct.pack("<I", 32 + 8) + header(7, 9, 0, 2) + struct.pack("<ii", 5, -6)
     assert frame_bytes(CacheQuery(3)) == b"SK\x18\x00" + struct.pack("<I", 32) + header(3, 0, 0, 0)
     assert frame_bytes(CacheQuery(3, clear=True))[:4] == b"SK\x18" + bytes([Flags.CLEAR])
-    assert frame_bytes(CacheQuery(3, clear=True, clear_disk=True))[:4] == b"SK\x18" + bytes([Flags.CLEAR | 0x40])
+    assert frame_bytes(CacheQuery(3, clear=True, clear_disk=True))[:4] == b"SK\x18" + bytes([Flags.CLEAR | 0x80])
     stats = StageStats(1, 2, 3, 4, 5, 6, 7, 8)
     packed_stats = struct.pack("<QQQQQQII", 1, 2, 3, 4, 5, 6, 7, 8)
     restored = frame_bytes(PrefixRestored(5, 6, 2**32 - 1, stats))

@@ -43,7 +43,6 @@ from skippyd.runtime.llama import TokenLogprobs
 from skippyd.sampling import SamplingParams
 from skippyd.stage.downstream import DownstreamError
 from skippyd.telemetry import span
-from skippyd.wire.codec import decode_step_head
 from skippyd.wire.messages import (
     TRUSTED,
     Ack,
@@ -139,7 +138,7 @@ class LaneClient:
         self.clock = clock
         # direct return: the generation's decode steps so far that stage 1 acknowledged (see DirectLane)
         self.acked_steps = acked_steps
-        self.frame_bytes = services.n_embd * 4  # a decode step's activation
+        self.n_embd = services.n_embd  # a decode step's activation's width
         self.closed = False  # the generation left the lane
         self._sending = _PipelineFailures(self, None)
         self._lane_watched: _PipelineFailures | None = None  # see _watched
@@ -300,9 +299,7 @@ class RelayedLane(LaneClient):
         return await self._begin(msg)
 
     def prepare_step(self, pos: int, token: int) -> PreparedFrame | None:
-        n = self.frame_bytes
-        return self.link.prepare_step(decode_step_head(self.wire_request_id, self.session_id, pos, token, False,
-                                                       n), n)
+        return self.link.prepare_step(self.wire_request_id, self.session_id, pos, token, False, self.n_embd)
 
     async def send_step(self, pos: int, tokens: np.ndarray, hidden: np.ndarray,
                         prepared: PreparedFrame | None) -> InFlight:
@@ -347,9 +344,7 @@ class DirectLane(LaneClient):
 
     def prepare_step(self, pos: int, token: int) -> PreparedFrame | None:
         unacked = self._unacked = self._unacked_step()
-        n = self.frame_bytes
-        return self.link.prepare_step(decode_step_head(self.wire_request_id, self.session_id, pos, token, unacked,
-                                                       n), n)
+        return self.link.prepare_step(self.wire_request_id, self.session_id, pos, token, unacked, self.n_embd)
 
     async def send_step(self, pos: int, tokens: np.ndarray, hidden: np.ndarray,
                         prepared: PreparedFrame | None) -> InFlight:

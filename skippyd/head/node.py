@@ -33,7 +33,7 @@ from skippyd.stage.prefix_cache import PrefixCache
 from skippyd.stage.prefix_disk import model_digest
 from skippyd.stage.server import StageConfig
 from skippyd.topology import Topology
-from skippyd.wire.messages import CacheStats, Hello
+from skippyd.wire.messages import CacheStats, Hello, wire_formats
 
 log = logging.getLogger("skippyd.head")
 
@@ -99,7 +99,8 @@ class HeadNode:
                 s0, s1 = topo.stage(0), topo.stage(1)
                 hello = Hello(fingerprint=topo.source_sha256, stage_index=0, layer_start=s0.layer_start,
                               layer_end=s0.layer_end, n_layer=topo.n_layer, n_embd=topo.n_embd, node="head",
-                              auth=cfg.link_auth)  # the shared link secret, if any (stage/access.py)
+                              auth=cfg.link_auth,  # the shared link secret, if any (stage/access.py)
+                              wire_formats=wire_formats(cfg.activation_wire))
                 self.pool = LanePool(s1.host, s1.port, hello, capacity=cfg.lanes, credit_limit=cfg.credit_limit,
                                      connect_timeout=cfg.connect_timeout_s, reply_timeout=cfg.reply_timeout_s,
                                      wrap=cfg.link_shape.wrap, peer_timeout=cfg.peer_timeout_s)

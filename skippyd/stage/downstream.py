@@ -7,6 +7,12 @@ chunk i is on the wire or being computed downstream. Any message that
 expects a prediction first drains the outstanding acks, folding their
 stats into the reply.
 
+A big deferred frame (a prompt chunk's activation) is written by a task of
+its own (:meth:`DownstreamLink.send_deferred`): over a link slower than the
+compute, this stage computes the next chunk while the last one is still
+leaving, rather than waiting for the link and then computing. Frames still
+leave one at a time, in order: every other send waits for that write first.
+
 Sessions with direct token return (three or more stages) are sent their
 decode steps with :meth:`DownstreamLink.send_expecting_ack` too: the next
 stage acknowledges each step on the lane while the prediction travels on the
@@ -19,6 +25,10 @@ The kernel probes the link after a second of quiet (``keep_alive``): a
 next stage whose host vanished fails the socket within ``peer_timeout``
 when nothing of ours is in flight, and :meth:`DownstreamLink.looks_alive`
 says so before the link is used again.
+
+Activations go in the encoding both Hellos offer (``wire``: half floats unless
+either end keeps to float32, see WireFormat); the next stage widens them back
+to float32 before its layers.
 
 What the link sends goes through ``out``: the stream itself, or a wrapper
 that whoever made the stream put around it (``wrap`` of :meth:`DownstreamLink.connect`);
@@ -33,9 +43,23 @@ from collections.abc import Callable
 
 import trio
 
+from skippyd.wire.codec import decode_step_head
 from skippyd.wire.errors import PeerClosed, ProtocolError, WireError
 from skippyd.wire.handshake import handshake_client
-from skippyd.wire.messages import NO_STATS, Ack, ErrorReply, Hello, Message, Reply, StageStats, merge, with_stats
+from skippyd.wire.messages import (
+    NO_STATS,
+    TRUSTED,
+    Ack,
+    ErrorReply,
+    Hello,
+    Message,
+    Reply,
+    StageStats,
+    WireFormat,
+    merge,
+    negotiate_wire,
+    with_stats,
+)
 from skippyd.wire.stream import (
     DEFAULT_FRAME_TIMEOUT,
     DEFAULT_PEER_TIMEOUT,
@@ -46,6 +70,15 @@ from skippyd.wire.stream import (
     read_reply,
     write_frame,
 )
+
+# a deferred frame at least this big is written behind the caller's back (see send_deferred); a smaller one
+# goes into the socket's buffer at once anyway
+WRITE_BEHIND_BYTES = 64 * 1024
+
+
+def _activation_bytes(msg: Message) -> int:
+    act = getattr(msg, "activation", None)
+    return 0 if act is None else act.nbytes
 
 
 class DownstreamError(Exception):
@@ -60,8 +93,10 @@ class DownstreamError(Exception):
 class DownstreamLink:
     def __init__(self, stream: trio.SocketStream, peer: Hello, address: str, receive: ReceiveBuffer, *,
                  credit_limit: int, reply_timeout: float, write_timeout: float,
-                 out: trio.abc.SendStream | None = None, nursery: trio.Nursery | None = None):
+                 out: trio.abc.SendStream | None = None, nursery: trio.Nursery | None = None,
+                 wire: WireFormat = WireFormat.F32):
         self.stream = stream
+        self.wire = wire  # how activations travel on this link (negotiated in the handshake)
         self._out = out if out is not None else stream  # the send side: the stream, or a conditioned link over it
         self.peer = peer
         self.address = address
@@ -80,6 +115,8 @@ class DownstreamLink:
         self._reply_owed_since = 0.0
         self._nursery = nursery
         self._silence: trio.CancelScope | None = None  # see watch_silence
+        self._behind: trio.Event | None = None  # set once the frame a task writes (send_deferred) is out
+        self._behind_error: str | None = None  # why that write failed
         # the reply deadline, kept by a task in `nursery` (no cancel scope per read); without one, per read
         self._watch: WaitWatch | None = None
         if nursery is not None and isinstance(stream, trio.SocketStream):
@@ -111,7 +148,7 @@ class DownstreamLink:
             raise DownstreamError(address, f"handshake failed: {exc}") from exc
         return cls(stream, peer, address, receive, credit_limit=credit_limit, reply_timeout=reply_timeout,
                    write_timeout=write_timeout, out=wrap(stream, nursery) if wrap is not None else stream,
-                   nursery=nursery)
+                   nursery=nursery, wire=negotiate_wire(hello, peer))
 
     def looks_alive(self) -> bool:
         """Non-blocking check between requests: False once the next stage closed or reset the connection.
@@ -158,13 +195,19 @@ class DownstreamLink:
             await trio.aclose_forcefully(self._out)  # what it still holds is dropped
         await trio.aclose_forcefully(self.stream)
 
-    def prepare_step(self, head: bytes, activation_bytes: int) -> PreparedFrame | None:
-        """A decode step's frame for the compute that makes its activation to write (see PreparedFrame), then
-        :meth:`send` with it; None if this link cannot take one now (broken, given up, a frame half written).
-        Nothing else may be sent on the link in between (the single writer's rule)."""
+    def prepare_step(self, request_id: int, session_id: int, pos: int, token: int, direct_return: bool,
+                     n_embd: int) -> PreparedFrame | None:
+        """A decode step's frame, in this link's encoding, for the compute that makes its activation to write
+        (see PreparedFrame), then :meth:`send` with it; None if this link cannot take one now (broken, given
+        up, a frame half written). Nothing else may be sent on the link in between (the single writer's
+        rule). A compute that cannot fill a half-float frame (a value beyond half's range) leaves it unwritten,
+        and :meth:`send` encodes the step itself."""
         if self.broken or self.writing or (self._watch is not None and self._watch.expired is not None):
             return None
-        return PreparedFrame.for_stream(self._out, head, activation_bytes)
+        f16 = bool(self.wire & WireFormat.F16)
+        n = n_embd * (2 if f16 else 4)
+        return PreparedFrame.for_stream(self._out, decode_step_head(request_id, session_id, pos, token,
+                                                                    direct_return, n, f16=f16), n)
 
     async def send(self, msg: Message, prepared: PreparedFrame | None = None) -> tuple[int, int]:
         """Write one message; returns (bytes, microseconds). ``prepared``: its frame, which a native compute
@@ -172,27 +215,67 @@ class DownstreamLink:
         is on its way, and a cancellation must find it counted)."""
         started = time.perf_counter()
         if prepared is None or not prepared.written:
-            # a cancellation already pending (a kill while this task computed) lands here, before the first
-            # byte, rather than at write_frame's first checkpoint, where the frame would count as half written
-            await trio.lowlevel.checkpoint_if_cancelled()
-            if self._watch is not None and self._watch.expired is not None:
-                raise DownstreamError(self.address, f"link given up: {self._watch.expired}")
+            await self._ready_to_write()
         self.writing = True
         try:
-            n = await write_frame(self._out, msg, timeout=self.write_timeout, prepared=prepared)
+            n = await write_frame(self._out, msg, timeout=self.write_timeout, prepared=prepared, wire=self.wire)
         except WireError as exc:
             self.broken = True
             raise DownstreamError(self.address, f"send failed: {exc}") from exc
         self.writing = False
         return n, int((time.perf_counter() - started) * 1e6)
 
+    async def _ready_to_write(self) -> None:
+        """Before a frame's first byte: the frame a task is writing is out, the link still usable. A
+        cancellation already pending (a kill while this task computed) lands here, before the first byte,
+        rather than at write_frame's first checkpoint, where the frame would count as half written."""
+        if self._behind is not None:
+            await self._behind.wait()
+            self._behind = None  # (not waited for again: a decode step's send has no schedule point to spare)
+        if self._behind_error is not None:
+            raise DownstreamError(self.address, f"send failed: {self._behind_error}")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._watch is not None and self._watch.expired is not None:
+            raise DownstreamError(self.address, f"link given up: {self._watch.expired}")
+
     async def send_deferred(self, msg: Message, prepared: PreparedFrame | None = None) -> tuple[int, int]:
-        """Send a message whose ack may arrive later (up to the credit limit outstanding)."""
-        sent = await self.send(msg, prepared)
+        """Send a message whose ack may arrive later (up to the credit limit outstanding). Its bytes and write
+        time travel with the next reply, as its ack's report does (this stage's report went up with its own
+        ack, before this forward). A big frame is written by a task in the link's nursery: this returns once
+        the previous one is out and this one has begun (its bytes and time are counted when it is out); the
+        link counts as writing until then (nothing may be prepared on it, :meth:`settle` waits for it)."""
+        if prepared is not None or self._nursery is None or _activation_bytes(msg) < WRITE_BEHIND_BYTES:
+            sent = await self.send(msg, prepared)
+            self._fold_sent(*sent)
+        else:
+            await self._ready_to_write()
+            self.writing = True
+            self._behind = trio.Event()
+            self._nursery.start_soon(self._write_behind, msg, self._behind)
+            sent = (0, 0)
         self.pending_acks += 1
         while self.pending_acks > self.credit_limit:
             await self._collect_one_ack()
         return sent
+
+    def _fold_sent(self, n: int, write_us: int) -> None:
+        self._folded = merge(self._folded, TRUSTED[StageStats](0, 0, 0, write_us, 0, n, 0, 0))
+
+    async def _write_behind(self, msg: Message, done: trio.Event) -> None:
+        """send_deferred's task: write ``msg``; a failure breaks the link, and a read waiting on it is woken."""
+        started = time.perf_counter()
+        try:
+            n = await write_frame(self._out, msg, timeout=self.write_timeout, wire=self.wire)
+        except (WireError, trio.ClosedResourceError, trio.BrokenResourceError, OSError) as exc:
+            self.broken = True
+            self._behind_error = str(exc) or type(exc).__name__
+            if self._watch is not None:
+                self._watch.expire(f"send failed: {self._behind_error}")
+        else:
+            self._fold_sent(n, int((time.perf_counter() - started) * 1e6))
+            self.writing = False
+        finally:  # (cancelled with the nursery: the frame is half written, the link stays `writing`)
+            done.set()
 
     async def send_expecting_ack(self, msg: Message, prepared: PreparedFrame | None = None) -> tuple[int, int]:
         """Send a message whose ack is collected later (by :meth:`drain` or a later request),
@@ -289,6 +372,9 @@ class DownstreamLink:
         """Finish what an interrupted caller left: collect the owed acks and the owed reply (dropped), so
         the link can carry the next request (a Stop, say). A frame half written cannot be finished: raises
         DownstreamError (close the link). Waits for the next stage: bound it with a cancel scope."""
+        if self._behind is not None:
+            await self._behind.wait()  # a frame a task is writing: out before anything else goes
+            self._behind = None
         if self.writing:
             self.broken = True
             raise DownstreamError(self.address, "a frame was left half written")

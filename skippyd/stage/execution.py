@@ -70,8 +70,9 @@ class Job:
     loop_native_cpu_us: int = 0  # CPU time the event loop's thread spent in llama.cpp (inline computes)
     batch_jobs: int = 0  # jobs in the llama_decode this job was part of
     # the frame of its answer (a hidden state's, or a prediction's), written natively the moment a lone decode
-    # step's compute ends (then its done_ns is set; a hidden state's result is a view of the frame's activation);
-    # other computes leave it
+    # step's compute ends (then its done_ns is set; a hidden state's result is a view of the frame's float32
+    # activation, or a copy of the row when the frame carries half floats); other computes leave it, and so does
+    # a row beyond half's range (it goes as float32 through the ordinary write)
     out: PreparedFrame | None = None
     # media rows (an image's): their positions as given, int32 (sections, n), not counted from pos_start; and
     # whether they attend to each other causally. Such a job computes alone (see ``solo``)
@@ -274,14 +275,20 @@ class Execution:
                             out.sent, out.done_ns = ctx.decode_row_send(job.pos_start, job.seq, out.frame,
                                                                         out.head_len, lock_fd=lock_fd, fd=out.fd,
                                                                         **inputs)
-                            result = np.frombuffer(out.frame, np.float32, offset=out.head_len).reshape(1, -1)
+                            if len(out.frame) - out.head_len == 4 * ctx.n_embd:
+                                result = np.frombuffer(out.frame, np.float32, offset=out.head_len).reshape(1, -1)
+                            else:  # half floats on the wire: the row itself, as the next layers would take it
+                                result = ctx.hidden()
                         else:
                             result, out.sent, out.done_ns = ctx.decode_row_sample_send(
                                 job.pos_start, job.seq, job.sampler, out.frame, out.us_at, lock_fd=lock_fd,
                                 fd=out.fd, **inputs)
-                        # to the compute's end, without the write after it (perf_counter is CLOCK_MONOTONIC)
-                        native_us = max(0, int((out.done_ns / 1e9 - native) * 1e6))
-                        stats.sent_at_compute_end += 1
+                        if out.done_ns:
+                            # to the compute's end, without the write after it (perf_counter is CLOCK_MONOTONIC)
+                            native_us = max(0, int((out.done_ns / 1e9 - native) * 1e6))
+                            stats.sent_at_compute_end += 1
+                        else:  # a row beyond half's range: not written, the forward sends it as float32
+                            native_us = int((time.perf_counter() - native) * 1e6)
                     else:
                         if ctx.token_input:
                             ctx.decode_row(job.pos_start, job.seq, token=int(job.tokens[0]))

@@ -26,7 +26,7 @@ from skippyd.stage.handlers import AnswerPath, ReplyError, StageHandlers, return
 from skippyd.stage.sessions import StageSession
 from skippyd.stage.token_return import TokenReturnLost
 from skippyd.telemetry import span
-from skippyd.wire.codec import REPLY_COMPUTE_US_AT, decode_step_head, frame_bytes
+from skippyd.wire.codec import REPLY_COMPUTE_US_AT, frame_bytes
 from skippyd.wire.messages import (
     NO_STATS,
     TRUSTED,
@@ -349,9 +349,8 @@ class MiddleStage(StageHandlers):
         """The frame of the step's forward, as _forward_direct sends it."""
         if self.down is None:
             return None
-        n = self.core.context.n_embd * 4
-        return self.down.prepare_step(decode_step_head(msg.request_id, msg.session_id, msg.pos_start,
-                                                       int(msg.tokens[0]), self.core.next_is_final, n), n)
+        return self.down.prepare_step(msg.request_id, msg.session_id, msg.pos_start, int(msg.tokens[0]),
+                                      self.core.next_is_final, self.core.context.n_embd)
 
     async def _forward_direct(self, session: StageSession, msg, job: Job) -> None:
         """Forward and acknowledge at once (never wait for the prediction). The next stage's ack is collected

@@ -39,7 +39,7 @@ from skippyd.stage.token_return import TokenReturnLink
 from skippyd.topology import StageSpec, Topology
 from skippyd.wire.errors import HandshakeRefused, PeerClosed, ReadTimeout, WireError
 from skippyd.wire.handshake import handshake_server, refuse_handshake
-from skippyd.wire.messages import Hello
+from skippyd.wire.messages import Hello, wire_formats
 from skippyd.wire.stream import DEFAULT_MIN_RATE, ReceiveBuffer, keep_alive
 
 log = logging.getLogger("skippyd.stage")
@@ -88,6 +88,7 @@ class StageConfig:
     prefix_cache_mb: int = _RUNTIME.prefix_cache_mb  # the prefix cache's budget (MiB); 0: no cache
     prefix_cache_dir: Path | None = None  # its disk tier's directory (each stage in DIR/stage-K); None: no tier
     prefix_cache_disk_mb: int = _RUNTIME.prefix_cache_disk_mb  # ... and that tier's budget (MiB)
+    activation_wire: str = _RUNTIME.activation_wire  # f16: offer half-float activations on stage links; f32: not
 
     def open_disk_tier(self, stage_index: int, model: str, layers: tuple[int, int], context: Context):
         """The prefix cache's disk tier for a stage (blocking; None: no tier)."""
@@ -139,6 +140,7 @@ class StageServer:
             n_embd=topology.n_embd,
             node=f"stage-{index}",
             auth=config.link_auth,
+            wire_formats=wire_formats(config.activation_wire),
         )
         self.upstream_allow = UpstreamAllow.for_stage(topology, index, config.upstream_allow) if index else None
         self._drop_logged = (-math.inf, 0)  # when the last "dropped" line was logged, and the count then

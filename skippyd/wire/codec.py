@@ -17,7 +17,7 @@ Message body (kinds 0x10–0x18, 0x1F)::
              8  u64 session_id
             16  i32 pos_start        (authoritative position of tokens[0])
             20  u32 token_count
-            24  u32 activation_bytes (0, or token_count * n_embd * 4)
+            24  u32 activation_bytes (0, or token_count * n_embd * 4; * 2 with Flags.F16)
             28  u16 bias_count       (logit-bias entries; 0 without SAMPLING)
             30  u16 ext_len          (CONFIGURE_GENERATION: the generation extension's bytes; else 0)
     32      sampling block (36 bytes, iff Flags.SAMPLING)
@@ -30,7 +30,7 @@ Message body (kinds 0x10–0x18, 0x1F)::
                            (pos_end - pos_start) * i32 keys, sections * token_count * i32 positions
                            (section-major)
             token_count * i32 tokens
-            activation_bytes of f32, row-major (token_count, n_embd)
+            activation_bytes of f32 (f16 with Flags.F16), row-major (token_count, n_embd)
 
 Reply body (kinds 0x20–0x26, 0x2F)::
 
@@ -56,7 +56,13 @@ Hello and HelloReply layouts are in :func:`encode_hello` /
 :func:`encode_hello_reply`. For a message, the reader parses the 32-byte header
 first (:func:`parse_message_header`), which gives the exact size of the
 sampling+tokens part (the *tail*) and of the activation, so the activation
-is received into its own buffer and decoded with ``np.frombuffer`` (no copy).
+is received into its own buffer and decoded with ``np.frombuffer`` (no copy; an
+F16 activation is widened to float32 there, one copy).
+
+The sender picks the activation's encoding (``wire``, the lane's negotiated
+:class:`WireFormat`): with F16 each frame whose values all fit half's range
+(|x| <= 65504) goes as half floats, flag F16; a frame with a larger value (the
+first token's row of some models) goes as float32, so no value saturates.
 
 Encoding returns a list of buffers for ``send_all``: one ``bytes`` for
 everything except a large activation (> COALESCE_BYTES), which follows as a
@@ -123,6 +129,7 @@ from skippyd.wire.messages import (
     Stop,
     TrimSession,
     VerifyWindow,
+    WireFormat,
     check_media_rows,
     trusted,
 )
@@ -132,6 +139,7 @@ __all__ = [
     "COALESCE_BYTES",
     "FRAME_MAGIC",
     "HELLO_MAGIC",
+    "HALF_MAX",
     "HELLO_SIZE",
     "LOAD_RECORD_SIZE",
     "MESSAGE_HEADER_SIZE",
@@ -206,9 +214,10 @@ _ALL_KINDS = MESSAGE_KINDS | REPLY_KINDS | HANDSHAKE_KINDS
 
 # flags each kind may carry / must carry
 _ALLOWED_FLAGS = {int(k): 0 for k in _ALL_KINDS}
-_ALLOWED_FLAGS[MessageKind.PREFILL] = int(Flags.FINAL | Flags.POSITIONS | Flags.NON_CAUSAL)  # ints (see _FINAL_FLAG)
+_ALLOWED_FLAGS[MessageKind.PREFILL] = int(Flags.FINAL | Flags.POSITIONS | Flags.NON_CAUSAL | Flags.F16)  # ints
 _ALLOWED_FLAGS[MessageKind.CONFIGURE_GENERATION] = int(Flags.SAMPLING | Flags.DIRECT_RETURN)
-_ALLOWED_FLAGS[MessageKind.DECODE] = int(Flags.DIRECT_RETURN)
+_ALLOWED_FLAGS[MessageKind.DECODE] = int(Flags.DIRECT_RETURN | Flags.F16)
+_ALLOWED_FLAGS[MessageKind.VERIFY_WINDOW] = int(Flags.F16)
 _ALLOWED_FLAGS[MessageKind.CACHE_QUERY] = int(Flags.CLEAR | Flags.CLEAR_DISK)
 _REQUIRED_FLAGS = {int(k): 0 for k in _ALL_KINDS}
 _REQUIRED_FLAGS[MessageKind.CONFIGURE_GENERATION] = int(Flags.SAMPLING)
@@ -237,6 +246,9 @@ _REPLY_KIND = {int(k): k for k in ReplyKind}
 _TOKEN = struct.Struct("<i")
 _U32 = struct.Struct("<I")
 _F4 = np.dtype("<f4")
+_F2 = np.dtype("<f2")
+HALF_MAX = 65504.0  # the largest finite half float: a frame with a larger value goes as float32
+_F16_WIRE = WireFormat.F16
 
 
 # plain ints: an IntFlag operand makes every ``&`` a call into the enum module, and these run for every frame
@@ -244,6 +256,7 @@ _FINAL_FLAG, _SAMPLING_FLAG, _DIRECT_RETURN_FLAG = int(Flags.FINAL), int(Flags.S
 _CLEAR_FLAG = int(Flags.CLEAR)
 _CLEAR_DISK_FLAG = int(Flags.CLEAR_DISK)
 _POSITIONS_FLAG, _NON_CAUSAL_FLAG = int(Flags.POSITIONS), int(Flags.NON_CAUSAL)
+_F16_FLAG = int(Flags.F16)
 
 
 class FramePrefix(NamedTuple):
@@ -284,11 +297,21 @@ def _prefix(kind: int, flags: int, body_len: int) -> bytes:
     return _PREFIX.pack(FRAME_MAGIC, kind, flags, body_len)
 
 
-def encode_message(msg: Message) -> list[Buffer]:
-    """Frame a message as buffers to write in order (1 or 2 of them).
+def wire_activation(activation: np.ndarray, wire: WireFormat) -> np.ndarray:
+    """``activation`` as it travels on a lane of encoding ``wire``: half floats if the lane takes them and every
+    value fits (a NaN, an infinity or a value beyond HALF_MAX keeps the frame float32), else float32."""
+    act = np.ascontiguousarray(activation, dtype=_F4)
+    if wire & _F16_WIRE and act.size and float(np.abs(act).max()) <= HALF_MAX:
+        return act.astype(_F2)
+    return act
 
-    A large activation is returned as a separate zero-copy memoryview; the
-    caller must not mutate the array until the write has finished.
+
+def encode_message(msg: Message, wire: WireFormat = WireFormat.F32) -> list[Buffer]:
+    """Frame a message as buffers to write in order (1 or 2 of them); its activation encoded for ``wire``
+    (see :func:`wire_activation`).
+
+    A large float32 activation is returned as a separate zero-copy memoryview;
+    the caller must not mutate the array until the write has finished.
     """
     flags = 0
     pos_start = 0
@@ -334,7 +357,9 @@ def encode_message(msg: Message) -> list[Buffer]:
     act_view = None
     act_len = 0
     if activation is not None:
-        act = np.ascontiguousarray(activation, dtype="<f4")
+        act = wire_activation(activation, wire)
+        if act.dtype == _F2:
+            flags |= _F16_FLAG
         act_view = memoryview(act).cast("B")
         act_len = act.nbytes
     body_len = MESSAGE_HEADER_SIZE + len(sampling) + len(token_bytes) + act_len
@@ -448,7 +473,8 @@ def encode_hello(hello: Hello) -> bytes:
         0  4s   magic b"SKPY"
         4  u16  version        (offsets 0-5 are the same in every version)
         6  u8   role           (Role)
-        7  u8   reserved = 0
+        7  u8   wire_formats   (WireFormat: the activation encodings offered; F32 always; reserved = 0
+                                before version 8)
         8  32s  model fingerprint (sha256)
        40  u32  stage_index
        44  u32  layer_start
@@ -465,7 +491,7 @@ def encode_hello(hello: Hello) -> bytes:
             HELLO_MAGIC,
             hello.version,
             hello.role,
-            0,
+            hello.wire_formats,
             hello.fingerprint,
             hello.stage_index,
             hello.layer_start,
@@ -489,14 +515,17 @@ def encode_hello_reply(reply: HelloReply) -> bytes:
     return _prefix(HandshakeKind.HELLO_REPLY, 0, len(body)) + body
 
 
-def encode_frame(obj: Frame) -> list[Buffer]:
-    """Frame anything: the buffers to write, in order."""
+def encode_frame(obj: Frame, wire: WireFormat = WireFormat.F32) -> list[Buffer]:
+    """Frame anything: the buffers to write, in order. ``wire``: how an activation travels (the lane's
+    negotiated encoding, see :func:`wire_activation`)."""
     kind = type(obj)
     if kind is DecodeStep:  # the per-token frames first: a decode step in one pack
         act = obj.activation
         if act is not None and len(obj.tokens) == 1 and act.dtype == _F4 and act.flags.c_contiguous:
+            if wire & _F16_WIRE:
+                act = wire_activation(act, wire)
             return [decode_step_head(obj.request_id, obj.session_id, obj.pos_start, int(obj.tokens[0]),
-                                     obj.direct_return, act.nbytes) + act.data]
+                                     obj.direct_return, act.nbytes, f16=act.dtype == _F2) + act.data]
     elif kind is PredictedToken or kind is Ack:
         return encode_reply(obj)
     match obj:
@@ -508,14 +537,16 @@ def encode_frame(obj: Frame) -> list[Buffer]:
               | StageReport()):
             return encode_reply(obj)
         case _:
-            return encode_message(obj)
+            return encode_message(obj, wire)
 
 
 def decode_step_head(request_id: int, session_id: int, pos_start: int, token: int, direct_return: bool,
-                     activation_bytes: int) -> bytes:
-    """A one-token DecodeStep's frame up to its activation, which follows it (``activation_bytes`` of float32):
-    what a stage prepares before the compute that makes the activation (see Context.decode_row_send)."""
-    return _DECODE_STEP.pack(FRAME_MAGIC, DECODE_KIND, _DIRECT_RETURN_FLAG if direct_return else 0,
+                     activation_bytes: int, *, f16: bool = False) -> bytes:
+    """A one-token DecodeStep's frame up to its activation, which follows it (``activation_bytes`` of float32,
+    or of half floats with ``f16``): what a stage prepares before the compute that makes the activation (see
+    Context.decode_row_send)."""
+    flags = (_DIRECT_RETURN_FLAG if direct_return else 0) | (_F16_FLAG if f16 else 0)
+    return _DECODE_STEP.pack(FRAME_MAGIC, DECODE_KIND, flags,
                              MESSAGE_HEADER_SIZE + 4 + activation_bytes, request_id, session_id, pos_start, 1,
                              activation_bytes, 0, 0, token)
 
@@ -534,8 +565,8 @@ def error_reply_for(exc: ProtocolError, stats: StageStats | None = None) -> Erro
 # decoding
 
 
-def _max_message_body(kind: int, limits: Limits, n_embd: int) -> int:
-    row = 4 * n_embd
+def _max_message_body(kind: int, limits: Limits, n_embd: int, flags: int = 0) -> int:
+    row = (2 if flags & _F16_FLAG else 4) * n_embd
     if kind == MessageKind.CONFIGURE_GENERATION:
         return MESSAGE_HEADER_SIZE + SAMPLING_SIZE + _BIAS.size * limits.max_logit_bias + MAX_EXT_BYTES
     if kind == MessageKind.DECODE:
@@ -551,13 +582,13 @@ def _max_message_body(kind: int, limits: Limits, n_embd: int) -> int:
     return MESSAGE_HEADER_SIZE  # trim, stop, ping, cache query
 
 
-def _body_bounds(kind: int, limits: Limits, n_embd: int | None) -> tuple[int, int]:
+def _body_bounds(kind: int, limits: Limits, n_embd: int | None, flags: int = 0) -> tuple[int, int]:
     if kind in MESSAGE_KINDS:
         assert n_embd is not None
         lo = MESSAGE_HEADER_SIZE
         if kind == MessageKind.CONFIGURE_GENERATION:
             lo += SAMPLING_SIZE
-        return lo, _max_message_body(kind, limits, n_embd)
+        return lo, _max_message_body(kind, limits, n_embd, flags)
     if kind == ReplyKind.ACK:
         return REPLY_HEADER_SIZE, REPLY_HEADER_SIZE
     if kind == ReplyKind.PREDICTED_TOKEN:
@@ -613,7 +644,7 @@ def parse_prefix(
         raise ProtocolError(
             ErrorCode.FRAME_TOO_LARGE, f"{_kind_name(kind)} body of {body_len} bytes exceeds the frame limit"
         )
-    lo, hi = _body_bounds(kind, limits, n_embd)
+    lo, hi = _body_bounds(kind, limits, n_embd, flags)
     if body_len > hi:
         raise ProtocolError(
             ErrorCode.FRAME_TOO_LARGE, f"{_kind_name(kind)} body of {body_len} bytes, at most {hi}"
@@ -659,10 +690,14 @@ def parse_message_header(prefix: FramePrefix, data: Buffer, limits: Limits, n_em
         raise fail(
             ErrorCode.LIMIT_EXCEEDED, f"activation of {act_bytes} bytes, at most {limits.max_activation_bytes}"
         )
-    if act_bytes and act_bytes != n_tokens * n_embd * 4:
+    width = 2 if prefix.flags & _F16_FLAG else 4  # bytes a value
+    if width == 2 and not act_bytes:
+        raise fail(ErrorCode.BAD_FLAGS, "F16 without an activation")
+    if act_bytes and act_bytes != n_tokens * n_embd * width:
         raise fail(
             ErrorCode.LENGTH_MISMATCH,
-            f"activation of {act_bytes} bytes, expected {n_tokens} x {n_embd} x 4 = {n_tokens * n_embd * 4}",
+            f"activation of {act_bytes} bytes, expected {n_tokens} x {n_embd} x {width} = "
+            f"{n_tokens * n_embd * width}",
         )
     if bias_count > limits.max_logit_bias:
         raise fail(ErrorCode.LIMIT_EXCEEDED, f"{bias_count} logit-bias entries, at most {limits.max_logit_bias}")
@@ -689,8 +724,9 @@ def parse_message_header(prefix: FramePrefix, data: Buffer, limits: Limits, n_em
 def decode_message(header: MessageHeader, tail: Buffer, activation: Buffer | None, n_embd: int) -> Message:
     """Build the message from its parsed header, its tail and its activation bytes.
 
-    The tokens and the activation are numpy views of ``tail`` and
-    ``activation`` (no copy; writable if those are bytearrays).
+    The tokens and a float32 activation are numpy views of ``tail`` and
+    ``activation`` (no copy; writable if those are bytearrays); a half-float
+    activation (flag F16) is widened to a new float32 array.
     """
     kind = header.kind
     try:
@@ -723,7 +759,10 @@ def decode_message(header: MessageHeader, tail: Buffer, activation: Buffer | Non
         tokens = np.frombuffer(tail, dtype="<i4", count=header.token_count, offset=offset)
         act = None
         if header.activation_bytes:
-            act = np.frombuffer(activation, dtype="<f4").reshape(header.token_count, n_embd)
+            if header.flags & _F16_FLAG:
+                act = np.frombuffer(activation, dtype=_F2).reshape(header.token_count, n_embd).astype(_F4)
+            else:
+                act = np.frombuffer(activation, dtype=_F4).reshape(header.token_count, n_embd)
         if kind == MessageKind.RESTORE_PREFIX:
             return RestorePrefix(header.request_id, header.session_id, tokens)
         # parse_message_header checked the ids, positions, token count and activation size: built as trusted
@@ -899,7 +938,7 @@ def decode_hello(body: Buffer, limits: Limits = DEFAULT_LIMITS) -> Hello:
         )
     if len(body) < HELLO_SIZE:
         raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"hello of {len(body)} bytes, at least {HELLO_SIZE}")
-    (_, _, role, reserved, fingerprint, stage_index, layer_start, layer_end, n_layer, n_embd, auth_len, node_len) = (
+    (_, _, role, formats, fingerprint, stage_index, layer_start, layer_end, n_layer, n_embd, auth_len, node_len) = (
         _HELLO.unpack_from(body)
     )
     if auth_len > MAX_AUTH_BYTES or node_len > MAX_NODE_NAME_BYTES:
@@ -908,8 +947,8 @@ def decode_hello(body: Buffer, limits: Limits = DEFAULT_LIMITS) -> Hello:
         raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"hello of {len(body)} bytes, fields say otherwise")
     if not 1 <= n_embd <= limits.max_n_embd:
         raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, f"hello n_embd {n_embd}, at most {limits.max_n_embd}")
-    if reserved or role not in Role._value2member_map_:
-        raise ProtocolError(ErrorCode.BAD_VALUE, f"hello role {role} / reserved {reserved} invalid")
+    if role not in Role._value2member_map_:
+        raise ProtocolError(ErrorCode.BAD_VALUE, f"hello role {role} invalid")
     view = memoryview(body)
     try:
         return Hello(
@@ -923,6 +962,7 @@ def decode_hello(body: Buffer, limits: Limits = DEFAULT_LIMITS) -> Hello:
             version=version,
             auth=bytes(view[HELLO_SIZE : HELLO_SIZE + auth_len]),
             node=bytes(view[HELLO_SIZE + auth_len :]).decode("utf-8"),
+            wire_formats=formats,  # checked by Hello: F32 set, no unknown bit (BAD_VALUE below)
         )
     except (ValueError, TypeError) as exc:
         raise ProtocolError(ErrorCode.BAD_VALUE, f"hello: {exc}") from exc
@@ -988,9 +1028,11 @@ def decode_step_at(data: Buffer, pos: int, n_embd: int, limits: Limits) -> tuple
         return None
     (magic, kind, flags, body_len, request_id, session_id, pos_start, n_tokens, act_bytes, bias_count, reserved,
      _token) = _DECODE_STEP.unpack_from(data, pos)
-    act = 4 * n_embd
+    half = flags & _F16_FLAG
+    act = (2 if half else 4) * n_embd
     end = pos + PREFIX_SIZE + body_len
-    if (kind != DECODE_KIND or flags & ~_DIRECT_RETURN_FLAG or n_tokens != 1 or act_bytes != act or not act
+    if (kind != DECODE_KIND or flags & ~(_DIRECT_RETURN_FLAG | _F16_FLAG) or n_tokens != 1 or act_bytes != act
+            or not act
             or bias_count or reserved or body_len != MESSAGE_HEADER_SIZE + 4 + act or magic != FRAME_MAGIC
             or not 0 <= pos_start < MAX_POSITION or end > len(data)
             or PREFIX_SIZE + body_len > limits.max_frame_bytes or act > limits.max_activation_bytes
@@ -998,8 +1040,12 @@ def decode_step_at(data: Buffer, pos: int, n_embd: int, limits: Limits) -> tuple
         return None
     body = bytearray(memoryview(data)[pos + PREFIX_SIZE:end])
     tokens = np.frombuffer(body, dtype="<i4", count=1, offset=MESSAGE_HEADER_SIZE)
-    activation = np.frombuffer(body, dtype="<f4", offset=MESSAGE_HEADER_SIZE + 4).reshape(1, n_embd)
-    return _trusted_step(request_id, session_id, pos_start, tokens, activation, flags == _DIRECT_RETURN_FLAG), end
+    if half:
+        activation = np.frombuffer(body, dtype=_F2, offset=MESSAGE_HEADER_SIZE + 4).reshape(1, n_embd).astype(_F4)
+    else:
+        activation = np.frombuffer(body, dtype=_F4, offset=MESSAGE_HEADER_SIZE + 4).reshape(1, n_embd)
+    return (_trusted_step(request_id, session_id, pos_start, tokens, activation, bool(flags & _DIRECT_RETURN_FLAG)),
+            end)
 
 
 _trusted_step = TRUSTED[DecodeStep]

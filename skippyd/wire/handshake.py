@@ -7,7 +7,10 @@ Sequence on every new connection (dialer = the side that connected)::
              or accepts by sending its own Hello
     dialer   checks the acceptor's Hello → HelloReply(accepted=1) or (0, reason)
 
-The acceptor never reveals its own Hello to a peer it refused. The dialer may
+The acceptor never reveals its own Hello to a peer it refused. Both Hellos
+name the activation encodings their end offers; a lane's encoding follows from
+the two (``messages.negotiate_wire``: f16 if both offer it), so nothing more is
+exchanged and an end that offers only f32 is no refusal. The dialer may
 send its first message right after its accepting HelloReply; the acceptor
 reads it after the reply, through the same ReceiveBuffer.
 

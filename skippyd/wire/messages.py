@@ -31,6 +31,7 @@ import numpy as np
 from skippyd.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, RANDOM_SEED, SamplingParams
 
 __all__ = [
+    "ACTIVATION_WIRES",
     "DEFAULT_LIMITS",
     "DEFAULT_SEED",
     "MAX_ACTIVATION_BYTES",
@@ -84,7 +85,10 @@ __all__ = [
     "Stop",
     "TrimSession",
     "VerifyWindow",
+    "WireFormat",
     "merge",
+    "negotiate_wire",
+    "wire_formats",
 ]
 
 # 2: DIRECT_RETURN on DecodeStep (no lane reply from the final stage); 3: on a DecodeStep to a middle stage
@@ -94,8 +98,9 @@ __all__ = [
 # 6: StageQuery, answered by StageReport (each stage's load, for the console); 7: PrefillChunk's media rows (flag
 # POSITIONS: rows that are no tokens, such as an image's, with explicit positions, one or four per row, and the
 # keys of the positions they take; NON_CAUSAL); 8: cache records carry the disk tier (128 bytes), CacheQuery's
-# CLEAR_DISK
-PROTOCOL_VERSION = 8
+# CLEAR_DISK; 9: the Hello's activation encodings (byte 7, was reserved) and flag F16 on PREFILL, DECODE and
+# VERIFY_WINDOW (an activation of half floats)
+PROTOCOL_VERSION = 9
 
 # Hard limits of the protocol (the same in every version). A receiver may be configured tighter
 # (see Limits), never looser.
@@ -161,7 +166,9 @@ class Flags(enum.IntFlag):
     ``PREFILL``: its rows are media rows with explicit positions (the
     positions block, see skippy-protocol(7)); ``NON_CAUSAL``, only with
     ``POSITIONS``: its rows attend to each other both ways (one batch, causal
-    attention off). ``SAMPLING`` marks a sampling
+    attention off). ``F16``, only on ``PREFILL``, ``DECODE`` and
+    ``VERIFY_WINDOW`` with an activation: it travels as IEEE half floats
+    (2 bytes a value, see :class:`WireFormat`). ``SAMPLING`` marks a sampling
     block; it is required on ``CONFIGURE_GENERATION`` and invalid elsewhere
     in version 2. ``DIRECT_RETURN`` on ``CONFIGURE_GENERATION``: the final
     stage sends this session's predictions on the token-return connection
@@ -181,7 +188,35 @@ class Flags(enum.IntFlag):
     CLEAR = 0x08
     POSITIONS = 0x10
     NON_CAUSAL = 0x20
-    CLEAR_DISK = 0x40
+    F16 = 0x40
+    CLEAR_DISK = 0x80
+
+
+class WireFormat(enum.IntFlag):
+    """How activations travel on a lane: the encodings a Hello offers (its byte 7), one bit each.
+
+    Every end takes ``F32``. A lane carries ``F16`` (half the bytes; the
+    receiver widens each value back to float32 before its layers) when both
+    Hellos offer it, else ``F32`` (:func:`negotiate_wire`).
+    """
+
+    F32 = 0x01
+    F16 = 0x02
+
+
+ACTIVATION_WIRES = ("f32", "f16")  # runtime.activation_wire: the most compact encoding this end offers
+
+
+def wire_formats(activation_wire: str) -> WireFormat:
+    """The encodings a Hello offers for ``runtime.activation_wire`` ("f16": both, "f32": float32 only)."""
+    if activation_wire not in ACTIVATION_WIRES:
+        raise ValueError(f"activation_wire must be one of {', '.join(ACTIVATION_WIRES)}, got {activation_wire!r}")
+    return WireFormat.F32 | WireFormat.F16 if activation_wire == "f16" else WireFormat.F32
+
+
+def negotiate_wire(ours: Hello, theirs: Hello) -> WireFormat:
+    """The encoding of a lane's activations, the same at both ends: the most compact one both Hellos offer."""
+    return WireFormat.F16 if ours.wire_formats & theirs.wire_formats & WireFormat.F16 else WireFormat.F32
 
 
 class ErrorCode(enum.IntEnum):
@@ -959,6 +994,14 @@ def _as_fingerprint(value: bytes | str) -> bytes:
     return value
 
 
+_KNOWN_WIRE_FORMATS = int(WireFormat.F32 | WireFormat.F16)
+
+
+def _wire_formats(_inst: object, _attribute: attrs.Attribute, value: WireFormat) -> None:
+    if not value & WireFormat.F32 or int(value) & ~_KNOWN_WIRE_FORMATS:
+        raise ValueError(f"wire formats 0x{int(value):02x}: F32 (0x01) must be offered, F16 (0x02) may be")
+
+
 def _auth_len(_inst: object, _attribute: attrs.Attribute, value: bytes) -> None:
     if len(value) > MAX_AUTH_BYTES:
         raise ValueError(f"auth longer than {MAX_AUTH_BYTES} bytes")
@@ -985,6 +1028,8 @@ class Hello:
     version: int = attrs.field(default=PROTOCOL_VERSION, validator=_int_range(0, 0xFFFF))
     auth: bytes = attrs.field(default=b"", converter=bytes, validator=_auth_len, repr=False)
     node: str = attrs.field(default="", validator=_utf8_len(MAX_NODE_NAME_BYTES))
+    wire_formats: WireFormat = attrs.field(default=WireFormat.F32 | WireFormat.F16, converter=WireFormat,
+                                           validator=_wire_formats)
 
     @property
     def is_final(self) -> bool:

@@ -46,7 +46,7 @@ from skippyd.wire.codec import (
     parse_prefix,
 )
 from skippyd.wire.errors import PeerClosed, ReadTimeout, WriteTimeout
-from skippyd.wire.messages import DEFAULT_LIMITS, Frame, Limits, Message, Reply
+from skippyd.wire.messages import DEFAULT_LIMITS, Frame, Limits, Message, Reply, WireFormat
 
 __all__ = [
     "DEFAULT_FRAME_TIMEOUT",
@@ -472,9 +472,10 @@ async def read_reply(
 
 
 async def write_frame(stream: trio.abc.SendStream, obj: Frame, *, timeout: float = math.inf,
-                      prepared: PreparedFrame | None = None) -> int:
+                      prepared: PreparedFrame | None = None, wire: WireFormat = WireFormat.F32) -> int:
     """Encode ``obj`` and send it; returns the bytes written. ``prepared``: ``obj``'s frame, which a native
     compute may have written already (see :func:`write_prepared`; then only what is left of it goes).
+    ``wire``: how its activation travels (the lane's negotiated encoding, see codec.wire_activation).
 
     Not safe to call concurrently on one stream (trio raises
     BusyResourceError): give each connection a single writer or a lock.
@@ -483,7 +484,7 @@ async def write_frame(stream: trio.abc.SendStream, obj: Frame, *, timeout: float
     """
     if prepared is not None and prepared.written:
         return await write_prepared(stream, prepared, timeout=timeout)
-    parts = encode_frame(obj)
+    parts = encode_frame(obj, wire)
     total = sum(len(part) for part in parts)
     if len(parts) > 1 and total <= JOIN_BELOW:
         parts = [b"".join(parts)]  # one send: a decode step's frame costs one syscall, not three

@@ -313,22 +313,25 @@ class Context(NativeObject):
 
     def decode_row_send(self, pos: int, seq: int, frame: bytearray, head_len: int, *, token: int | None = None,
                         embd: np.ndarray | None = None, lock_fd: int = -1, fd: int = -1) -> tuple[int, int]:
-        """:meth:`decode_row` whose hidden state goes into ``frame[head_len:]`` (exactly one row's bytes), then
-        out on the socket ``fd`` (-1: not sent) from native code the moment the compute ends: a stage's
-        forward without the Python after a compute in its way. ``lock_fd`` (a flock held for this compute,
-        -1: none) is released then too, whatever the compute's result; a call whose arguments are refused
-        (InvalidArgumentError, ClosedError: before any compute) leaves it held. Returns (bytes written: 0 if
-        the socket took none, -errno if the write failed, the decode's results standing; CLOCK_MONOTONIC ns at
-        the compute's end). A decode that failed raises as decode_row (nothing written)."""
+        """:meth:`decode_row` whose hidden state goes into ``frame[head_len:]`` (exactly one row's bytes: float32,
+        or half floats if that is 2 bytes a value), then out on the socket ``fd`` (-1: not sent) from native
+        code the moment the compute ends: a stage's forward without the Python after a compute in its way.
+        ``lock_fd`` (a flock held for this compute, -1: none) is released then too, whatever the compute's
+        result; a call whose arguments are refused (InvalidArgumentError, ClosedError: before any compute)
+        leaves it held. Returns (bytes written: 0 if the socket took none, -errno if the write failed, the
+        decode's results standing; CLOCK_MONOTONIC ns at the compute's end, or 0 if the row did not fit half
+        floats: nothing written, the frame is the caller's to send otherwise). A decode that failed raises as
+        decode_row (nothing written)."""
         op = "decode"
+        row = len(frame) - head_len
         ptr, token, embd_c = self._send_row_input(op, pos, seq, token, embd, hidden=True,
-                                                  fits=len(frame) - head_len == self.n_embd * 4 and head_len >= 0,
-                                                  need=f"{self.n_embd * 4} bytes after its head")
+                                                  fits=row in (self.n_embd * 4, self.n_embd * 2) and head_len >= 0,
+                                                  need=f"{self.n_embd * 4} or {self.n_embd * 2} bytes after its head")
         out = self._send_out
         self._computing()
         rc = lib.skippy_decode_row_send(ptr, self._pbatch, token, embd_c, self.n_embd_inp, pos, seq,
-                                        ffi.from_buffer("uint8_t[]", frame), head_len, len(frame), lock_fd, fd,
-                                        out, out + 1)
+                                        ffi.from_buffer("uint8_t[]", frame), head_len, len(frame),
+                                        int(row == self.n_embd * 2), lock_fd, fd, out, out + 1)
         self._computed()
         self._sent_row(op, rc, seq)
         return out[0], out[1]
