@@ -32,6 +32,7 @@ import numpy as np
 import trio
 
 from skippyd.head.admission import AdmissionGate
+from skippyd.head.availability import Availability
 from skippyd.head.chunking import PrefillChunker
 from skippyd.head.errors import Draining, GenerationError, ImageRefused, PromptTooLong, QueueTimeout
 from skippyd.head.images import ImageInput, ImageLimits, image_prompt
@@ -186,8 +187,11 @@ class HeadEngine:
         self.speculation = SpeculationTotals(max_draft=speculate_max_draft)
         # a single stage's generations sample on the head; a pipeline's go down lanes (chosen here, once)
         lanes = LocalLanes(model) if pool is None else PipelineLanes(pool, self.lane_services, self.new_request_id)
+        # whether the pipeline serves, as a supervising deployment says (skippyd/deploy/supervisor.py)
+        self.availability = Availability()
         self.parts = HeadParts(HeadCompute(context, scheduler, self.sessions, self.prefix_cache), lanes,
-                               model.token_piece, model.is_eog, self.chunker, watch, resume_window, self.speculation)
+                               model.token_piece, model.is_eog, self.chunker, watch, resume_window, self.speculation,
+                               self.availability)
 
     def describe_token_return(self) -> dict | None:
         if self.pool is None:
@@ -343,10 +347,22 @@ class HeadEngine:
             self._record(run)
         return self._result(run)
 
+    def supervise(self, resume_window: float, max_wait: float) -> None:
+        """A deployment supervises this head: a generation a lost stage interrupts is replayed within
+        `resume_window` (at least), and new ones wait up to `max_wait` while it recovers rather than fail."""
+        window = max(resume_window, self.resume_window or 0.0)
+        self.resume_window = window
+        self.parts = attrs.evolve(self.parts, resume_window=window)
+        self.availability.supervised = True
+        self.availability.max_wait = max_wait
+
     async def _admit(self) -> float:
-        """Refuse while stage 1 is down, else wait for a place; the admission's deadline (trio time)."""
+        """Refuse while stage 1 is down (under a supervisor: wait while it recovers), else wait for a place;
+        the admission's deadline (trio time)."""
         watch = self.watch
-        if watch is not None and watch.down and not await watch.check():
+        if self.availability.supervised:
+            await self.availability.wait_serving(watch)
+        elif watch is not None and watch.down and not await watch.check():
             raise GenerationError(f"{watch.down_name} is down ({watch.last_error}); try again once it is back",
                                   retryable=True, status=503)
         return await self.gate.enter()
