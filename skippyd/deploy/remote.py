@@ -64,9 +64,11 @@ async def open_host(url: str, name: str, token: str, *, timeout: float = 5.0):
         if exc.status_code == 401:
             raise RemoteError(f"{name} refused the deployment's control token", "unauthorized") from None
         raise RemoteError(f"{name} rejected the control connection ({exc.status_code})", "unreachable") from None
-    except (HandshakeError, OSError, trio.TooSlowError) as exc:
-        raise RemoteError(f"{name} is unreachable ({exc.__cause__ or exc or type(exc).__name__})",
-                          "unreachable") from None
+    except trio.TooSlowError:
+        raise RemoteError(f"{name} is unreachable (no connection within {timeout:g} s)", "unreachable") from None
+    except (HandshakeError, OSError) as exc:
+        why = str(exc.__cause__ or exc) or type(exc).__name__
+        raise RemoteError(f"{name} is unreachable ({why})", "unreachable") from None
 
 
 async def call(url: str, name: str, token: str, make, *, timeout: float = 5.0):

@@ -35,6 +35,7 @@ from skippyd.control import messages as m
 from skippyd.deploy.planner import DeployPlan, HostInfo, PlanError, PlanRefused, model_shape, plan_tail
 from skippyd.deploy.remote import RemoteError, call, send_slice
 from skippyd.head.availability import RECOVERING, SERVING, SHORT
+from skippyd.head.states import GenerationState
 from skippyd.runtime.slicing import split_model, write_middle_slice
 from skippyd.topology import Topology, format_address, parse_address
 
@@ -101,6 +102,7 @@ class Supervisor:
         self.replans = {"dropped": 0, "returned": 0, "added": 0, "restarted": 0}
         self.last_change: dict | None = None
         self._wake = trio.Event()
+        self._epoch = 0  # one more at each change of plan: a probe asked before it says nothing of the new one
         self._nursery: trio.Nursery | None = None
         self.scope = trio.CancelScope()
 
@@ -148,12 +150,15 @@ class Supervisor:
 
     async def _probe(self, host: HostState) -> None:
         while True:
+            epoch = self._epoch
             try:
                 report = await call(host.url, host.name, self.token, lambda i: m.Host(id=i), timeout=PROBE_TIMEOUT_S)
             except RemoteError as exc:
-                self._missed(host, str(exc))
+                if epoch == self._epoch:
+                    self._missed(host, str(exc))
             else:
-                self._answered(host, report)
+                if epoch == self._epoch:
+                    self._answered(host, report)
             await trio.sleep(PROBE_S)
 
     def _missed(self, host: HostState, why: str) -> None:
@@ -197,11 +202,9 @@ class Supervisor:
         return host.name in [s["host"] for s in self.plan["stages"]]
 
     def _runs_its_stage(self, host: HostState) -> bool:
-        if not host.answered:
-            return True  # not asked yet: as deployed
-        stage = next(s for s in self.plan["stages"] if s["host"] == host.name)
-        a = host.assigned
-        return a is not None and a["stage"] == stage["index"] and a["layers"] == stage["layers"]
+        """False once the host answers running nothing (it restarted). A host running another stage than
+        planned is left alone: an operator's new deploy is under way, and it assigns the head last."""
+        return not host.answered or host.assigned is not None
 
     def _set(self, state: str, why: str | None = None) -> None:
         engine = self._engine()
@@ -290,11 +293,18 @@ class Supervisor:
         await self._apply(plan, cause, "returned" if restores else "added", trio.current_time(), drain=True)
 
     async def _apply(self, plan: DeployPlan, cause: str, kind: str, started: float, *, drain: bool) -> None:
+        self._epoch += 1
+        try:
+            await self._switch(plan, cause, kind, started, drain=drain)
+        finally:
+            self._epoch += 1
+
+    async def _switch(self, plan: DeployPlan, cause: str, kind: str, started: float, *, drain: bool) -> None:
         engine = self._engine()
         if drain:  # a request boundary: new generations wait, running ones finish (or are replayed after)
             self._set(RECOVERING, f"switching: {cause}")
             with trio.move_on_after(DRAIN_S):
-                while engine.live:
+                while any(live.state != GenerationState.QUEUED for live in list(engine.live.values())):
                     await trio.sleep(0.05)
         topology, files = await trio.to_thread.run_sync(self._cut, plan)
         shipped = 0
@@ -311,14 +321,16 @@ class Supervisor:
         text = _wire(topology)
         for k in reversed(range(1, len(plan.stages))):
             host = self.hosts[plan.stages[k].host]
-            await call(host.url, host.name, self.token,
-                       lambda i, k=k: m.StageAssign(id=i, topology=text, stage=k), timeout=ASSIGN_TIMEOUT_S)
+            host.assigned = await call(host.url, host.name, self.token,
+                                       lambda i, k=k: m.StageAssign(id=i, topology=text, stage=k),
+                                       timeout=ASSIGN_TIMEOUT_S)
         placed = set(plan.hosts)
         for h in self.hosts.values():
             if h.name != self.head_name and h.name not in placed and h.state in (IN_PLAN, WAITING) \
                     and h.assigned is not None:
                 try:  # it ran a stage of the old plan: it waits now
                     await call(h.url, h.name, self.token, lambda i: m.StageRelease(id=i), timeout=30.0)
+                    h.assigned = None
                 except RemoteError as exc:
                     log.warning("deploy: could not release %s's old stage: %s", h.name, exc)
             if h.state in (IN_PLAN, WAITING):
