@@ -5,11 +5,13 @@ What these show: a host whose daemon is killed (SIGKILL) during decode is droppe
 re-plans over the two hosts left, ships the slice they lack, and every generation in flight completes with
 the uninterrupted run's tokens; the host restarted is taken back (its share restored) with no request
 failing; the hosts left too small for the model give 503 naming the shortfall (the request in flight fails
-with it), and the pipeline serves again by itself when the host's link comes back.
+with it), and the pipeline serves again by itself when the host's link comes back; a faster host offered
+with `deploy --add` takes the slow one's place, and status shows it.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import trio
 from skippyctl.client import ControlError, open_control
 from skippyd.control import messages as m
 from tests import netns
+from tests.cpu_limit import SlowHost
 from tests.deploy_hosts import FLAGS, Hosts, generate
 from tests.procs import SingleStage, free_ports
 
@@ -219,3 +222,35 @@ def test_a_control_channel_without_a_deployment_refuses_supervision(net, cache, 
                                                 plan={"stages": []}, token="t", stage_port=7400))
     finally:
         hosts.stop()
+
+
+def test_a_faster_host_added_takes_over_at_a_request_boundary(net, cache, default_model_path, want, tmp_path):
+    slow = SlowHost(0.3)
+    try:
+        hosts = Hosts(net, tmp_path, cache, configs=[GRACE] * 3, prefixes=[[], slow.prefix, []])
+        names = hosts.data_hosts().split(",")
+        try:
+            proc = hosts.skippyctl("deploy", str(default_model_path), "--hosts", hosts.data_hosts([0, 1]),
+                                   "--ranges", "0:10,10:30", "--json")
+            assert proc.returncode == 0, proc.stderr
+            head = hosts.daemons[0]
+            added = hosts.skippyctl("deploy", "--add", names[2], "--json")
+            assert added.returncode == 0, added.stderr
+            assert json.loads(added.stdout)["name"] == names[2]
+            sup = _wait_for(head, lambda s: s["generation"] >= 2)
+            assert [s["host"] for s in sup["plan"]["stages"]] == [names[0], names[2]], (slow.how, sup)
+            assert "joined" in sup["last_change"]["cause"] and sup["replans"]["added"] == 1, sup
+            assert _host(sup, names[1])["state"] == "waiting" and _host(sup, names[2])["ms_per_layer"]
+            assert hosts.daemons[1].status()["deployment"]["assigned"] is None  # released: it waits
+            assert generate(head, prompt=PROMPT, raw=True, max_tokens=TOKENS)["tokens"] == want["tokens"]
+
+            shown = hosts.skippyctl("--url", f"ws://{names[0]}", "status")
+            assert shown.returncode == 0, shown.stderr
+            assert "deployment: generation 2, serving" in shown.stdout and f"{names[1]}: waiting" in shown.stdout
+
+            again = hosts.skippyctl("deploy", "--add", "10.77.0.250", "--json")  # nobody there
+            assert again.returncode != 0 and "Traceback" not in again.stderr and "10.77.0.250" in again.stderr
+        finally:
+            hosts.stop()
+    finally:
+        slow.close()
