@@ -119,7 +119,7 @@ class Assignment:
         if spec.plan_hosts()[0] not in {h.name for h in spec.hosts}:
             raise AssignError("the plan's head is not among the hosts")
         model = await trio.to_thread.run_sync(self._model_copy, spec.model_sha256, spec.model_name)
-        self._stop_supervisor()
+        await self._end_supervision()
         supervisor = Supervisor(self.daemon, spec, model, self.daemon.config.deploy.rejoin_grace_s)
         await self.nursery.start(supervisor.run)
         self.supervisor = supervisor
@@ -144,6 +144,13 @@ class Assignment:
         if self.supervisor is not None:
             self.supervisor.scope.cancel()
             self.supervisor = None
+
+    async def _end_supervision(self) -> None:
+        """Stop the supervisor and wait until it has let go of the head."""
+        supervisor = self.supervisor
+        self._stop_supervisor()
+        if supervisor is not None:
+            await supervisor.done.wait()
 
     async def release(self) -> dict | None:
         async with self._lock:
@@ -253,7 +260,7 @@ class Assignment:
         self._scope = self._text = None
 
     async def _release(self) -> None:
-        self._stop_supervisor()
+        await self._end_supervision()
         if self._scope is None:
             return
         log.info("deploy: releasing stage %d", self.index)

@@ -102,6 +102,8 @@ class Supervisor:
         self.replans = {"dropped": 0, "returned": 0, "added": 0, "restarted": 0}
         self.last_change: dict | None = None
         self._wake = trio.Event()
+        self.running = False  # started, not yet stopped
+        self.done = trio.Event()
         self._epoch = 0  # one more at each change of plan: a probe asked before it says nothing of the new one
         self._nursery: trio.Nursery | None = None
         self.scope = trio.CancelScope()
@@ -122,6 +124,22 @@ class Supervisor:
 
     # ---------------------------------------------------------------- the tasks
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self._run(task_status)
+        except Exception:
+            if not self.running:
+                raise
+            # a bug: supervision stops, the deployment serves on as it is
+            log.exception("deploy: supervising the deployment failed; it runs on unsupervised")
+        finally:
+            self.running = False
+            self.done.set()
+            engine = self._engine()
+            if engine is not None:  # nobody decides any more: the pipeline's own liveness does, as unsupervised
+                engine.availability.supervised = False
+                engine.availability.set(SERVING)
+
+    async def _run(self, task_status) -> None:
         with self.scope:
             self.shape = await trio.to_thread.run_sync(model_shape, self.model)
             engine = self._engine()
@@ -134,6 +152,7 @@ class Supervisor:
                     if name != self.head_name:
                         nursery.start_soon(self._probe, self.hosts[name])
                 task_status.started()
+                self.running = True
                 await self._decide_forever()
 
     def add(self, name: str, url: str) -> HostState:
