@@ -21,7 +21,7 @@ back to the three-host plan at a request boundary. Printed per run:
 - detection to serving: from there to the new plan serving (the grace, then
   the re-plan: cut, ship, start), and the re-plan alone;
 - join to first request on the new plan: from the host back to the first
-  reply that started after the switch and completed.
+  reply asked once the switch began (so served on the new plan) to complete.
 
 And the loss by phase: of the requests in flight when the host was lost,
 those in prefill, in decode, in a speculative window (the speculative
@@ -157,7 +157,8 @@ def run_once(run: int, hosts: Hosts, net, clients: Clients, lost_name: str) -> d
     deadline = time.time() + 120
     first = None
     while first is None and time.time() < deadline:
-        first = min((r["end"] for r in clients.records if r["start"] >= switch["at"] and r.get("end")), default=None)
+        # served wholly on the new plan: asked once the switch began (it waited for it), answered after it
+        first = min((r["end"] for r in clients.records if r["start"] >= switch_from and r.get("end")), default=None)
         time.sleep(0.1)
     time.sleep(1.0)
 

@@ -202,6 +202,9 @@ def test_too_little_memory_left_is_a_503_naming_the_shortfall_until_the_host_ret
         assert _host(sup, names[2])["state"] == "in plan", sup
         ok = httpx.post(api, json=body, timeout=60)
         assert ok.status_code == 200, ok.text
+        metrics = httpx.get(api.replace("/v1/completions", "/metrics"), timeout=30).text
+        assert 'skippy_deploy_replans_total{cause="returned"} 1.0' in metrics, metrics
+        assert "skippy_deploy_generation 2.0" in metrics and "skippy_requests_resumed_total" in metrics
         assert generate(head, prompt=PROMPT, raw=True, max_tokens=TOKENS)["tokens"] == want["tokens"]
     finally:
         net.link_up(2)

@@ -43,6 +43,7 @@ log = logging.getLogger("skippyd.deploy")
 
 PROBE_S = 1.0  # each host is asked for its report this often
 PROBE_TIMEOUT_S = 2.0  # ... and is unreachable when it does not answer within this
+DECIDE_S = 0.25  # how often the decisions are looked at again without a probe's news (a grace ending)
 RECOVER_BUDGET_S = 120.0  # a re-plan (cut, ship, start) gets this long on top of the grace before requests fail
 SWITCH_GAIN = 0.10  # a plan this much faster (by the planner's estimate) is worth a switch
 DRAIN_S = 30.0  # a switch waits this long for running generations to end; the rest are replayed
@@ -240,10 +241,14 @@ class Supervisor:
                 log.warning("deploy: re-planning: %s; planning again", exc)
             except Exception:  # a bug: logged, and tried again, never taking the head down
                 log.exception("deploy: re-planning failed; trying again")
-            with trio.move_on_after(PROBE_S):
+            with trio.move_on_after(DECIDE_S):
                 await self._wake.wait()
 
     async def _decide(self) -> None:
+        now = trio.current_time()
+        for h in self.hosts.values():  # a grace ends on time, not at the next probe (which may take seconds)
+            if h.state == UNREACHABLE and h.failing_since is not None and now - h.failing_since >= self.grace_s:
+                h.move(DROPPED, h.reason)
         plan_hosts = [s["host"] for s in self.plan["stages"]]
         lost = [self.hosts[n] for n in plan_hosts[1:] if self.hosts[n].state == DROPPED
                 or (self.hosts[n].state == IN_PLAN and not self._runs_its_stage(self.hosts[n]))]
