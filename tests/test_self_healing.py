@@ -131,9 +131,20 @@ def test_a_host_killed_during_decode_is_replaced_and_taken_back_with_no_request_
         assert "deploy: generation 2:" in head.log()
         assert generate(head, prompt=PROMPT, raw=True, max_tokens=TOKENS)["tokens"] == want["tokens"]
 
+        # back with another control token: refused, it stays dropped
+        lost = hosts.daemons[2]
+        token = lost.token_file.read_text()
+        lost.token_file.write_text("another-token\n")
+        lost.restart()
+        lost.wait_ready()
+        sup = _wait_for(head, lambda s: "control token" in (_host(s, names[2])["reason"] or ""))
+        assert _host(sup, names[2])["state"] == "dropped" and sup["generation"] == 2, sup
+        assert lost.stop() == 0
+        lost.token_file.write_text(token)
+
         # the host comes back (a fresh daemon, the same token): its share is given back at a request boundary
-        hosts.daemons[2].restart()
-        hosts.daemons[2].wait_ready()
+        lost.restart()
+        lost.wait_ready()
 
         async def through_the_switch() -> list[dict]:
             results = []

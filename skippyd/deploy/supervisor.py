@@ -37,6 +37,7 @@ from skippyd.deploy.remote import RemoteError, call, send_slice
 from skippyd.head.availability import RECOVERING, SERVING, SHORT
 from skippyd.head.states import GenerationState
 from skippyd.runtime.slicing import split_model, write_middle_slice
+from skippyd.stage.access import UpstreamAllow
 from skippyd.topology import Topology, format_address, parse_address
 
 log = logging.getLogger("skippyd.deploy")
@@ -105,6 +106,7 @@ class Supervisor:
         self._wake = trio.Event()
         self.running = False  # started, not yet stopped
         self.done = trio.Event()
+        self._changing = False  # the stages are moving: what a host reports meanwhile is not news
         self._epoch = 0  # one more at each change of plan: a probe asked before it says nothing of the new one
         self._nursery: trio.Nursery | None = None
         self.scope = trio.CancelScope()
@@ -174,10 +176,10 @@ class Supervisor:
             try:
                 report = await call(host.url, host.name, self.token, lambda i: m.Host(id=i), timeout=PROBE_TIMEOUT_S)
             except RemoteError as exc:
-                if epoch == self._epoch:
+                if epoch == self._epoch and not self._changing:
                     self._missed(host, str(exc))
             else:
-                if epoch == self._epoch:
+                if epoch == self._epoch and not self._changing:
                     self._answered(host, report)
             await trio.sleep(PROBE_S)
 
@@ -190,8 +192,8 @@ class Supervisor:
                             self.grace_s)
                 host.move(UNREACHABLE, why)
                 self._set(RECOVERING, f"{host.name} does not answer")
-        elif host.state == UNREACHABLE:
-            host.reason = why
+        elif host.state in (UNREACHABLE, DROPPED):
+            host.reason = why  # the latest: a host back with another token is refused, and says so
         if host.state == UNREACHABLE and now - host.failing_since >= self.grace_s:
             host.move(DROPPED, why)
             self._wake.set()
@@ -318,9 +320,11 @@ class Supervisor:
 
     async def _apply(self, plan: DeployPlan, cause: str, kind: str, started: float, *, drain: bool) -> None:
         self._epoch += 1
+        self._changing = True
         try:
             await self._switch(plan, cause, kind, started, drain=drain)
         finally:
+            self._changing = False
             self._epoch += 1
 
     async def _switch(self, plan: DeployPlan, cause: str, kind: str, started: float, *, drain: bool) -> None:
@@ -343,6 +347,9 @@ class Supervisor:
             for k in range(1, len(plan.stages)):
                 nursery.start_soon(ship, k)
         text = _wire(topology)
+        head = self.daemon.head
+        if head.hub is not None and len(topology.stages) >= 3:  # the new final stage returns tokens from its host
+            head.hub.allow = UpstreamAllow.for_stage(topology, 0, head.config.upstream_allow)
         for k in reversed(range(1, len(plan.stages))):
             host = self.hosts[plan.stages[k].host]
             host.assigned = await call(host.url, host.name, self.token,
