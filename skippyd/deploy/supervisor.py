@@ -106,6 +106,7 @@ class Supervisor:
         self._wake = trio.Event()
         self.running = False  # started, not yet stopped
         self.done = trio.Event()
+        self._refused_over: frozenset | None = None  # the hosts (and memory) the model last did not fit
         self._changing = False  # the stages are moving: what a host reports meanwhile is not news
         self._epoch = 0  # one more at each change of plan: a probe asked before it says nothing of the new one
         self._nursery: trio.Nursery | None = None
@@ -288,14 +289,19 @@ class Supervisor:
 
     async def _replan(self, cause: str, kind: str, *, switch: bool) -> None:
         started = trio.current_time()
-        self._set(RECOVERING, cause)
+        candidates = self._candidates()
+        over = frozenset((h.name, h.memory_bytes >> 26) for h in candidates)  # memory to 64 MiB: it moves
+        if over == self._refused_over:
+            return  # the same hosts that could not hold the model: nothing new to plan with
         try:
-            plan = self._plan_over(self._candidates())
+            plan = self._plan_over(candidates)
         except PlanRefused as exc:
-            if self._engine().availability.state != SHORT:
-                log.error("deploy: %s: cannot serve: %s (waiting for a host to return)", cause, exc)
+            log.error("deploy: %s: cannot serve: %s (waiting for a host to return)", cause, exc)
+            self._refused_over = over
             self._set(SHORT, str(exc))
             return
+        self._refused_over = None
+        self._set(RECOVERING, cause)
         await self._apply(plan, cause, kind, started, drain=switch)
 
     async def _consider(self, returned: list[HostState]) -> None:
