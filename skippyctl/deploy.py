@@ -28,7 +28,7 @@ import trio
 import typer
 from rich.table import Table
 
-from skippyctl.client import ControlError, open_control
+from skippyctl.client import ControlError, open_control, read_token
 from skippyctl.render import EXIT_USAGE, emit, fail, host_progress, human_bytes, listing
 from skippyd.control import messages as m
 from skippyd.deploy.planner import HostInfo, PlanError, make_plan, model_shape, place
@@ -407,8 +407,11 @@ async def _wait_answering(head: Target, token_file: Path | None, timeout: float)
 
 def deploy(
     ctx: typer.Context,
-    model: ModelArg,
-    hosts: HostsOption,
+    model: Annotated[Path | None, typer.Argument(metavar="MODEL.gguf", help="The GGUF model to place.",
+                                                 show_default=False)] = None,
+    hosts: Annotated[str | None, typer.Option(
+        "--hosts", help="The hosts' control addresses, HOST[:PORT] (port 7390 by default), comma-separated, in "
+        "pipeline order: the head goes on the first host the plan uses.")] = None,
     stages: StagesOption = None,
     stage_port: Annotated[int, typer.Option("--stage-port", min=1, max=65535,
                                             help="Stage K listens on its host at this port + K.")]
@@ -423,6 +426,14 @@ def deploy(
     mmproj: Annotated[Path | None, typer.Option(
         "--mmproj", help="The model's multimodal projector (llama.cpp's mmproj GGUF): sent to the head's host "
         "as a slice is, for images in prompts.", metavar="FILE")] = None,
+    supervise: Annotated[bool, typer.Option(
+        "--supervise/--no-supervise", help="Leave a copy of the model on the head's host and have the head "
+        "supervise the deployment: a host unreachable longer than its deploy.rejoin_grace_s is dropped and the "
+        "pipeline re-planned over the hosts left; a host back (or added with --add) is taken in again.")] = True,
+    add: Annotated[str | None, typer.Option(
+        "--add", help="Offer one more host, HOST[:PORT] (a waiting skippyd), to the running deployment (its head "
+        "from --out): the head times it and switches to a plan with it when that is faster. Takes no MODEL.",
+        metavar="HOST")] = None,
     out: OutOption = None,
     json_mode: JsonOption = False,
 ) -> None:
@@ -430,10 +441,15 @@ def deploy(
 
     A host that holds its slice already is sent nothing; an interrupted transfer resumes where it stopped;
     a slice that arrives damaged is sent again. Writes the topology it deployed (and deployment.json, which
-    `skippyctl undeploy` reads) to --out."""
-    targets = parse_hosts(hosts)
+    `skippyctl undeploy` reads) to --out. Unless --no-supervise, the model file is also sent to the head's host
+    (once: it keeps it), from which the head cuts the slices of a new plan when hosts go and come."""
     token_file = ctx.obj.token_file
     out_dir = out or _state_dir()
+    if add is not None:
+        return _add_host(add, token_file, out_dir, json_mode)
+    if model is None or hosts is None:
+        fail("deploy: give MODEL.gguf and --hosts (or --add HOST to a running deployment)", EXIT_USAGE)
+    targets = parse_hosts(hosts)
     chosen = None
     if ranges is not None:
         if stages is not None:
@@ -489,8 +505,12 @@ def deploy(
         for target in targets:  # hosts the plan left out: released, should they run an older deployment
             if target not in placed:
                 await _call(target, token_file, lambda i: m.StageRelease(id=i))
+        supervised = None
+        if supervise and len(placed) > 1:
+            supervised = await _supervise(model, targets, placed, plan_, reports, timings, token_file,
+                                          stage_port, hop_ms, sender)
         return _record(out_dir, model, topology, plan_, reports, timings, placed, sent, ready_s,
-                       time.monotonic() - started)
+                       time.monotonic() - started, supervised)
 
     emit(_run(go), json_mode, _deploy_table)
 
@@ -505,8 +525,43 @@ async def _release_quietly(targets: list[Target], token_file: Path | None) -> No
                 pass
 
 
+async def _supervise(model: Path, targets: list[Target], placed: list[Target], plan_, reports, timings,
+                     token_file: Path | None, stage_port: int, hop_ms: float, sender: Sender) -> dict:
+    """Leave the model on the head's host and hand the head the deployment to supervise (a new plan keeps as
+    many stages as this one at most)."""
+    head = placed[0]
+    sha = await trio.to_thread.run_sync(file_sha256, model)
+    copy = await sender.send(head, model, sha)
+    hosts = [m.DeployHost(name=t.name, url=t.url, memory_bytes=reports[t.name]["memory_bytes"],
+                          ms_per_layer=timings[t.name]["ms_per_layer"]) for t in targets]
+    state = await _call(head, token_file, lambda i: m.Supervise(
+        id=i, model_sha256=sha, model_name=model.name, hosts=hosts, plan=_plan_data(plan_, reports, timings),
+        token=read_token(token_file), stage_port=stage_port, stages=len(plan_.stages), hop_ms=hop_ms,
+        ctx=max(r["ctx"] for r in reports.values()), lanes=max(r["lanes"] for r in reports.values())))
+    return {"model_copy": f"{head.name}: slice {sha}", "model_copy_sent": copy.sent,
+            "rejoin_grace_s": state["rejoin_grace_s"], "generation": state["generation"]}
+
+
+def _add_host(name: str, token_file: Path | None, out_dir: Path, json_mode: bool) -> None:
+    record = out_dir / "deployment.json"
+    try:
+        head_url = json.loads(record.read_text())["head"]
+    except (OSError, ValueError, KeyError) as exc:
+        fail(f"--add: no deployment record at {record} ({exc}): deploy first", EXIT_USAGE)
+    target = parse_hosts(name)
+    if len(target) != 1:
+        fail("--add: give one host", EXIT_USAGE)
+    head = Target(head_url, *parse_address(head_url.removeprefix("ws://")))
+
+    async def go():
+        await probe(target, token_file)  # a waiting skippyd that takes this token
+        return await _call(head, token_file, lambda i: m.AddHost(id=i, name=target[0].name, url=target[0].url))
+
+    emit(_run(go), json_mode, lambda data: f"{data['name']}: {data['state']} (the head plans with it from now on)")
+
+
 def _record(out_dir: Path, model: Path, topology: Topology, plan_, reports, timings, placed: list[Target],
-            sent: dict[str, Sent], ready_s: float, took_s: float) -> dict:
+            sent: dict[str, Sent], ready_s: float, took_s: float, supervised: dict | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     topology.dump(out_dir / "topology.toml")
     data = {
@@ -520,6 +575,7 @@ def _record(out_dir: Path, model: Path, topology: Topology, plan_, reports, timi
         "ready_s": round(ready_s, 2),
         "took_s": round(took_s, 2),
         "topology_version": TOPOLOGY_VERSION,
+        "supervised": supervised,
     }
     (out_dir / "deployment.json").write_text(json.dumps(data, indent=2) + "\n")
     return data

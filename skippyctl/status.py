@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 import typer
@@ -30,7 +31,8 @@ def _table(data: dict) -> Table:
                             + _warnings(data.get("warnings"))
                             + _caches(data)
                             + _speculation((data.get("head") or {}).get("speculation"))
-                            + _vision((data.get("head") or {}).get("vision")))
+                            + _vision((data.get("head") or {}).get("vision"))
+                            + _supervised((data.get("deployment") or {}).get("supervised")))
     for s in (data.get("topology") or {}).get("stages", []):
         table.add_row(str(s["index"]), s["address"], f"[{s['layers'][0]},{s['layers'][1]})",
                       "yes" if s["local"] else "no", threads.get(s["index"], "-"), _yes(s["reachable"]),
@@ -118,6 +120,23 @@ def _vision(vision: dict | None) -> str:
     w, h = vision["image_size"]
     return (f"\nimages: {vision['projector']} ({vision['projector_type']}), {vision['tokens_per_image']} tokens "
             f"for a {w}x{h} image")
+
+
+def _supervised(sup: dict | None) -> str:
+    """A supervised deployment: its plan's generation and state, and every host offered (in plan, waiting,
+    dropped, with why and since when)."""
+    if not sup:
+        return ""
+    plan = " → ".join(f"{s['host']} {s['layers'][0]}:{s['layers'][1]}" for s in sup["plan"]["stages"])
+    line = f"\ndeployment: generation {sup['generation']}, {sup['state']}" + (f" ({sup['why']})" if sup["why"] else "")
+    line += f"\nplan: {plan}, {sup['plan']['ms_per_token']:.2f} ms per token expected"
+    for h in sup["hosts"]:
+        ago = max(0.0, time.time() - h["since"])
+        line += f"\n  {h['name']}: {h['state']} for {ago:.0f}s" + (f": {h['reason']}" if h["reason"] else "")
+    last = sup.get("last_change")
+    if last:
+        line += f"\nlast change: {last['cause']} (generation {last['generation']}, {last['took_s']:.1f} s)"
+    return line
 
 
 def _percent(fraction: float | None) -> str:

@@ -219,6 +219,13 @@ class OpenAISection:
 
 
 @attrs.frozen
+class DeploySection:
+    # a host of a supervised deployment (skippyctl deploy) unreachable this long is dropped and the pipeline
+    # re-planned over the hosts left, s
+    rejoin_grace_s: float = attrs.field(default=10.0, validator=_at_least(0))
+
+
+@attrs.frozen
 class Config:
     daemon: DaemonSection = attrs.field(factory=DaemonSection)
     pipeline: PipelineSection = attrs.field(factory=PipelineSection)
@@ -226,6 +233,7 @@ class Config:
     stage: StageSection = attrs.field(factory=StageSection)
     control: ControlSection = attrs.field(factory=ControlSection)
     openai: OpenAISection = attrs.field(factory=OpenAISection)
+    deploy: DeploySection = attrs.field(factory=DeploySection)
 
     def items(self) -> Iterator[tuple[str, Any]]:
         """("section.key", value) for every setting."""

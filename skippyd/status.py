@@ -77,8 +77,10 @@ class StatusReport:
         assignment = getattr(self.daemon, "assignment", None)
         if assignment is None or not assignment.accepts_stages:
             return None
+        supervisor = assignment.supervisor
         return {"assigned": assignment.describe(), "last_failure": assignment.failure,
-                "slices_dir": str(assignment.slices.dir)}
+                "slices_dir": str(assignment.slices.dir),
+                "supervised": supervisor.describe() if supervisor is not None else None}
 
     def _model(self):
         d = self.daemon

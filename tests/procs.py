@@ -150,12 +150,21 @@ class Daemon:
             args = ["--config", str(write_config(workdir / f"{name}.toml", config)), *args]
         self.args = [*(prefix or ()), sys.executable, "-m", "skippyd.daemon", *args,
                      "--control", f"{control_host}:{self.control_port}", "--control-token-file", str(self.token_file)]
+        self.env = {**os.environ, **(env or {})}
+        self._start()
+
+    def _start(self) -> None:
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**os.environ, **(env or {})},
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=self.env,
                                      # PDEATHSIG follows the forking *thread*: only safe from the main thread
                                      preexec_fn=_die_with_parent if threading.current_thread() is
                                      threading.main_thread() else None)
+
+    def restart(self) -> None:
+        """Start the same daemon again after it exited: the same flags, control port and token."""
+        assert self.proc.poll() is not None, f"{self.name} still runs"
+        self._log.close()
+        self._start()
 
     @property
     def url(self) -> str:

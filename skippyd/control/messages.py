@@ -219,9 +219,51 @@ class StageRelease:
     id: str
 
 
+@attrs.frozen
+class DeployHost:
+    """A host of a supervised deployment: its control address as the deployer named it, how to reach it, what
+    deploy found there."""
+
+    name: str
+    url: str
+    memory_bytes: int = attrs.field(default=0, validator=_non_negative)
+    ms_per_layer: float | None = None
+
+
+@attrs.frozen
+class Supervise:
+    """To the head of a deployment just started: watch its hosts and re-plan as they go and come. The model is
+    the copy deploy sent this host (a slice named by its sha256); `token` reaches the other hosts."""
+
+    id: str
+    model_sha256: str = attrs.field(validator=_sha256)
+    model_name: str  # the model file's name (the slices' model name comes from it)
+    hosts: list[DeployHost]
+    plan: dict[str, Any]  # the plan deployed, as `skippyctl plan --json` prints it
+    token: str
+    stage_port: int = attrs.field(validator=_non_negative)
+    stages: int = attrs.field(default=0, validator=_non_negative)  # 0: the fewest that fit
+    hop_ms: float = 1.0
+    ctx: int = attrs.field(default=512, validator=_non_negative)
+    lanes: int = attrs.field(default=1, validator=_non_negative)
+
+    def plan_hosts(self) -> list[str]:
+        """The plan's hosts in pipeline order (the head first)."""
+        return [s["host"] for s in self.plan.get("stages", [])] or [""]
+
+
+@attrs.frozen
+class AddHost:
+    """To a supervising head: a host to plan with from now on (a waiting skippyd)."""
+
+    id: str
+    name: str
+    url: str
+
+
 Request = (Generate | SessionsList | SessionShow | SessionKill | LanesList | LanesDrain | LanesUndrain | CacheShow
            | CacheClear | Status | Receipts | Host | SliceOffer | SliceChunk | SliceCommit | Calibrate | StageAssign
-           | StageRelease)
+           | StageRelease | Supervise | AddHost)
 
 
 # ---------------------------------------------------------------- replies

@@ -406,6 +406,12 @@ class ControlServer:
     async def on_stage_release(self, req: m.StageRelease, send) -> None:
         await send(m.Data(req.id, {"released": await self.assignment.release()}))
 
+    async def on_supervise(self, req: m.Supervise, send) -> None:
+        await send(m.Data(req.id, await self.assignment.supervise(req)))
+
+    async def on_add_host(self, req: m.AddHost, send) -> None:
+        await send(m.Data(req.id, self.assignment.add_host(req.name, req.url)))
+
     async def on_receipts(self, req: m.Receipts, send) -> None:
         kept = list(self.engine.receipts)[-max(0, req.limit):]
         await send(m.Data(req.id, [attrs.asdict(r) for r in kept]))

@@ -23,6 +23,7 @@ from skippyd.control.messages import RequestFailed
 from skippyd.deploy.calibrate import calibrate
 from skippyd.deploy.resources import anon_rss, host_report
 from skippyd.deploy.slices import SliceError, SliceStore
+from skippyd.deploy.supervisor import Supervisor
 from skippyd.plan import head_options, stage_config, stages_on_this_host
 from skippyd.stage.threads import usable_cores
 from skippyd.topology import Topology, TopologyError
@@ -55,6 +56,7 @@ class Assignment:
         self._calibrations: dict[str, dict] = {}  # slice sha256 → its timing here
         self._text: str | None = None  # the running assignment's topology, as sent
         self._baseline_rss = anon_rss()  # before any stage: what a running one holds is the growth over it
+        self.supervisor: Supervisor | None = None  # the head's watch over its deployment (skippyctl deploy)
 
     # ---------------------------------------------------------------- what the host offers
     def host(self) -> dict:
@@ -105,6 +107,51 @@ class Assignment:
             await self._start(topology, index)
             self._text = topology_text
             return {**self.describe(), "unchanged": False}
+
+    # ---------------------------------------------------------------- supervision (the head's)
+    async def supervise(self, spec) -> dict:
+        """Supervise the deployment this head runs (skippyd/deploy/supervisor.py); one that did so already
+        stops first."""
+        if self.index != 0:
+            raise AssignError("only the head of a deployment (stage 0) supervises it; this daemon runs "
+                              + ("no stage" if self.index is None else f"stage {self.index}"))
+        if not await trio.to_thread.run_sync(self.slices.is_held, spec.model_sha256):
+            raise AssignError(f"the model {spec.model_sha256[:12]} is not held here: send it first", "not_found")
+        if spec.plan_hosts()[0] not in {h.name for h in spec.hosts}:
+            raise AssignError("the plan's head is not among the hosts")
+        model = await trio.to_thread.run_sync(self._model_copy, spec.model_sha256, spec.model_name)
+        await self._end_supervision()
+        supervisor = Supervisor(self.daemon, spec, model, self.daemon.config.deploy.rejoin_grace_s)
+        await self.nursery.start(supervisor.run)
+        self.supervisor = supervisor
+        return supervisor.describe()
+
+    def add_host(self, name: str, url: str) -> dict:
+        if self.supervisor is None:
+            raise AssignError("this daemon supervises no deployment (it is not a deployment's head)", "not_found")
+        return self.supervisor.add(name, url).describe()
+
+    def _model_copy(self, sha256: str, name: str):
+        """The model copy under its own file name (slices cut from it take their model name from it)."""
+        folder = self.slices.dir / "models" / sha256
+        folder.mkdir(parents=True, exist_ok=True)
+        link = folder / name
+        if not link.is_symlink():
+            link.unlink(missing_ok=True)
+            link.symlink_to(self.slices.path(sha256))
+        return link
+
+    def _stop_supervisor(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.scope.cancel()
+            self.supervisor = None
+
+    async def _end_supervision(self) -> None:
+        """Stop the supervisor and wait until it has let go of the head."""
+        supervisor = self.supervisor
+        self._stop_supervisor()
+        if supervisor is not None:
+            await supervisor.done.wait()
 
     async def release(self) -> dict | None:
         async with self._lock:
@@ -201,6 +248,7 @@ class Assignment:
             done.set()
 
     def _forget(self, runner) -> None:
+        self._stop_supervisor()
         daemon = self.daemon
         if daemon.head is runner:
             daemon.head = None
@@ -213,6 +261,7 @@ class Assignment:
         self._scope = self._text = None
 
     async def _release(self) -> None:
+        await self._end_supervision()
         if self._scope is None:
             return
         log.info("deploy: releasing stage %d", self.index)

@@ -528,3 +528,78 @@ def _refusal(shape: ModelShape, hosts: Sequence[HostInfo], stages: int | None, n
             "host's share"
         )
     return message
+
+
+# --------------------------------------------------------------------------- re-planning around a running head
+
+
+def plan_tail(
+    shape: ModelShape,
+    head: HostInfo,
+    head_end: int,
+    hosts: Sequence[HostInfo],
+    *,
+    ctx: int,
+    lanes: int,
+    stages: int | None = None,
+    hop_ms: float = 1.0,
+    margin_bytes: int = DEFAULT_MARGIN_BYTES,
+    margin_fraction: float = DEFAULT_MARGIN_FRACTION,
+) -> DeployPlan:
+    """The head keeps layers [0, `head_end`) on its host (its clients are connected there, its generations
+    run there); layers [`head_end`, n) go on (some of) `hosts` by make_plan's rule: `stages` stages after
+    the head's (None: the fewest that fit), the smallest slowest stage, then the smallest sum, the earliest
+    boundaries, the hosts in the order given. Raises `PlanRefused` naming the shortfall when nothing fits."""
+    everyone = [head, *hosts]
+    _check_arguments(shape, everyone, ctx, lanes, None, hop_ms, margin_bytes, margin_fraction)
+    n = shape.n_layer
+    if not 0 < head_end < n:
+        raise PlanError(f"the head's layers 0:{head_end} leave nothing to place of {n} layers")
+    if not hosts:
+        raise PlanRefused(f"the model needs its layers {head_end}:{n} on another host, and none is left")
+    needs = [[stage_memory(shape, a, b, ctx=ctx, lanes=lanes, margin_bytes=margin_bytes,
+                           margin_fraction=margin_fraction) if b > a else 0 for b in range(n + 1)]
+             for a in range(n + 1)]
+    ratios = [float(h.ms_per_layer).as_integer_ratio() for h in everyone]
+    denominator = max(den for _, den in ratios)
+    speed = [num * (denominator // den) for num, den in ratios]
+    prefix = list(itertools.accumulate(shape.layer_costs, initial=0))
+    m = n - head_end
+    tail_needs = [[needs[head_end + a][head_end + b] for b in range(m + 1)] for a in range(m + 1)]
+
+    def cost(a: int, b: int) -> int:
+        return prefix[head_end + b] - prefix[head_end + a] + (shape.head_cost if head_end + b == n else 0)
+
+    counts = [min(stages, len(hosts), m)] if stages is not None else range(1, min(len(hosts), m) + 1)
+    for k in counts:
+        best: tuple | None = None
+        for subset in _orders(len(hosts), k):
+            found = _best_ranges(m, [hosts[i].room for i in subset], [speed[i + 1] for i in subset],
+                                 tail_needs, cost)
+            if found is not None and (best is None or found + (subset,) < best):
+                best = found + (subset,)
+        if best is not None:
+            _, _, bounds, subset = best
+            return _plan(shape, everyone, (0, *(i + 1 for i in subset)), (head_end, *(head_end + b for b in bounds)),
+                         needs, prefix, hop_ms)
+    # the head's memory is taken by its own layers: what is short is short on the hosts after it
+    k = min(len(hosts), m)
+    total = sum(needs[head_end + a][head_end + b] for a, b in plan_ranges(m, stages=k))
+    have = sum(max(0, h.room) for h in hosts)
+    names = _names([h.name for h in hosts])
+    if total > have:
+        raise PlanRefused(f"the model needs {human_size(total - have)} more than {names} "
+                          f"{'hold' if len(hosts) > 1 else 'holds'} (layers {head_end}:{n}, besides the head's)")
+    raise PlanRefused(f"the model's layers {head_end}:{n} fit {names} in all, but no split of them into contiguous "
+                      "ranges fits each host's share")
+
+
+def _names(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def human_size(n: int) -> str:
+    """Bytes as an operator reads them: GiB with one decimal from 1 GiB, else MiB (rounded up)."""
+    if n >= 1 << 30:
+        return f"{math.ceil(n * 10 / (1 << 30)) / 10:.1f} GiB"
+    return f"{math.ceil(n / MIB)} MiB"

@@ -32,6 +32,7 @@ import numpy as np
 import trio
 
 from skippyd.head.admission import AdmissionGate
+from skippyd.head.availability import Availability
 from skippyd.head.chunking import PrefillChunker
 from skippyd.head.errors import Draining, GenerationError, ImageRefused, PromptTooLong, QueueTimeout
 from skippyd.head.images import ImageInput, ImageLimits, image_prompt
@@ -190,8 +191,10 @@ class HeadEngine:
         # computing for a stage after it that lost a prefix the head holds (skippyd/stage/boundary.py)
         compute = HeadCompute(context, scheduler, self.sessions, self.prefix_cache,
                               boundary=pool is not None and self.prefix_cache.enabled)
-        self.parts = HeadParts(compute, lanes,
-                               model.token_piece, model.is_eog, self.chunker, watch, resume_window, self.speculation)
+        # whether the pipeline serves, as a supervising deployment says (skippyd/deploy/supervisor.py)
+        self.availability = Availability()
+        self.parts = HeadParts(compute, lanes, model.token_piece, model.is_eog, self.chunker, watch, resume_window,
+                               self.speculation, self.availability)
 
     def describe_token_return(self) -> dict | None:
         if self.pool is None:
@@ -347,10 +350,22 @@ class HeadEngine:
             self._record(run)
         return self._result(run)
 
+    def supervise(self, resume_window: float, max_wait: float) -> None:
+        """A deployment supervises this head: a generation a lost stage interrupts is replayed within
+        `resume_window` (at least), and new ones wait up to `max_wait` while it recovers rather than fail."""
+        window = max(resume_window, self.resume_window or 0.0)
+        self.resume_window = window
+        self.parts = attrs.evolve(self.parts, resume_window=window)
+        self.availability.supervised = True
+        self.availability.max_wait = max_wait
+
     async def _admit(self) -> float:
-        """Refuse while stage 1 is down, else wait for a place; the admission's deadline (trio time)."""
+        """Refuse while stage 1 is down (under a supervisor: wait while it recovers), else wait for a place;
+        the admission's deadline (trio time)."""
         watch = self.watch
-        if watch is not None and watch.down and not await watch.check():
+        if self.availability.supervised:
+            await self.availability.wait_serving(watch)
+        elif watch is not None and watch.down and not await watch.check():
             raise GenerationError(f"{watch.down_name} is down ({watch.last_error}); try again once it is back",
                                   retryable=True, status=503)
         return await self.gate.enter()

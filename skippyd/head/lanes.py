@@ -119,6 +119,17 @@ class LanePool:
             log.info("head: %s is reachable again", self.address)
         return link
 
+    async def retarget(self, host: str, port: int) -> None:
+        """Stage 1 is elsewhere now (a deployment re-planned): idle lanes to the old address close; busy ones
+        close at their checkin, as their generations leave them."""
+        self.host, self.port, self.last_error = host, port, None
+        for lane in list(self._idle):
+            lane.dirty = True
+        while self._idle:
+            await self._discard(self._idle.pop())
+        for lane in self.lanes.values():
+            lane.dirty = True
+
     async def prune(self) -> None:
         """Close idle lanes whose peer went away. One at a time, each taken from the idle list when it is
         closed: while one closes, a checkout may take (and close) another of them."""

@@ -178,6 +178,12 @@ class StageWatch:
             await self._check()
         return self.up is True
 
+    async def retarget(self, host: str, port: int) -> None:
+        """Stage 1 is elsewhere now (a deployment re-planned): the next check pings the new address."""
+        async with self._lock:
+            self.host, self.port = host, port
+            await self._drop()
+
     async def wait_answering(self) -> None:
         """While stage 1 is down: until a check (this watch's own, or anyone's) finds it up again."""
         if self.down:

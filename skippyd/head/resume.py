@@ -20,6 +20,7 @@ import logging
 
 import trio
 
+from skippyd.head.availability import SERVING, Availability, Unavailable
 from skippyd.head.errors import GenerationError
 from skippyd.head.live import LiveGeneration
 from skippyd.head.liveness import StageWatch
@@ -32,9 +33,10 @@ RESUME_BACKOFF_MAX_S = 1.0  # ... up to this
 
 
 class ResumePolicy:
-    def __init__(self, window: float | None, watch: StageWatch | None):
+    def __init__(self, window: float | None, watch: StageWatch | None, availability: Availability | None = None):
         self.window = window  # None: a stage failure fails the generation (no replay)
         self.watch = watch
+        self.availability = availability  # a supervising deployment's say (it may be re-planning the pipeline)
         self.deadline: float | None = None  # trio time: while resuming, the end of the window
         self._backoff = RESUME_BACKOFF_MIN_S
 
@@ -58,11 +60,18 @@ class ResumePolicy:
 
     async def wait(self, exc: GenerationError, live: LiveGeneration) -> None:
         """Until stage 1 answers again; raises `exc`'s story once the window is over."""
+        availability = self.availability
         while True:
+            if availability is not None and (refusal := availability.refusal()) is not None:
+                raise Unavailable(refusal) from exc
             if trio.current_time() + self._backoff > self.deadline:
                 raise GenerationError(f"{exc} (the pipeline was not back within the {self.window:g} s "
                                       f"resume window)", retryable=True, status=exc.status) from exc
             watch = self.watch
+            if availability is not None and availability.supervised and availability.state != SERVING:
+                with trio.move_on_after(self._backoff):  # the supervisor is moving the pipeline: wait for it
+                    await availability.wait_changed()
+                continue
             if watch is not None and watch.down:
                 # the watch re-checks too: wake as soon as any check finds stage 1 up, so that the replay starts
                 # at once (a link that comes back for a few seconds at a time leaves no time to lose)
@@ -75,6 +84,8 @@ class ResumePolicy:
             if self.watch is None or await self.watch.check():
                 break
         live.resumes += 1
+        if availability is not None:
+            availability.resumed += 1
         log.info("head: session %d: resuming (replay %d: %d prompt + %d generated tokens)",
                  live.session_id, live.resumes, live.prompt_tokens, live.generated)
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import attrs
 import trio
 
+from skippyd.head.availability import Availability
 from skippyd.head.chunking import PrefillChunker
 from skippyd.head.decode import Decoder, Reply
 from skippyd.head.errors import GenerationError
@@ -52,6 +53,7 @@ class HeadParts:
     watch: StageWatch | None
     resume_window: float | None
     speculation: SpeculationTotals
+    availability: Availability | None = None  # a supervising deployment's say on whether the pipeline serves
 
 
 class GenerationRun:
@@ -67,7 +69,7 @@ class GenerationRun:
         self.error: str | None = None
         self.cached_tokens = 0  # prompt tokens (and image rows) restored from the prefix caches, not computed
         self.clock = StepClock(head.compute.scheduler.hot_path)
-        self.resume = ResumePolicy(head.resume_window, head.watch)
+        self.resume = ResumePolicy(head.resume_window, head.watch, head.availability)
         self._stats = StatsTotal()  # every stage's reports for this generation, merged as they come
         # this generation's prefill chunk, chosen once: a replay (resume) must chunk the prompt the same way,
         # or its logits (and so a greedy replay's tokens) could differ from the first time

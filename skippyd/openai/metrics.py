@@ -183,6 +183,20 @@ class _DaemonCollector(Collector):
             c.add_metric(["error"], totals.get("errors", 0))
             yield c
             yield self._head_tokens(totals)
+            availability = getattr(engine, "availability", None)
+            if availability is not None:
+                yield CounterMetricFamily("skippy_requests_resumed", "Generations replayed after a stage was lost "
+                                          "(the same stage back, or a re-planned pipeline)",
+                                          value=availability.resumed)
+        supervisor = getattr(getattr(daemon, "assignment", None), "supervisor", None)
+        if supervisor is not None:
+            c = CounterMetricFamily("skippy_deploy_replans", "Times the supervising head moved its deployment to a "
+                                    "new plan, by cause", labels=["cause"])
+            for cause, n in supervisor.replans.items():
+                c.add_metric([cause], n)
+            yield c
+            yield GaugeMetricFamily("skippy_deploy_generation", "The deployment plan's generation (1: as deployed)",
+                                    value=supervisor.generation)
         pool = getattr(head, "pool", None)
         if pool is not None:
             lanes = dict.fromkeys((LaneState.IDLE, LaneState.BUSY), 0)

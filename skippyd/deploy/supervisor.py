@@ -1,0 +1,456 @@
+"""The head supervises its deployment: hosts that go are dropped, hosts that come are taken in.
+
+``skippyctl deploy`` hands the head (stage 0's daemon) what it deployed: the
+hosts offered, the plan, each host's measured speed, the control token, and a
+copy of the model file (left in the head's slice store). From then on the
+head asks every other host's control channel for its ``host`` report once a
+second. A host of the plan that does not answer for ``deploy.rejoin_grace_s``
+(or answers but no longer runs its stage: it restarted) is dropped: the head
+plans again over the hosts that answer (the planner's rule, the head keeping
+its own host and layers, where its clients are connected), cuts the slices
+from its copy, ships those a host lacks, starts the new stages from the last
+one, points its lanes at the new stage 1, and serves again. Generations in
+flight are replayed (skippyd/head/resume.py) once it does; new ones wait
+meanwhile (skippyd/head/availability.py). When the hosts left cannot hold the
+model, requests get 503 with the shortfall until a host returns.
+
+A dropped host that answers again, or a host added with ``skippyctl deploy
+--add``, makes the head plan again: it switches when that plan gives the
+dropped host its share back, or is faster by ``SWITCH_GAIN`` by the planner's
+estimate, at a request boundary (new requests wait, running ones finish, the
+stages move, new requests go on). A host must present the deployment's token
+to be asked at all: one that refuses it stays dropped, with that reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import attrs
+import trio
+
+from skippyd.control import messages as m
+from skippyd.deploy.planner import DeployPlan, HostInfo, PlanError, PlanRefused, model_shape, plan_tail
+from skippyd.deploy.remote import RemoteError, call, send_slice
+from skippyd.head.availability import RECOVERING, SERVING, SHORT
+from skippyd.head.states import GenerationState
+from skippyd.runtime.slicing import split_model, write_middle_slice
+from skippyd.stage.access import UpstreamAllow
+from skippyd.topology import Topology, format_address, parse_address
+
+log = logging.getLogger("skippyd.deploy")
+
+PROBE_S = 1.0  # each host is asked for its report this often
+PROBE_TIMEOUT_S = 2.0  # ... and is unreachable when it does not answer within this
+DECIDE_S = 0.25  # how often the decisions are looked at again without a probe's news (a grace ending)
+RECOVER_BUDGET_S = 120.0  # a re-plan (cut, ship, start) gets this long on top of the grace before requests fail
+SWITCH_GAIN = 0.10  # a plan this much faster (by the planner's estimate) is worth a switch
+DRAIN_S = 30.0  # a switch waits this long for running generations to end; the rest are replayed
+ASSIGN_TIMEOUT_S = 120.0
+CALIBRATION_LAYERS = 4
+
+IN_PLAN, WAITING, UNREACHABLE, DROPPED = "in plan", "waiting", "unreachable", "dropped"
+
+
+@attrs.define
+class HostState:
+    name: str  # HOST:PORT of its control channel, as the deployer named it
+    url: str
+    ms_per_layer: float | None  # None: not timed yet (added, not calibrated)
+    memory_bytes: int = 0
+    prefix_cache_bytes: int = 0  # its prefix cache's budget, which its stage needs beside the slice
+    state: str = WAITING
+    since: float = attrs.field(factory=time.time)  # when it entered its state (wall clock)
+    reason: str | None = None  # why it is unreachable or dropped
+    failing_since: float | None = None  # trio time of the first unanswered probe in a row
+    assigned: dict | None = None  # what it said it runs, at its last answer
+    answered: bool = False  # has answered a probe since supervision began
+    returned: bool = False  # was dropped, answers again: its share is to be restored
+
+    @property
+    def host(self) -> str:
+        return parse_address(self.name)[0]
+
+    def move(self, state: str, reason: str | None = None) -> None:
+        if state != self.state:
+            self.since = time.time()
+        self.state, self.reason = state, reason
+
+    def describe(self) -> dict:
+        return {"name": self.name, "state": self.state, "since": round(self.since, 3), "reason": self.reason,
+                "memory_bytes": self.memory_bytes, "ms_per_layer": self.ms_per_layer}
+
+
+class Supervisor:
+    """Runs in the head daemon's nursery while its deployment lasts (a new `supervise`, or the head's release,
+    ends it)."""
+
+    def __init__(self, daemon, spec: m.Supervise, model: Path, grace_s: float):
+        self.daemon = daemon
+        self.spec = spec
+        self.model = model  # the copy in this host's slice store, under the name deploy gave it
+        self.grace_s = grace_s
+        self.token = spec.token
+        self.head_name = spec.plan_hosts()[0]
+        self.hosts: dict[str, HostState] = {
+            h.name: HostState(h.name, h.url, h.ms_per_layer, h.memory_bytes) for h in spec.hosts}
+        for name in spec.plan_hosts():
+            self.hosts[name].move(IN_PLAN)
+        self.added: set[str] = set()  # hosts offered with `deploy --add`: a switch to them must be worth it
+        self.generation = 1
+        self.plan: dict = spec.plan
+        self.shape = None
+        self.replans = {"dropped": 0, "returned": 0, "added": 0, "restarted": 0}
+        self.last_change: dict | None = None
+        self._wake = trio.Event()
+        self.running = False  # started, not yet stopped
+        self.done = trio.Event()
+        self._refused_over: frozenset | None = None  # the hosts (and memory) the model last did not fit
+        self._changing = False  # the stages are moving: what a host reports meanwhile is not news
+        self._epoch = 0  # one more at each change of plan: a probe asked before it says nothing of the new one
+        self._nursery: trio.Nursery | None = None
+        self.scope = trio.CancelScope()
+
+    # ---------------------------------------------------------------- status
+    def describe(self) -> dict:
+        engine = self._engine()
+        availability = engine.availability if engine is not None else None
+        return {"generation": self.generation, "plan": self.plan,
+                "state": availability.state if availability is not None else None,
+                "why": availability.why if availability is not None else None,
+                "rejoin_grace_s": self.grace_s, "hosts": [h.describe() for h in self.hosts.values()],
+                "replans": dict(self.replans), "last_change": self.last_change}
+
+    def _engine(self):
+        head = self.daemon.head
+        return head.engine if head is not None else None
+
+    # ---------------------------------------------------------------- the tasks
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self._run(task_status)
+        except Exception:
+            if not self.running:
+                raise
+            # a bug: supervision stops, the deployment serves on as it is
+            log.exception("deploy: supervising the deployment failed; it runs on unsupervised")
+        finally:
+            self.running = False
+            self.done.set()
+            engine = self._engine()
+            if engine is not None:  # nobody decides any more: the pipeline's own liveness does, as unsupervised
+                engine.availability.supervised = False
+                engine.availability.set(SERVING)
+
+    async def _run(self, task_status) -> None:
+        with self.scope:
+            self.shape = await trio.to_thread.run_sync(model_shape, self.model)
+            engine = self._engine()
+            engine.supervise(self.grace_s + RECOVER_BUDGET_S, self.grace_s + RECOVER_BUDGET_S)
+            log.info("deploy: supervising generation 1 of %s over %s (hosts dropped after %g s unreachable)",
+                     self.shape.name, ", ".join(self.spec.plan_hosts()), self.grace_s)
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                for name in self.hosts:
+                    if name != self.head_name:
+                        nursery.start_soon(self._probe, self.hosts[name])
+                task_status.started()
+                self.running = True
+                await self._decide_forever()
+
+    def add(self, name: str, url: str) -> HostState:
+        """A host offered later (skippyctl deploy --add): probed, timed, and planned with from now on."""
+        if name in self.hosts:
+            host = self.hosts[name]
+        else:
+            host = self.hosts[name] = HostState(name, url, None)
+            host.returned = True  # whether it is worth a switch: the plan decides (the gain)
+            self.added.add(name)
+            self._nursery.start_soon(self._probe, host)
+        self._wake.set()
+        return host
+
+    async def _probe(self, host: HostState) -> None:
+        while True:
+            epoch = self._epoch
+            try:
+                report = await call(host.url, host.name, self.token, lambda i: m.Host(id=i), timeout=PROBE_TIMEOUT_S)
+            except RemoteError as exc:
+                if epoch == self._epoch and not self._changing:
+                    self._missed(host, str(exc))
+            else:
+                if epoch == self._epoch and not self._changing:
+                    self._answered(host, report)
+            await trio.sleep(PROBE_S)
+
+    def _missed(self, host: HostState, why: str) -> None:
+        now = trio.current_time()
+        if host.failing_since is None:
+            host.failing_since = now
+            if host.state == IN_PLAN:
+                log.warning("deploy: %s does not answer (%s): dropped if it does not within %g s", host.name, why,
+                            self.grace_s)
+                host.move(UNREACHABLE, why)
+                self._set(RECOVERING, f"{host.name} does not answer")
+        elif host.state in (UNREACHABLE, DROPPED):
+            host.reason = why  # the latest: a host back with another token is refused, and says so
+        if host.state == UNREACHABLE and now - host.failing_since >= self.grace_s:
+            host.move(DROPPED, why)
+            self._wake.set()
+        elif host.state == WAITING:
+            host.move(DROPPED, why)
+
+    def _answered(self, host: HostState, report: dict) -> None:
+        host.failing_since = None
+        host.answered = True
+        host.memory_bytes = report["memory_bytes"]
+        host.prefix_cache_bytes = report.get("prefix_cache_mb", 0) << 20
+        host.assigned = report.get("assigned")
+        if host.state == UNREACHABLE:  # back within the grace: as if nothing happened, if it still runs its stage
+            host.move(IN_PLAN)
+            if self._runs_its_stage(host):
+                log.info("deploy: %s answers again within the grace", host.name)
+                if not any(h.state in (UNREACHABLE, DROPPED) and self._in_plan(h) for h in self.hosts.values()):
+                    self._set(SERVING)
+            self._wake.set()
+        elif host.state == IN_PLAN and not self._runs_its_stage(host):
+            self._wake.set()  # restarted within the grace: it runs nothing now
+        elif host.state == DROPPED:
+            log.info("deploy: %s, dropped %.0f s ago, answers again", host.name, time.time() - host.since)
+            host.move(WAITING)
+            host.returned = True
+            self._wake.set()
+
+    def _in_plan(self, host: HostState) -> bool:
+        return host.name in [s["host"] for s in self.plan["stages"]]
+
+    def _runs_its_stage(self, host: HostState) -> bool:
+        """False once the host answers running nothing (it restarted). A host running another stage than
+        planned is left alone: an operator's new deploy is under way, and it assigns the head last."""
+        return not host.answered or host.assigned is not None
+
+    def _set(self, state: str, why: str | None = None) -> None:
+        engine = self._engine()
+        if engine is not None:
+            engine.availability.set(state, why)
+
+    # ---------------------------------------------------------------- decisions
+    async def _decide_forever(self) -> None:
+        while True:
+            self._wake = trio.Event()
+            try:
+                await self._decide()
+            except RemoteError as exc:  # a host failed mid-change: the next round plans without it
+                log.warning("deploy: re-planning: %s; planning again", exc)
+            except Exception:  # a bug: logged, and tried again, never taking the head down
+                log.exception("deploy: re-planning failed; trying again")
+            with trio.move_on_after(DECIDE_S):
+                await self._wake.wait()
+
+    async def _decide(self) -> None:
+        now = trio.current_time()
+        for h in self.hosts.values():  # a grace ends on time, not at the next probe (which may take seconds)
+            if h.state == UNREACHABLE and h.failing_since is not None and now - h.failing_since >= self.grace_s:
+                h.move(DROPPED, h.reason)
+        plan_hosts = [s["host"] for s in self.plan["stages"]]
+        lost = [self.hosts[n] for n in plan_hosts[1:] if self.hosts[n].state == DROPPED
+                or (self.hosts[n].state == IN_PLAN and not self._runs_its_stage(self.hosts[n]))]
+        if any(self.hosts[n].state == UNREACHABLE for n in plan_hosts[1:]):
+            return  # within its grace: no plan yet
+        engine = self._engine()
+        short = engine is not None and engine.availability.state == SHORT
+        returned = [h for h in self.hosts.values() if h.returned and h.state == WAITING]
+        for h in returned:
+            if h.ms_per_layer is None:
+                await self._calibrate(h)
+        if lost or short:
+            for h in lost:
+                if h.state == IN_PLAN:  # answers, but runs nothing: it restarted; planned with as any other
+                    h.move(WAITING, "it restarted (it ran no stage)")
+            cause = (f"{', '.join(h.name for h in lost)} dropped ({'; '.join(h.reason or '' for h in lost)})"
+                     if lost else f"{', '.join(h.name for h in returned) or 'a host'} back")
+            kind = "restarted" if lost and all(h.state == WAITING for h in lost) else \
+                "dropped" if lost else "returned"
+            await self._replan(cause, kind, switch=False)
+        elif returned:
+            await self._consider(returned)
+
+    def _candidates(self) -> list[HostState]:
+        return [h for name, h in self.hosts.items() if name != self.head_name
+                and h.state in (IN_PLAN, WAITING) and h.ms_per_layer is not None]
+
+    def _plan_over(self, hosts: list[HostState]) -> DeployPlan:
+        head = self.hosts[self.head_name]
+        head_end = self.plan["stages"][0]["layers"][1]
+        stages = self.spec.stages - 1 if self.spec.stages else None
+        tail = [HostInfo(h.name, h.memory_bytes, h.ms_per_layer, prefix_cache_bytes=h.prefix_cache_bytes)
+                for h in hosts]
+        return plan_tail(self.shape, HostInfo(head.name, max(head.memory_bytes, 1), head.ms_per_layer or 1.0),
+                         head_end, tail,
+                         ctx=self.spec.ctx, lanes=self.spec.lanes, stages=stages, hop_ms=self.spec.hop_ms)
+
+    async def _replan(self, cause: str, kind: str, *, switch: bool) -> None:
+        started = trio.current_time()
+        candidates = self._candidates()
+        over = frozenset((h.name, h.memory_bytes >> 26) for h in candidates)  # memory to 64 MiB: it moves
+        if over == self._refused_over:
+            return  # the same hosts that could not hold the model: nothing new to plan with
+        try:
+            plan = self._plan_over(candidates)
+        except PlanRefused as exc:
+            log.error("deploy: %s: cannot serve: %s (waiting for a host to return)", cause, exc)
+            self._refused_over = over
+            self._set(SHORT, str(exc))
+            return
+        self._refused_over = None
+        self._set(RECOVERING, cause)
+        await self._apply(plan, cause, kind, started, drain=switch)
+
+    async def _consider(self, returned: list[HostState]) -> None:
+        """A host came (back) while the plan serves: switch if that restores its share or is faster enough."""
+        try:
+            plan = self._plan_over(self._candidates())
+        except PlanError:
+            return
+        restores = [h for h in returned if h.name in plan.hosts and h.name not in self.added]
+        faster = plan.ms_per_token <= (1 - SWITCH_GAIN) * self.plan["ms_per_token"]
+        for h in returned:
+            h.returned = False
+        if not (restores or faster):
+            log.info("deploy: %s answers; the plan over it is not %.0f%% faster (%.2f against %.2f ms per token): "
+                     "kept", ", ".join(h.name for h in returned), SWITCH_GAIN * 100, plan.ms_per_token,
+                     self.plan["ms_per_token"])
+            return
+        cause = (f"{', '.join(h.name for h in restores)} back" if restores else
+                 f"{', '.join(h.name for h in returned)} joined: {plan.ms_per_token:.2f} ms per token against "
+                 f"{self.plan['ms_per_token']:.2f}")
+        await self._apply(plan, cause, "returned" if restores else "added", trio.current_time(), drain=True)
+
+    async def _apply(self, plan: DeployPlan, cause: str, kind: str, started: float, *, drain: bool) -> None:
+        self._epoch += 1
+        self._changing = True
+        try:
+            await self._switch(plan, cause, kind, started, drain=drain)
+        finally:
+            self._changing = False
+            self._epoch += 1
+
+    async def _switch(self, plan: DeployPlan, cause: str, kind: str, started: float, *, drain: bool) -> None:
+        engine = self._engine()
+        if drain:  # a request boundary: new generations wait, running ones finish (or are replayed after)
+            self._set(RECOVERING, f"switching: {cause}")
+            with trio.move_on_after(DRAIN_S):
+                while any(live.state != GenerationState.QUEUED for live in list(engine.live.values())):
+                    await trio.sleep(0.05)
+        topology, files = await trio.to_thread.run_sync(self._cut, plan)
+        shipped = 0
+
+        async def ship(k: int) -> None:
+            nonlocal shipped
+            host = self.hosts[plan.stages[k].host]
+            spec = topology.stage(k)
+            shipped += await send_slice(host.url, host.name, self.token, files[k], spec.sha256)
+
+        async with trio.open_nursery() as nursery:
+            for k in range(1, len(plan.stages)):
+                nursery.start_soon(ship, k)
+        text = _wire(topology)
+        head = self.daemon.head
+        if head.hub is not None and len(topology.stages) >= 3:  # the new final stage returns tokens from its host
+            head.hub.allow = UpstreamAllow.for_stage(topology, 0, head.config.upstream_allow)
+        for k in reversed(range(1, len(plan.stages))):
+            host = self.hosts[plan.stages[k].host]
+            host.assigned = await call(host.url, host.name, self.token,
+                                       lambda i, k=k: m.StageAssign(id=i, topology=text, stage=k),
+                                       timeout=ASSIGN_TIMEOUT_S)
+        placed = set(plan.hosts)
+        for h in self.hosts.values():
+            if h.name != self.head_name and h.name not in placed and h.state in (IN_PLAN, WAITING) \
+                    and h.assigned is not None:
+                try:  # it ran a stage of the old plan: it waits now
+                    await call(h.url, h.name, self.token, lambda i: m.StageRelease(id=i), timeout=30.0)
+                    h.assigned = None
+                except RemoteError as exc:
+                    log.warning("deploy: could not release %s's old stage: %s", h.name, exc)
+            if h.state in (IN_PLAN, WAITING):
+                h.move(IN_PLAN if h.name in placed else WAITING)
+                h.returned = False
+        await self._point_head(topology, text)
+        self.plan = {**plan.as_dict(), "ranges": plan.ranges}
+        self.generation += 1
+        self._set(SERVING)
+        took = trio.current_time() - started
+        self.replans[kind] = self.replans.get(kind, 0) + 1
+        self.last_change = {"generation": self.generation, "cause": cause, "took_s": round(took, 2),
+                            "bytes_shipped": shipped, "at": round(time.time(), 3)}
+        log.info("deploy: generation %d: %s; now %s (%s shipped); serving after %.2f s", self.generation, cause,
+                 ", ".join(f"{s.host} {s.layer_start}:{s.layer_end}" for s in plan.stages),
+                 f"{shipped / (1 << 20):.1f} MiB" if shipped else "nothing", took)
+
+    def _cut(self, plan: DeployPlan) -> tuple[Topology, list[Path]]:
+        """The plan's stage files, cut from the model copy once per ranges (kept beside it)."""
+        addresses = [format_address(self.hosts[s.host].host, self.spec.stage_port + s.index) for s in plan.stages]
+        key = "_".join(f"{a}-{b}" for a, b in plan.ranges)
+        folder = self.model.parent / "cuts" / key
+        try:
+            cached = Topology.load(folder / "topology.toml")
+            if cached.ranges == plan.ranges and all(s.file.exists() for s in cached.stages):
+                topology = cached
+            else:
+                raise FileNotFoundError
+        except (OSError, ValueError):
+            topology = split_model(self.model, plan.ranges, folder, hosts=addresses)
+        files = [s.file for s in topology.stages]
+        stages = [attrs.evolve(s, host=host, port=port)
+                  for s, (host, port) in zip(topology.stages, map(parse_address, addresses))]
+        head = self.daemon.topology.stage(0) if self.daemon.topology is not None else stages[0]
+        return attrs.evolve(topology, stages=[head, *stages[1:]]), files
+
+    async def _point_head(self, topology: Topology, text: str) -> None:
+        """The head's lanes and liveness watch go to the new stage 1; status shows the new topology."""
+        head = self.daemon.head
+        s1 = topology.stage(1)
+        if head.pool is not None:
+            await head.pool.retarget(s1.host, s1.port)
+        if head.watch is not None:
+            await head.watch.retarget(s1.host, s1.port)
+        head.topology = topology
+        self.daemon.topology = topology
+        assignment = self.daemon.assignment
+        if assignment is not None and assignment.index == 0:
+            assignment.topology = topology
+        with trio.move_on_after(30):
+            while not (head.watch is None or await head.watch.check()):
+                await trio.sleep(0.1)
+
+    async def _calibrate(self, host: HostState) -> None:
+        """Time a host that joined on a few of the model's layers (as deploy does)."""
+        n = self.shape.n_layer
+        start, end = 1, min(n - 1, 1 + CALIBRATION_LAYERS)
+        path = self.model.parent / "cuts" / f"calibration-{start}-{end}.gguf"
+        record = path.with_suffix(".sha256")
+        if not record.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            sha = await trio.to_thread.run_sync(write_middle_slice, self.model, start, end, path)
+            record.write_text(sha + "\n")
+        sha = record.read_text().strip()
+        try:
+            await send_slice(host.url, host.name, self.token, path, sha)
+            timing = await call(host.url, host.name, self.token, lambda i: m.Calibrate(id=i, sha256=sha),
+                                timeout=120.0)
+        except RemoteError as exc:
+            log.warning("deploy: could not time %s: %s", host.name, exc)
+            return
+        host.ms_per_layer = timing["ms_per_layer"]
+        log.info("deploy: %s joins: %.3f ms per layer", host.name, host.ms_per_layer)
+
+
+def _wire(topology: Topology) -> str:
+    """The topology the hosts get: stage files named by their sha256, as the hosts keep them."""
+    def named(s):
+        mmproj = None if s.mmproj is None else Path(f"{s.mmproj_sha256}.gguf")
+        return attrs.evolve(s, file=Path(f"{s.sha256}.gguf"), mmproj=mmproj)
+
+    return attrs.evolve(topology, stages=[named(s) for s in topology.stages]).to_toml()
