@@ -126,11 +126,12 @@ def write_config(path: Path, values: dict[str, Any]) -> Path:
 class Daemon:
     """One skippyd process; `config` ({"section.key": value}) is written to a skippyd.toml of its own.
     `prefix`: a command it runs under (``ip netns exec NAME``: a host of its own, see tests/netns.py);
-    `control_host`: where its control channel listens (an address the test can reach)."""
+    `control_host`: where its control channel listens (an address the test can reach); `as_service`: none of
+    the tests' defaults below (no config file, the daemon's own defaults), as skippyd.service starts it."""
 
     def __init__(self, args: list[str], workdir: Path, name: str, *, env: dict | None = None,
                  config: dict[str, Any] | None = None, prefix: list[str] | None = None,
-                 control_host: str = "127.0.0.1"):
+                 control_host: str = "127.0.0.1", as_service: bool = False):
         self.name = name
         self.control_host = control_host
         self.control_port = free_ports(1)[0]
@@ -141,11 +142,13 @@ class Daemon:
         # tokens of one run with another's
         # speculative decoding off likewise (a later --speculate wins): a verify window computes its rows in one
         # batch, which rounds a little differently from steps one by one
-        args = ["--prefix-cache-mb", "0", "--speculate", "off", *args]
+        if not as_service:
+            args = ["--prefix-cache-mb", "0", "--speculate", "off", *args]
         # and activations float32 on the stage links unless the test asks for f16 (tests/test_activation_wire.py):
         # half floats round each hidden state a little, so a split's greedy tokens equal the unsplit model's only
         # up to a near-tie
-        config = {"runtime.activation_wire": "f32", **(config or {})}
+        if not as_service:
+            config = {"runtime.activation_wire": "f32", **(config or {})}
         if config:
             args = ["--config", str(write_config(workdir / f"{name}.toml", config)), *args]
         self.args = [*(prefix or ()), sys.executable, "-m", "skippyd.daemon", *args,

@@ -125,7 +125,7 @@ def test_the_service_on_a_fresh_host_waits_with_its_slices_in_its_state_director
     """skippyd.service's command line on a host with no skippyd.toml: the defaults, waiting."""
     (tmp_path / "etc").mkdir()
     d = Daemon([], tmp_path, "fresh", env={"CONFIGURATION_DIRECTORY": str(tmp_path / "etc"),
-                                           "STATE_DIRECTORY": str(tmp_path / "state")})
+                                           "STATE_DIRECTORY": str(tmp_path / "state")}, as_service=True)
     try:
         d.wait_ready()
         status = d.status()
