@@ -10,14 +10,14 @@ template), ``--seeds`` seeds at its seeded sampling (temperature 0.8):
 * **free-running**: the token-by-token loop (one decode step per token, a llama.cpp chain with the seed)
   against the speculative loop (n-gram drafts from the context, ``--window`` at most, verified with
   ``Context.sample_window`` as the final stage verifies them), both to ``--tokens``: identical, or the first
-  position where they part. Once with llama.cpp's flash attention off (the daemon's default) and once on:
-  with it on a window's rows compute bit for bit what single steps compute, so any difference left there
-  would be the draws';
+  position where they part;
 * **teacher-forced**: the token-by-token loop's reply computed again as windows of ``--window`` + 1 rows, each
   row sampled by a chain with the same seed in the same order (its draws those of the loop at every
   position): a row whose token differs is a draw that the window's rounding moved across a boundary.
   Reported per 1000 sampled positions, beside the same count for greedy choices (the argmax) and the largest
   logit difference between a row and its single step.
+
+``--flash-attn`` (off, the daemon's default, or on) is llama.cpp's flash attention for both loops.
 
 Every figure is printed as it is; nothing is asserted.
 """
@@ -142,34 +142,31 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--window", type=int, default=8, help="drafts per window at most")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--flash-attn", choices=("off", "on"), default="off")
     args = ap.parse_args()
     model = llama.Model(fetch_default_model())
     print(f"{args.seeds} seeds, temperature {SEEDED_TEMPERATURE}, {args.tokens} tokens, windows of up to "
-          f"{args.window} drafts, {args.threads} threads")
+          f"{args.window} drafts, {args.threads} threads, flash attention {args.flash_attn}")
     for name, prompt_text in SINGLE_PROMPTS.items():
         prompt = model.tokenize(model.apply_chat_template(messages(prompt_text)), parse_special=True)
-        for fa in ("off", "on"):
-            loops = Loops(model, prompt, args.threads, fa)
-            parted, totals = [], {"positions": 0, "seeded": 0, "greedy": 0, "max_logit_diff": 0.0}
-            for seed in range(1, args.seeds + 1):
-                params = SamplingParams(temperature=SEEDED_TEMPERATURE, seed=seed)
-                plain, step_logits = loops.plain(params, args.tokens)
-                spec = loops.speculative(params, args.tokens, args.window)
-                parted.append(first_difference(plain, spec))
-                got = loops.forced(params, plain, step_logits, args.window)
-                for k in ("positions", "seeded", "greedy"):
-                    totals[k] += got[k]
-                totals["max_logit_diff"] = max(totals["max_logit_diff"], got["max_logit_diff"])
-            same = sum(p is None for p in parted)
-            where = ", ".join(str(p) for p in parted if p is not None) or "-"
-            print(f"{name:9s} flash attention {fa:3s}: free-running identical {same}/{len(parted)} "
-                  f"(parted at tokens {where})")
-            per = 1000 / max(1, totals["positions"])
-            print(f"{'':9s} teacher-forced: {totals['positions']} positions, seeded draws moved "
-                  f"{totals['seeded']} ({totals['seeded'] * per:.1f} per 1000), greedy choices moved "
-                  f"{totals['greedy']} ({totals['greedy'] * per:.1f} per 1000), largest logit difference "
-                  f"{totals['max_logit_diff']:.3f}")
-            loops.ctx.close()
+        loops = Loops(model, prompt, args.threads, args.flash_attn)
+        parted, totals = [], {"positions": 0, "seeded": 0, "greedy": 0, "max_logit_diff": 0.0}
+        for seed in range(1, args.seeds + 1):
+            params = SamplingParams(temperature=SEEDED_TEMPERATURE, seed=seed)
+            plain, step_logits = loops.plain(params, args.tokens)
+            parted.append(first_difference(plain, loops.speculative(params, args.tokens, args.window)))
+            got = loops.forced(params, plain, step_logits, args.window)
+            for k in ("positions", "seeded", "greedy"):
+                totals[k] += got[k]
+            totals["max_logit_diff"] = max(totals["max_logit_diff"], got["max_logit_diff"])
+        same = sum(p is None for p in parted)
+        where = ", ".join(str(p) for p in parted if p is not None) or "-"
+        per = 1000 / max(1, totals["positions"])
+        print(f"{name}: free-running identical {same}/{len(parted)} (parted at tokens {where})")
+        print(f"  teacher-forced: {totals['positions']} positions, seeded draws moved {totals['seeded']} "
+              f"({totals['seeded'] * per:.1f} per 1000), greedy choices moved {totals['greedy']} "
+              f"({totals['greedy'] * per:.1f} per 1000), largest logit difference {totals['max_logit_diff']:.3g}")
+        loops.ctx.close()
     return 0
 
 

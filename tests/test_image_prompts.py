@@ -103,17 +103,6 @@ def test_parts_chunk_text_and_images_and_keep_a_non_causal_image_whole():
     assert np.array_equal(np.concatenate([first.media.keys, second.media.keys]), image.keys)
 
 
-def test_a_text_piece_never_ends_in_a_chunk_of_one_row():
-    """A row computed alone rounds otherwise than with others: whatever the chunk, a prompt of two rows or more
-    computes every row with another."""
-    prompt = Prompt.of_chunks([_text(*range(100, 109))])
-    assert [(lo, hi) for _, lo, hi in prompt.parts(0, 4)] == [(0, 4), (4, 7), (7, 9)]
-    assert [(lo, hi) for _, lo, hi in prompt.parts(0, 8)] == [(0, 7), (7, 9)]
-    assert [(lo, hi) for _, lo, hi in prompt.parts(7, 4)] == [(7, 9)]
-    assert [(lo, hi) for _, lo, hi in prompt.parts(8, 4)] == [(8, 9)]  # one row left to compute: alone
-    assert [(lo, hi) for _, lo, hi in prompt.parts(0, 9)] == [(0, 9)]
-
-
 def test_an_mrope_image_in_parts_takes_its_positions_with_its_last_rows():
     prompt = Prompt.of_chunks([_text(1, 2), FakeImage("f" * 64, 12, grid=(4, 3))])
     image = prompt.pieces[1]

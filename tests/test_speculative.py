@@ -100,36 +100,22 @@ async def test_windows_carry_the_copy_and_the_output_is_the_token_by_token_loops
     assert status["enabled"] and status["windows"] >= spec["windows"] and status["accepted"] >= spec["accepted"]
 
 
-@pytest.fixture(scope="module", params=["1-stage", "3-stage"])
-def rounds_alike(request, splits, default_model_path, tmp_path_factory):
-    """A pipeline whose windows compute bit for bit what single steps compute: llama.cpp's flash attention on,
-    with a context of at most 256 positions (beyond, its single-row kernel splits the KV and rounds
-    otherwise; with it off a sequence's lone row always rounds otherwise than rows computed together)."""
-    work = tmp_path_factory.mktemp("alike")
-    config = {**CONFIG, "runtime.flash_attn": "on"}
-    flags = ["--lanes", "2", "--ctx", "256", "--speculate", "on"]
-    if request.param == "1-stage":
-        p = SingleStage(default_model_path, work, flags, config=config)
-    else:
-        p = Pipeline(retarget(splits[3], work), work, extra=flags, config=config).start()
-    yield p
-    p.stop_cleanly()
-
-
-async def test_seeded_sampling_draws_at_each_position_what_the_token_by_token_loop_draws(rounds_alike):
+@ENDINGS
+async def test_seeded_sampling_draws_at_each_position_what_the_token_by_token_loop_draws(pipe):
     """Each position of a window is sampled from the target distribution in order, by the session's one chain,
-    and accepted while it equals the draft: the seeded draws are those of the plain loop. Where a window's
-    rows round as single steps do, the reply is the plain loop's exactly, greedy or seeded (elsewhere it
-    parts only where the rounding moves a draw across a boundary: bench/seeded_windows.py counts how often)."""
-    pipe = rounds_alike
-    accepted = 0
-    for kw in (SEEDED, dict(SEEDED, seed=8), COPY):
+    and accepted while it equals the draft: the seeded draws are those of the plain loop. A window's rows
+    compute the bits a decode step computes (the default model's kernels, see native/patches), so the reply
+    is the plain loop's exactly, greedy or seeded."""
+    seeded_accepted = 0
+    for kw in (SEEDED, dict(SEEDED, temperature=0.5, seed=8), COPY):
         want = await pipe.generate(**dict(kw, speculate=False))
         got = await pipe.generate(**kw)
-        assert got["usage"]["speculation"]["windows"] >= 1
-        accepted += got["usage"]["speculation"]["accepted"]
         assert got["tokens"] == want["tokens"], (kw, first_difference(got["tokens"], want["tokens"]))
-    assert accepted >= 8
+        if kw is not COPY:
+            seeded_accepted += got["usage"]["speculation"]["accepted"]
+        else:
+            assert got["usage"]["speculation"]["accepted"] >= 8
+    assert seeded_accepted >= 1  # seeded windows took drafts, and drew as the plain loop did
     other = await pipe.generate(**dict(SEEDED, seed=8, max_tokens=24))
     first = await pipe.generate(**dict(SEEDED, max_tokens=24))
     assert other["tokens"] != first["tokens"]  # the sampling is live

@@ -189,23 +189,14 @@ class Prompt:
 
     def parts(self, start: int, chunk: int) -> Iterator[tuple[Piece, int, int]]:
         """The prompt from ``start`` (a resume point) as (piece, first row, end row) per compute: text in
-        ``chunk`` tokens at most, an image's rows likewise, or all of them at once without causal attention.
-
-        A text piece of two rows or more is never left with a chunk of one: a sequence's row computed alone
-        rounds otherwise than one computed with others (any number of others rounds alike), so the chunk
-        size, which follows the link's measured round trip, does not change what the prompt computes."""
+        ``chunk`` tokens at most, an image's rows likewise, or all of them at once without causal attention."""
         for piece in self.pieces:
             if piece.end <= start:
                 continue
             lo = start - piece.start if isinstance(piece, TextPiece) and piece.start < start else 0
             size = piece.n_rows if isinstance(piece, ImagePiece) and not piece.causal else chunk
-            rows, first = piece.n_rows, lo
-            while first < rows:
-                end = min(first + size, rows)
-                if isinstance(piece, TextPiece) and rows - end == 1 and end - first > 1:
-                    end -= 1  # the last one goes with the one before it
-                yield piece, first, end
-                first = end
+            for first in range(lo, piece.n_rows, size):
+                yield piece, first, min(first + size, piece.n_rows)
 
     def part(self, piece: Piece, lo: int, hi: int) -> PromptPart:
         """Rows ``[lo, hi)`` of ``piece`` as one compute's input (an image piece's rows encoded already)."""

@@ -140,11 +140,9 @@ class HeadSequence:
         trims itself when the prefill comes (positions are authoritative)."""
         cache, prompt = self.head.prefix_cache, self.prompt
         keys = prompt.keys
-        # the prompt's last two positions are always computed: the last one's logits give the first generated
-        # token, and computed alone it would round otherwise than the first time, in a chunk with others
-        # (Prompt.parts), which could change the reply at a near-tie (a restore never ends inside an image:
-        # its rows are computed together)
-        hit = cache.lookup(keys, prompt.resume_point(min(prompt.n_pos - 2, MAX_TOKENS)))  # MAX_TOKENS: one
+        # the prompt's last position is always computed: its logits give the first generated token (and a
+        # restore never ends inside an image: its rows are computed together)
+        hit = cache.lookup(keys, prompt.resume_point(min(prompt.n_pos - 1, MAX_TOKENS)))  # MAX_TOKENS: one
         if hit is None:                                                                    # RestorePrefix
             return 0
         length = prompt.resume_point(hit.length)
