@@ -3,9 +3,10 @@
 The head drafts tokens from the session's own context and sends [token, drafts...] as one verify window;
 every stage computes it as one batch and the final stage accepts drafts while they equal its own choice.
 The output must be the token-by-token loop's: the same daemon answers the same request with speculation
-off (per request) for the reference. A window computes its positions in one batch, which rounds
-differently from single steps, so the two may part at a near-tie: there the reference's two best candidates
-must be within NEAR_TIE of each other (the reference asks for its logprobs); any other difference fails.
+off (per request) for the reference. On this CPU build a window's rows compute a decode step's bits
+(native/patches/0006), so the replies are equal; a build whose kernels round a batch otherwise may part at a
+near-tie, and the comparisons allow that much: there the reference's two best candidates must be within
+NEAR_TIE of each other (the reference asks for its logprobs); any other difference fails.
 """
 
 from __future__ import annotations
@@ -36,11 +37,10 @@ COPY = dict(prompt=f"Here is a Python module:\n\n{CODE}\nThe same module, copied
 SEEDED = dict(COPY, temperature=0.8, seed=7)
 FLAGS = ["--lanes", "2", "--ctx", "1024", "--speculate", "on"]
 CONFIG = {"runtime.compute_lock": "off", "runtime.prefix_cache_mb": 0}
-# A window's rows and single steps round differently (one batch against several), and on this 2-core CPU
-# build the same positions computed both ways land up to 0.23 apart in log-probability on the best
-# candidates (bench/bench_speculative.py's "rounding band"; the prefix cache's restored replies show the
-# same), so a greedy choice whose two best candidates are closer than that may go either way. A wrong
-# acceptance would part the outputs where the choice is clear: most positions lead by more.
+# Where a window's rows and single steps round differently (one batch against several: llama.cpp's CPU
+# kernels before native/patches/0006 landed the same positions up to 0.23 apart in log-probability on the
+# best candidates), a greedy choice whose two best candidates are closer than that may go either way. A
+# wrong acceptance would part the outputs where the choice is clear: most positions lead by more.
 NEAR_TIE = 0.25
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"  # the served model (the GGUF file name)
 
