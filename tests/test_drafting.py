@@ -75,6 +75,16 @@ def test_judged_tokens_turn_drafting_back_on():
     assert s.choose() > 0
 
 
+def test_windows_that_slow_the_sessions_sharing_the_batch_are_narrower_or_not_sent():
+    """Sharing the batch with three other sessions, a window's rows cost all four: the same acceptance drafts
+    fewer, and a middling one none."""
+    s = WindowSizer(a0=0.9)
+    assert s.choose(4) < s.choose(1)
+    middling = WindowSizer(a0=0.45)
+    assert middling.choose(1) > 0 and middling.choose(4) == 0
+    assert s.gain(3, 1) == pytest.approx(expected_tokens(s.a, 3) / (1 + s.b * 3))  # alone: the plain model
+
+
 def _run(answers_by_window: list[list[int]], context: list[int]) -> tuple[list[int], float]:
     """Feed a Speculation the given answers (a plain step: one token; a window: its drafts and the next);
     returns the draft counts it chose before each and its final acceptance."""

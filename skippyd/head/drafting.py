@@ -20,7 +20,8 @@ drafts nothing (k = 0) when even the best k would not beat a plain step.
 It decides from the tokens alone, never from the clock: the acceptance is
 counted over the tokens the generation produced (would the proposer's first
 draft have been each one?), whatever the windows were, and the cost is a
-fixed model of a window's batch (``DRAFT_COST``). A window's rows and a plain
+fixed model of a window's batch (``DRAFT_COST``); a session whose steps share
+the head's batches with others' also weighs what its window's rows cost them. A window's rows and a plain
 step round differently (one row of a sequence in a batch against several;
 any number of rows from two up rounds alike), so the choice between a plain
 step and a window decides the output at a near-tie: made from the tokens,
@@ -133,16 +134,20 @@ class WindowSizer:
         return self._accepted / self._judged if self._judged > 0 else 0.0
 
     # ---------------------------------------------------------------- choosing
-    def gain(self, k: int) -> float:
-        """Expected speed-up of a window of k drafts over plain steps: tokens per plain step's cost."""
-        return expected_tokens(self.a, k) / (1.0 + self.b * k)
+    def gain(self, k: int, sharing: int = 1) -> float:
+        """Expected speed-up of a window of k drafts over plain steps: tokens per plain step's cost. With
+        ``sharing`` sessions in the batch (this one's included), each a row costing ``b`` more than the first,
+        the window's rows slow every one of them: the gain is the batch's tokens per unit of its cost."""
+        n = max(1, sharing)
+        base = 1.0 + self.b * (n - 1)
+        return (n - 1 + expected_tokens(self.a, k)) / n * base / (base + self.b * k)
 
-    def choose(self) -> int:
+    def choose(self, sharing: int = 1) -> int:
         """Drafts for the next step: the k in 1..max_draft with the best expected gain, or 0 when that gain is
         below ``min_gain`` (drafting off: plain steps, still judged)."""
         best_k, best = 0, 1.0
         for k in range(1, self.max_draft + 1):
-            g = self.gain(k)
+            g = self.gain(k, sharing)
             if g > best:
                 best_k, best = k, g
         return best_k if best >= self.min_gain else 0

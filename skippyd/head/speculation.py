@@ -11,7 +11,7 @@ has :data:`PLAIN_STEPS` for drafts: none, ever.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import attrs
@@ -79,9 +79,12 @@ class Speculation:
     """One generation's drafting state (its Drafts): the proposer over its context, the window sizer, its
     counters."""
 
-    def __init__(self, max_draft: int, totals: SpeculationTotals):
+    def __init__(self, max_draft: int, totals: SpeculationTotals, sharing: Callable[[], int] = lambda: 1):
         self.proposer: NgramProposer | None = None  # made by begin, over the context
         self.sizer = WindowSizer(max_draft=max_draft)
+        # the sessions in the head's last batch with this one: a window's rows slow them all (a session alone
+        # is 1, and its choices follow its tokens only)
+        self.sharing = sharing
         self.totals = totals
         totals.generations += 1
         self.windows = self.drafted = self.accepted = 0
@@ -91,7 +94,7 @@ class Speculation:
         self.proposer.extend(context)
 
     def drafts(self, room: int) -> list[int]:
-        k = min(self.sizer.choose(), room)
+        k = min(self.sizer.choose(self.sharing()), room)
         return self.proposer.propose(k) if k > 0 else []
 
     def done(self, drafts: Sequence[int], answer: Sequence[int]) -> None:
