@@ -8,6 +8,7 @@ import random
 import pytest
 
 from skippyd.head.drafting import NgramProposer, WindowSizer, expected_tokens
+from skippyd.head.speculation import Speculation, SpeculationTotals
 
 
 def test_proposes_what_followed_the_latest_earlier_occurrence_of_the_longest_ngram():
@@ -53,38 +54,60 @@ def test_expected_tokens():
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 
-def test_the_sizer_drafts_wide_when_drafts_are_accepted_and_stops_when_they_are_not():
+def test_the_sizer_drafts_wide_when_drafts_are_right_and_stops_when_they_are_not():
     s = WindowSizer()
-    for _ in range(30):
-        s.window_done(drafted=8, accepted=8)
+    for _ in range(60):
+        s.judge(7, 7)
     assert s.a > 0.95 and s.choose() >= 8
-    for _ in range(30):
-        s.window_done(drafted=4, accepted=0)
+    for _ in range(60):
+        s.judge(7, 8)
     assert s.choose() == 0 and not s.drafting  # a window costs more than the one token it yields
+    for _ in range(30):
+        s.judge(None, 8)  # no draft: nothing learnt
+    assert s.choose() == 0
 
 
-def test_a_cheap_window_makes_wider_drafts_pay():
-    """Over a slow link the trip dominates and a wider window costs little more than a step."""
-    s = WindowSizer(a0=0.6)
-    local = s.choose()
-    s.step_s = 0.040
-    for _ in range(40):
-        s.window_done(drafted=4, accepted=2, seconds=0.042)  # 4 drafts cost 5% more than a plain step
-    assert s.b < 0.05
-    assert s.choose() > local
-
-
-def test_shadow_acceptance_turns_drafting_back_on():
+def test_judged_tokens_turn_drafting_back_on():
     s = WindowSizer(a0=0.0)
     assert s.choose() == 0
     for _ in range(20):
-        s.plain_step(shadow_draft=42, produced=42, seconds=0.03)  # the proposer would have been right
+        s.judge(42, 42)  # the proposer would have been right
     assert s.choose() > 0
-    for _ in range(40):
-        s.plain_step(shadow_draft=1, produced=2)
-    assert s.choose() == 0
-    s.plain_step(shadow_draft=None, produced=2)  # no proposal: nothing learnt
-    assert s.choose() == 0
+
+
+def test_windows_that_slow_the_sessions_sharing_the_batch_are_narrower_or_not_sent():
+    """Sharing the batch with three other sessions, a window's rows cost all four: the same acceptance drafts
+    fewer, and a middling one none."""
+    s = WindowSizer(a0=0.9)
+    assert s.choose(4) < s.choose(1)
+    middling = WindowSizer(a0=0.45)
+    assert middling.choose(1) > 0 and middling.choose(4) == 0
+    assert s.gain(3, 1) == pytest.approx(expected_tokens(s.a, 3) / (1 + s.b * 3))  # alone: the plain model
+
+
+def _run(answers_by_window: list[list[int]], context: list[int]) -> tuple[list[int], float]:
+    """Feed a Speculation the given answers (a plain step: one token; a window: its drafts and the next);
+    returns the draft counts it chose before each and its final acceptance."""
+    spec = Speculation(16, SpeculationTotals())
+    spec.begin(context)
+    chosen = []
+    for answer in answers_by_window:
+        chosen.append(spec.sizer.choose())
+        spec.done(answer[:-1], answer)
+    return chosen, spec.sizer.a
+
+
+def test_the_choice_follows_the_tokens_not_the_steps_that_carried_them():
+    """The acceptance is judged token by token, so the same tokens carried by windows of other shapes (or by
+    plain steps) leave the same estimate, and no clock enters the choice: a run reproduces itself."""
+    rng = random.Random(3)
+    context = [rng.randrange(50) for _ in range(200)]
+    tokens = context[40:120]  # a copy of part of the context: the proposer is mostly right
+    one_by_one, a1 = _run([[t] for t in tokens], context)
+    in_fours, a4 = _run([tokens[i:i + 4] for i in range(0, len(tokens), 4)], context)
+    assert a1 == pytest.approx(a4) and a1 > 0.8
+    assert one_by_one[-1] == in_fours[-1] > 0
+    assert _run([[t] for t in tokens], context) == (one_by_one, a1)
 
 
 def test_the_daemon_drafts_by_ngram_unless_told_off():

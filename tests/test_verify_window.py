@@ -579,3 +579,38 @@ async def test_a_window_whose_activation_has_the_wrong_width_is_a_protocol_error
     assert (await head2.open(other, 1, prompt)).token == ref[0]
     assert window_tokens(await head2.request(other, head2.window(1, ref[0:2], len(prompt)))) == ref[1:3]
     await other.aclose()
+
+
+# ---------------------------------------------------------------------------- steps and windows round alike
+@pytest.mark.parametrize("plan", [[1, 1, 1, 1, 1, 1], [1, 1, 4], [2, 1, 1, 2], [1, 5]])
+def test_a_decode_step_computes_the_bits_of_the_same_row_in_a_window(default_model_path, plan):
+    """One row and several go through the same attention kernels (native/patches/0006): positions computed
+    as decode steps, as a window's rows or in any mix hold the same KV, bit for bit, and give the same logits,
+    so a window's verdicts are the token-by-token loop's, not just up to a near-tie."""
+    model = Model(default_model_path)
+    prompt = model.tokenize("Write a short story about a lighthouse keeper who finds a message in a bottle. " * 3)
+    following = [int(t) for t in model.tokenize(" The keeper read it twice.", add_special=False)[:6]]
+    n = len(prompt)
+
+    def compute(sizes: list[int]) -> tuple[bytes, np.ndarray]:
+        """The KV the sequence holds after ``following`` in computes of ``sizes`` rows, and the last row's
+        logits."""
+        ctx = Context(model, ContextParams(n_ctx_per_seq=512, n_seq_max=1, n_threads=2))
+        try:
+            ctx.decode(np.arange(n), np.zeros(n), tokens=prompt)
+            p = n
+            for size in sizes:
+                rows = following[p - n:p - n + size]
+                if size == 1:
+                    ctx.decode_row(p, 0, token=rows[0])
+                else:
+                    ctx.decode(np.arange(p, p + size), np.zeros(size), tokens=np.array(rows), windows=[0])
+                p += size
+            return bytes(ctx.state_export(0)), ctx.logits(0)
+        finally:
+            ctx.close()
+
+    want_state, want_logits = compute([6])
+    state, logits = compute(plan)
+    assert state == want_state
+    assert np.array_equal(logits, want_logits)

@@ -4,22 +4,33 @@ A verify window is the current token plus k drafted tokens, computed by every
 stage as one batch; the final stage predicts the token after each position
 and accepts drafts while they equal its prediction (``Context.sample_window``),
 answering with the drafts accepted and the token after them. Whether that
-pays depends on two numbers the session measures as it goes:
+pays depends on two numbers:
 
 - the acceptance ``a``: the chance that a draft equals the target's choice
   given that the ones before it did. A window of k drafts then yields
   ``1 + a + a^2 + ... + a^k`` tokens on average;
 - the window's cost against one decode step, ``1 + b * k``: a batch of k+1
   rows costs more compute than one row (about 1.9x for 4 rows, 2.9x for 8 on
-  two CPU cores), while the trip round the pipeline is paid once. Over a link
-  with a long round trip ``b`` is small and wide windows pay.
+  two CPU cores), while the trip round the pipeline is paid once (over a
+  link with a long round trip a window costs less than that, relatively:
+  the model is on the safe side there).
 
 :class:`WindowSizer` picks the k that maximises tokens per unit of cost and
 drafts nothing (k = 0) when even the best k would not beat a plain step.
-While it drafts nothing it keeps measuring for free: every plain step checks
-whether the proposer's first draft would have been right (a shadow
-acceptance), so a session whose output starts repeating its input turns
-drafting back on without paying for a window to find out.
+It decides from the tokens alone, never from the clock: the acceptance is
+counted over the tokens the generation produced (would the proposer's first
+draft have been each one?), whatever the windows were, and the cost is a
+fixed model of a window's batch (``DRAFT_COST``); a session whose steps share
+the head's batches with others' also weighs what its window's rows cost them. A window's rows and a plain
+step round differently (one row of a sequence in a batch against several;
+any number of rows from two up rounds alike), so the choice between a plain
+step and a window decides the output at a near-tie: made from the tokens,
+the same request to the same pipeline gives the same tokens every time, and
+a seeded run draws the same numbers as the token-by-token loop at every
+position. While it drafts nothing it keeps counting (a plain step's token
+judges the proposer all the same), so a session whose output starts
+repeating its input turns drafting back on without paying for a window to
+find out.
 
 Proposers sit behind :class:`Proposer` so that a draft model can be added
 beside the n-gram one.
@@ -33,6 +44,10 @@ from typing import Protocol
 MAX_DRAFT = 16  # drafts in one window at most (a batch of 17 rows)
 MIN_GAIN = 1.05  # draft only when the model expects at least this speed-up over a plain step
 PRIOR_DRAFTS = 2  # the weight, in judged drafts, of the acceptance a session starts from
+# a window of k drafts costs 1 + DRAFT_COST * k plain steps: a batch of k+1 rows against one row on two CPU
+# cores (about 1.9x for 4 rows, 2.9x for 8). Fixed, not measured: windows chosen from measured times would
+# differ from run to run, and with them the rounding (see the module's docstring)
+DRAFT_COST = 0.25
 
 
 class Proposer(Protocol):
@@ -98,20 +113,19 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 class WindowSizer:
-    """Chooses each step's number of drafts from the acceptance and window cost the session measured.
+    """Chooses each step's number of drafts from the acceptance the generation's tokens show.
 
-    ``a`` is accepted over judged drafts, each count decayed by ``1 - alpha`` at every observation (a window,
-    or a plain step's shadow draft) and started from ``a0`` over PRIOR_DRAFTS: a window of 8 accepted drafts
-    weighs 8 judged drafts, so a copy reaches wide windows within a few of them. ``b`` is a moving average
-    (weight ``alpha`` on the newest); it starts from the cost of a batch on two CPU cores and learns from
-    measured windows against measured plain steps."""
+    ``a`` is the share of produced tokens that the proposer's first draft would have been, over the tokens it
+    had a draft for, each count decayed by ``1 - alpha`` at every judged token and started from ``a0`` over
+    PRIOR_DRAFTS (below what a window needs: a generation drafts once a token has shown the proposer right):
+    what the tokens say, the same whatever windows carried them (a run's choices follow its tokens only, so a
+    run reproduces itself). ``b`` is a draft's cost in plain steps (DRAFT_COST)."""
 
-    def __init__(self, *, max_draft: int = MAX_DRAFT, a0: float = 0.5, b0: float = 0.3, alpha: float = 0.2,
+    def __init__(self, *, max_draft: int = MAX_DRAFT, a0: float = 0.3, b: float = DRAFT_COST, alpha: float = 0.1,
                  min_gain: float = MIN_GAIN):
         self.max_draft = max_draft
-        self.b, self.alpha, self.min_gain = b0, alpha, min_gain
+        self.b, self.alpha, self.min_gain = b, alpha, min_gain
         self._accepted, self._judged = a0 * PRIOR_DRAFTS, float(PRIOR_DRAFTS)  # decayed counts
-        self.step_s: float | None = None  # a plain decode step's time (moving average)
         self.windows = self.drafted = self.accepted = 0
 
     @property
@@ -119,22 +133,21 @@ class WindowSizer:
         """The acceptance: the chance that a draft equals the target's choice given that the ones before did."""
         return self._accepted / self._judged if self._judged > 0 else 0.0
 
-    def _judge(self, accepted: int, judged: int) -> None:
-        keep = 1.0 - self.alpha
-        self._accepted = keep * self._accepted + accepted
-        self._judged = keep * self._judged + judged
-
     # ---------------------------------------------------------------- choosing
-    def gain(self, k: int) -> float:
-        """Expected speed-up of a window of k drafts over plain steps: tokens per plain step's cost."""
-        return expected_tokens(self.a, k) / (1.0 + self.b * k)
+    def gain(self, k: int, sharing: int = 1) -> float:
+        """Expected speed-up of a window of k drafts over plain steps: tokens per plain step's cost. With
+        ``sharing`` sessions in the batch (this one's included), each a row costing ``b`` more than the first,
+        the window's rows slow every one of them: the gain is the batch's tokens per unit of its cost."""
+        n = max(1, sharing)
+        base = 1.0 + self.b * (n - 1)
+        return (n - 1 + expected_tokens(self.a, k)) / n * base / (base + self.b * k)
 
-    def choose(self) -> int:
+    def choose(self, sharing: int = 1) -> int:
         """Drafts for the next step: the k in 1..max_draft with the best expected gain, or 0 when that gain is
-        below ``min_gain`` (drafting off: plain steps, shadow-measured)."""
+        below ``min_gain`` (drafting off: plain steps, still judged)."""
         best_k, best = 0, 1.0
         for k in range(1, self.max_draft + 1):
-            g = self.gain(k)
+            g = self.gain(k, sharing)
             if g > best:
                 best_k, best = k, g
         return best_k if best >= self.min_gain else 0
@@ -143,29 +156,22 @@ class WindowSizer:
     def drafting(self) -> bool:
         return self.choose() > 0
 
-    # ---------------------------------------------------------------- measuring
-    def _blend(self, old: float, new: float) -> float:
-        return old + self.alpha * (new - old)
+    # ---------------------------------------------------------------- counting
+    def judge(self, first_draft: int | None, produced: int) -> None:
+        """A token the generation produced, and what the proposer's first draft for its position was (None: it
+        had none, nothing is learnt)."""
+        if first_draft is not None:
+            keep = 1.0 - self.alpha
+            self._accepted = keep * self._accepted + (1.0 if first_draft == produced else 0.0)
+            self._judged = keep * self._judged + 1.0
 
-    def window_done(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
-        """A verified window: ``accepted`` of its ``drafted`` drafts taken, in ``seconds`` (None: not timed)."""
-        if drafted <= 0:
-            return
-        self.windows += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        # drafts after the first rejection were not judged
-        self._judge(accepted, accepted + (1 if accepted < drafted else 0))
-        if seconds is not None and self.step_s:
-            self.b = max(0.0, self._blend(self.b, (seconds / self.step_s - 1.0) / drafted))
-
-    def plain_step(self, shadow_draft: int | None, produced: int, seconds: float | None = None) -> None:
-        """A plain decode step produced ``produced``; ``shadow_draft`` is what the proposer would have drafted
-        first (None: no proposal). Keeps the acceptance current while drafting is off."""
-        if seconds is not None:
-            self.step_s = seconds if self.step_s is None else self._blend(self.step_s, seconds)
-        if shadow_draft is not None:
-            self._judge(1 if shadow_draft == produced else 0, 1)
+    def window_done(self, drafted: int, accepted: int) -> None:
+        """A verified window: ``accepted`` of its ``drafted`` drafts taken (the totals; the acceptance is
+        judged token by token, :meth:`judge`)."""
+        if drafted > 0:
+            self.windows += 1
+            self.drafted += drafted
+            self.accepted += accepted
 
     @property
     def acceptance(self) -> float | None:

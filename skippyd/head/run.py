@@ -147,5 +147,7 @@ class GenerationRun:
         if not self.max_draft:
             return PLAIN_STEPS
         if self.speculation is None:
-            self.speculation = self.live.speculation = Speculation(self.max_draft, self.head.speculation)
+            sequence = self.sequence
+            self.speculation = self.live.speculation = Speculation(self.max_draft, self.head.speculation,
+                                                                   sharing=lambda: sequence.sharing)
         return self.speculation

@@ -68,6 +68,7 @@ class HeadSequence:
         self.rows = self.session.rows if head.boundary else None
         self.position = 0  # positions the sequence holds
         self.batched = False  # the last compute was one llama_decode with other sessions' steps
+        self.sharing = 1  # the sessions in that llama_decode, this one's included
 
     async def compute(self, tokens: np.ndarray, pos: int, *, want_token: bool, sampler=None,
                       out: PreparedFrame | None = None, window: bool = False):
@@ -125,6 +126,7 @@ class HeadSequence:
         clock.loop_native_cpu_us += job.loop_native_cpu_us
         clock.waited_us += job.lock_wait_us
         self.batched = job.batch_jobs > 1
+        self.sharing = max(1, job.batch_jobs)
         live.position = self.position = end
         self.stats.add_compute(0, job.compute_us, job.queue_us)
         return result

@@ -1,17 +1,17 @@
 """A generation's speculative decoding: what it drafts, how many drafts a window holds, what it got.
 
 The head drafts from the session's own context (:class:`~skippyd.head.drafting.NgramProposer`) and sizes
-each window from the acceptance and the window's cost it measures (:class:`~skippyd.head.drafting.WindowSizer`);
-while a window would not pay it sends plain decode steps and keeps measuring (the shadow acceptance), so
-drafting switches itself back on when the output starts repeating its context. The loop that sends the
+each window from the acceptance its tokens show (:class:`~skippyd.head.drafting.WindowSizer`), never from
+the clock, so that a run reproduces itself; while a window would not pay it sends plain decode steps and
+keeps judging the proposer against every token, so drafting switches itself back on when the output starts
+repeating its context. The loop that sends the
 windows is the one decode loop (:class:`skippyd.head.decode.Decoder`); a generation that does not speculate
 has :data:`PLAIN_STEPS` for drafts: none, ever.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import attrs
@@ -79,40 +79,40 @@ class Speculation:
     """One generation's drafting state (its Drafts): the proposer over its context, the window sizer, its
     counters."""
 
-    def __init__(self, max_draft: int, totals: SpeculationTotals):
+    def __init__(self, max_draft: int, totals: SpeculationTotals, sharing: Callable[[], int] = lambda: 1):
         self.proposer: NgramProposer | None = None  # made by begin, over the context
         self.sizer = WindowSizer(max_draft=max_draft)
+        # the sessions in the head's last batch with this one: a window's rows slow them all (a session alone
+        # is 1, and its choices follow its tokens only)
+        self.sharing = sharing
         self.totals = totals
         totals.generations += 1
         self.windows = self.drafted = self.accepted = 0
-        self._shadow: int | None = None  # a plain step's first draft, had there been a window
-        self._began = 0.0  # perf_counter: the step under way began (its time sizes the windows)
 
     def begin(self, context: Sequence[int]) -> None:
         self.proposer = NgramProposer()
         self.proposer.extend(context)
-        self._shadow = None
 
     def drafts(self, room: int) -> list[int]:
-        self._began = time.perf_counter()
-        # a plain step's time first: what a window's cost is measured against
-        k = min(self.sizer.choose(), room) if self.sizer.step_s is not None else 0
-        drafts = self.proposer.propose(k) if k > 0 else []
-        if not drafts:
-            shadow = self.proposer.propose(1) if room > 0 else []
-            self._shadow = shadow[0] if shadow else None
-        return drafts
+        k = min(self.sizer.choose(self.sharing()), room)
+        return self.proposer.propose(k) if k > 0 else []
 
     def done(self, drafts: Sequence[int], answer: Sequence[int]) -> None:
-        seconds = time.perf_counter() - self._began
-        self.proposer.extend(answer)  # (past the reply's end, if the answer ends it: then nothing drafts again)
+        # every token judges the proposer (its first draft there), whatever the step that carried it: the
+        # acceptance then follows the tokens only (past the reply's end too, if the answer ends it: then
+        # nothing drafts again)
+        proposer, sizer = self.proposer, self.sizer
+        for token in answer:
+            first = proposer.propose(1)
+            sizer.judge(first[0] if first else None, token)
+            proposer.extend((token,))
         if drafts:
-            self._window_done(len(drafts), len(answer) - 1, seconds)
+            self._window_done(len(drafts), len(answer) - 1)
         else:
-            self._plain_step_done(answer[0], seconds)
+            self.totals.plain_steps += 1
 
-    def _window_done(self, drafted: int, accepted: int, seconds: float) -> None:
-        self.sizer.window_done(drafted, accepted, seconds)
+    def _window_done(self, drafted: int, accepted: int) -> None:
+        self.sizer.window_done(drafted, accepted)
         self.windows += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -121,15 +121,10 @@ class Speculation:
         totals.drafted += drafted
         totals.accepted += accepted
 
-    def _plain_step_done(self, produced: int, seconds: float) -> None:
-        self.sizer.plain_step(self._shadow, produced, seconds)
-        self._shadow = None
-        self.totals.plain_steps += 1
-
     def describe(self) -> dict:
         sizer = self.sizer
         return {"windows": self.windows, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
-                # what the last window was sized from: the acceptance, and a draft's cost in plain steps
-                "acceptance_estimate": round(sizer.a, 4), "draft_cost": round(sizer.b, 4),
-                "step_ms": None if sizer.step_s is None else round(sizer.step_s * 1e3, 3)}
+                # what the next window is sized from: the acceptance the tokens show, a draft's cost in plain
+                # steps
+                "acceptance_estimate": round(sizer.a, 4), "draft_cost": round(sizer.b, 4)}
