@@ -21,7 +21,7 @@ from skippyctl.client import ControlError, call_once, open_control
 from skippyd.control import messages as m
 from skippyd.control.token import load_or_create_token
 from skippyd.deploy.resources import cgroup_memory_room, memory_for_skippy
-from skippyd.deploy.slices import CHUNK_MAX, SliceError, SliceStore, default_slices_dir
+from skippyd.deploy.slices import CHUNK_MAX, SliceStore, SliceStoreError, default_slices_dir
 from tests.procs import REPO, Daemon, free_ports
 
 DATA = bytes(range(256)) * 4096  # 1 MiB
@@ -44,10 +44,10 @@ def test_a_slice_arrives_in_order_is_checked_and_kept(tmp_path):
     offer = store.offer(SHA, len(DATA))
     assert (offer.held, offer.received) == (False, 0)
     assert store.write(SHA, 0, DATA[:300_000]) == 300_000
-    with pytest.raises(SliceError) as out_of_order:
+    with pytest.raises(SliceStoreError) as out_of_order:
         store.write(SHA, 200_000, DATA[200_000:400_000])
     assert _code(out_of_order) == "conflict" and "must come in order" in str(out_of_order.value)
-    with pytest.raises(SliceError) as early:
+    with pytest.raises(SliceStoreError) as early:
         store.commit(SHA, len(DATA))
     assert _code(early) == "conflict" and "300000 of 1048576 bytes" in str(early.value)
     # an interrupted transfer: the next offer says where to go on
@@ -62,7 +62,7 @@ def test_a_damaged_slice_is_deleted_whether_it_arrived_so_or_was_damaged_since(t
     store = SliceStore(tmp_path)
     store.offer(SHA, len(DATA))
     _write(store, DATA[:-1] + b"\0")
-    with pytest.raises(SliceError) as damaged:
+    with pytest.raises(SliceStoreError) as damaged:
         store.commit(SHA, len(DATA))
     assert _code(damaged) == "corrupt" and not list(tmp_path.iterdir())
     _write(store, DATA)
@@ -77,14 +77,14 @@ def test_a_damaged_slice_is_deleted_whether_it_arrived_so_or_was_damaged_since(t
 
 def test_bad_requests_are_refused_with_their_reason(tmp_path):
     store = SliceStore(tmp_path)
-    with pytest.raises(SliceError, match="not a sha256"):
+    with pytest.raises(SliceStoreError, match="not a sha256"):
         store.offer("../../etc/passwd", 10)
-    with pytest.raises(SliceError) as not_offered:
+    with pytest.raises(SliceStoreError) as not_offered:
         store.write(SHA, 10, b"x")
     assert _code(not_offered) == "not_found"
-    with pytest.raises(SliceError, match="at most"):
+    with pytest.raises(SliceStoreError, match="at most"):
         store.write(SHA, 0, bytes(CHUNK_MAX + 1))
-    with pytest.raises(SliceError) as no_room:
+    with pytest.raises(SliceStoreError) as no_room:
         store.offer(SHA, 1 << 62)
     assert _code(no_room) == "unavailable" and "not enough disk space" in str(no_room.value)
     # a part longer than the slice it claims to be is not a prefix of it: started over

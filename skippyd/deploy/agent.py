@@ -22,7 +22,7 @@ from skippyd.config import parse_hostport
 from skippyd.control.messages import RequestFailed
 from skippyd.deploy.calibrate import calibrate
 from skippyd.deploy.resources import anon_rss, host_report
-from skippyd.deploy.slices import SliceError, SliceStore
+from skippyd.deploy.slices import SliceStore, SliceStoreError
 from skippyd.deploy.supervisor import Supervisor
 from skippyd.plan import head_options, stage_config, stages_on_this_host
 from skippyd.stage.threads import usable_cores
@@ -73,7 +73,7 @@ class Assignment:
         the same deployment twice gives the same plan rather than one that moves with the noise."""
         path = self.slices.path(sha256)
         if not await trio.to_thread.run_sync(self.slices.is_held, sha256):
-            raise SliceError(f"slice {sha256[:12]} is not held here: send it first", "not_found")
+            raise SliceStoreError(f"slice {sha256[:12]} is not held here: send it first", "not_found")
         if not fresh and sha256 in self._calibrations:
             return {**self._calibrations[sha256], "remembered": True}
         threads = self.daemon.config.runtime.threads or usable_cores()

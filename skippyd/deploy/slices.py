@@ -30,7 +30,7 @@ CHUNK_MAX = 640 << 10
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
-class SliceError(RequestFailed):
+class SliceStoreError(RequestFailed):
     """A slice request that cannot be served; ``code`` says what kind (the control channel's error code)."""
 
 
@@ -80,7 +80,7 @@ class SliceStore:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise SliceError(f"cannot create the slices directory {self.dir}: {exc.strerror or exc}",
+            raise SliceStoreError(f"cannot create the slices directory {self.dir}: {exc.strerror or exc}",
                              "failed") from None
 
     def held(self) -> list[dict]:
@@ -111,7 +111,7 @@ class SliceStore:
     def offer(self, sha256: str, size: int) -> Offer:
         """Before a transfer: held (nothing to send), or how many bytes of it already arrived."""
         if size < 0:
-            raise SliceError(f"size must be at least 0, got {size}")
+            raise SliceStoreError(f"size must be at least 0, got {size}")
         path = self.path(sha256)
         replaced = False
         if path.exists():
@@ -130,43 +130,44 @@ class SliceStore:
             received = 0
         free = self.disk_free()
         if size - received > free:
-            raise SliceError(f"not enough disk space in {self.dir}: the slice needs {_mib(size - received)} "
+            raise SliceStoreError(f"not enough disk space in {self.dir}: the slice needs {_mib(size - received)} "
                              f"more, {_mib(free)} free", "unavailable")
         return Offer(held=False, received=received, replaced=replaced)
 
     def write(self, sha256: str, offset: int, data: bytes) -> int:
         """Append one chunk at `offset`, which must be where the received bytes end; the bytes received now."""
         if len(data) > CHUNK_MAX:
-            raise SliceError(f"a chunk carries {CHUNK_MAX} bytes at most, got {len(data)}")
+            raise SliceStoreError(f"a chunk carries {CHUNK_MAX} bytes at most, got {len(data)}")
         part = self._part(sha256)
         if not part.exists() and offset == 0:
             self._ensure_dir()
         try:
             fd = os.open(part, os.O_WRONLY | (os.O_CREAT if offset == 0 else 0), 0o600)
         except FileNotFoundError:
-            raise SliceError(f"no transfer of slice {sha256[:12]} under way: offer it first", "not_found") from None
+            raise SliceStoreError(f"no transfer of slice {sha256[:12]} under way: offer it first",
+                                  "not_found") from None
         try:
             end = os.fstat(fd).st_size
             if offset != end:
-                raise SliceError(f"chunk at byte {offset} of slice {sha256[:12]}, but {end} bytes have arrived: "
+                raise SliceStoreError(f"chunk at byte {offset} of slice {sha256[:12]}, but {end} bytes have arrived: "
                                  "chunks must come in order (offer the slice again to resume)", "conflict")
             os.pwrite(fd, data, offset)
         except OSError as exc:
-            raise SliceError(f"cannot write slice {sha256[:12]}: {exc.strerror or exc}", "failed") from None
+            raise SliceStoreError(f"cannot write slice {sha256[:12]}: {exc.strerror or exc}", "failed") from None
         finally:
             os.close(fd)
         return offset + len(data)
 
     def commit(self, sha256: str, size: int) -> None:
         """Every byte has arrived: check the whole against its sha256 and keep it. A mismatch deletes what
-        arrived (SliceError, code "corrupt"): the sender starts over."""
+        arrived (SliceStoreError, code "corrupt"): the sender starts over."""
         part = self._part(sha256)
         try:
             received = part.stat().st_size
         except FileNotFoundError:
-            raise SliceError(f"no transfer of slice {sha256[:12]} under way", "not_found") from None
+            raise SliceStoreError(f"no transfer of slice {sha256[:12]} under way", "not_found") from None
         if received != size:
-            raise SliceError(f"slice {sha256[:12]}: {received} of {size} bytes arrived", "conflict")
+            raise SliceStoreError(f"slice {sha256[:12]}: {received} of {size} bytes arrived", "conflict")
         with open(part, "rb+") as f:
             os.fsync(f.fileno())
         got = _sha256_of(part)
@@ -174,7 +175,7 @@ class SliceStore:
             part.unlink(missing_ok=True)
             log.warning("deploy: slice %s arrived damaged (its bytes hash to %s): deleted, to be sent again",
                         sha256[:12], got[:12])
-            raise SliceError(f"slice {sha256[:12]} arrived damaged (sha256 {got[:12]}…): deleted, send it again",
+            raise SliceStoreError(f"slice {sha256[:12]} arrived damaged (sha256 {got[:12]}…): deleted, send it again",
                              "corrupt")
         path = self.path(sha256)
         os.replace(part, path)
@@ -185,7 +186,7 @@ class SliceStore:
 
 def _check_sha(sha256: str) -> str:
     if not isinstance(sha256, str) or not _SHA256_RE.match(sha256):
-        raise SliceError(f"not a sha256 (64 lowercase hex digits): {sha256!r}")
+        raise SliceStoreError(f"not a sha256 (64 lowercase hex digits): {sha256!r}")
     return sha256
 
 
