@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -44,16 +44,21 @@ class Api:
 
 def wait_healthy(api: Api, timeout: float = 20.0) -> None:
     """READY comes once the control channel is up; the HTTP listener follows it by milliseconds."""
+    with api.http() as h:
+        wait_for_health(h, timeout, api.pipe.head.log)
+
+
+def wait_for_health(h: httpx2.Client, timeout: float = 20.0, log: Callable[[], str] = str) -> None:
+    """Poll `h`'s /health until it answers 200; TimeoutError with `log()` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with api.http() as h:
-                if h.get("/health").status_code == 200:
-                    return
+            if h.get("/health").status_code == 200:
+                return
         except httpx2.TransportError:
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"/health not 200 after {timeout}s:\n{api.pipe.head.log()}")
+            raise TimeoutError(f"/health not 200 after {timeout}s:\n{log()}")
         time.sleep(0.1)
 
 

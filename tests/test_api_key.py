@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import stat
-import time
 
 import openai
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from skippyd.config import ConfigError, load
 from skippyd.openai.auth import Access, ApiKey, KeyFileError, Need, Refused
 from skippyd.openai.console import ConsoleRoutes
-from tests.openai_api import httpx2
+from tests.openai_api import httpx2, wait_for_health
 from tests.procs import Pipeline, SingleStage, free_ports, split_for_test, write_config
 from tests.test_openai import Asgi, fake_app
 
@@ -190,13 +189,7 @@ def test_an_exposed_listener_warns_and_refuses_console_actions(default_model_pat
         head = daemon.stages[0]
         base = f"http://127.0.0.1:{port}"
         with httpx2.Client(base_url=base, timeout=30) as h:
-            for _ in range(100):
-                try:
-                    if h.get("/health").status_code == 200:
-                        break
-                except httpx2.TransportError:
-                    pass
-                time.sleep(0.1)
+            wait_for_health(h)
             refused = h.post("/console/api/lanes/drain", json={})
             assert refused.status_code == 403 and refused.json()["error"]["code"] == "forbidden"
             assert h.get("/console/api/access").json()["actions"] == "refused"

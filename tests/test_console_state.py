@@ -14,7 +14,7 @@ from skippyd.console.pipeline import _mark_limiting
 from skippyd.head.lanes import LanePool
 from skippyd.head.load_report import load_report
 from skippyd.wire.messages import Hello
-from tests.openai_api import httpx2
+from tests.openai_api import httpx2, wait_for_health
 from tests.procs import Pipeline, free_ports, split_for_test
 
 
@@ -91,13 +91,7 @@ def test_three_stages_report_each_stage_and_both_links(default_model_path, tmp_p
     pipe = Pipeline(work / "topology.toml", work, extra=["--openai", f"127.0.0.1:{port}", "--ctx", "256"]).start()
     try:
         with httpx2.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as h:
-            for _ in range(100):
-                try:
-                    if h.get("/health").status_code == 200:
-                        break
-                except httpx2.TransportError:
-                    pass
-                time.sleep(0.1)
+            wait_for_health(h)
             h.get("/console/api/state")  # the first report: the window starts here
             reply = h.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "The sea",
                                                     "max_tokens": 16, "temperature": 0})

@@ -20,12 +20,8 @@ from skippyd.head.cache_admin import CacheReportError, cache_report
 from skippyd.head.lanes import LanePool
 from skippyd.stage.prefix_cache import PrefixCache
 from skippyd.wire.messages import Hello
+from tests.openai_api import httpx2, wait_for_health
 from tests.procs import Daemon, Pipeline, SingleStage, free_ports, split_for_test
-
-try:  # the HTTP client the installed openai release is built on
-    import httpx2
-except ImportError:  # openai 1.x
-    import httpx as httpx2
 
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
 BUDGET = 512 << 20  # the default, runtime.prefix_cache_mb = 512
@@ -74,19 +70,8 @@ class Api:
                 for family in text_string_to_metric_families(text) for s in family.samples}
 
     def wait_healthy(self, timeout: float = 20.0) -> None:
-        import time
-
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with httpx2.Client(base_url=self.base, timeout=5) as h:
-                    if h.get("/health").status_code == 200:
-                        return
-            except httpx2.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"/health not 200 after {timeout}s:\n{self.head.log()}")
-            time.sleep(0.1)
+        with httpx2.Client(base_url=self.base, timeout=5) as h:
+            wait_for_health(h, timeout, self.head.log)
 
 
 @pytest.fixture(scope="module")
