@@ -9,6 +9,7 @@ to half precision: greedy tokens then equal the f32 pipeline's except at a near-
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import attrs
 import numpy as np
@@ -276,19 +277,23 @@ async def test_the_handshake_picks_half_floats_only_when_both_offer_them(final_f
     assert f16_tokens == f32_tokens  # this prompt has no near-tie in its first tokens
 
 
-@pytest.fixture(scope="module")
-def pipelines(split2, tmp_path_factory):
-    """The same 2-stage split run twice: activations as f32, and as f16 (the default)."""
+def f32_and_f16(topology: Path, tmp_path_factory, tag: str):
+    """The split at `topology` started twice: activations as f32, and as f16 (the default); stopped after."""
     pipes = {}
     try:
         for wire in ("f32", "f16"):
-            work = tmp_path_factory.mktemp(f"pipe-{wire}")
-            pipes[wire] = Pipeline(retarget(split2 / "topology.toml", work), work,
-                                   config={"runtime.activation_wire": wire}).start()
+            work = tmp_path_factory.mktemp(f"{tag}-{wire}")
+            pipes[wire] = Pipeline(retarget(topology, work), work, config={"runtime.activation_wire": wire}).start()
         yield pipes
     finally:
         for p in pipes.values():
             p.stop_cleanly()
+
+
+@pytest.fixture(scope="module")
+def pipelines(split2, tmp_path_factory):
+    """The same 2-stage split run twice: activations as f32, and as f16."""
+    yield from f32_and_f16(split2 / "topology.toml", tmp_path_factory, "pipe")
 
 
 @pytest.fixture(scope="module")
@@ -296,16 +301,7 @@ def pipelines3(default_model_path, tmp_path_factory):
     """3 stages (a middle stage forwards, predictions return directly): f32 and f16."""
     split = tmp_path_factory.mktemp("wire3")
     split_for_test(default_model_path, 3, split)
-    pipes = {}
-    try:
-        for wire in ("f32", "f16"):
-            work = tmp_path_factory.mktemp(f"pipe3-{wire}")
-            pipes[wire] = Pipeline(retarget(split / "topology.toml", work), work,
-                                   config={"runtime.activation_wire": wire}).start()
-        yield pipes
-    finally:
-        for p in pipes.values():
-            p.stop_cleanly()
+    yield from f32_and_f16(split / "topology.toml", tmp_path_factory, "pipe3")
 
 
 async def assert_same_but_near_ties(pipes: dict[str, Pipeline], prompt: str) -> None:
