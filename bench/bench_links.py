@@ -161,17 +161,22 @@ def wire_configs(split: Path, work: Path, make) -> dict[str, Pipeline]:
     return configs
 
 
-def section_wire(split: Path, work: Path, args) -> dict:
-    configs = wire_configs(split, work, lambda split, where, config: Pipeline(retarget(split, where), where,
-                                                                              extra=COMMON, config=config))
+def run_wire_rounds(configs: dict, args, probe: str = "f32") -> list:
+    """Start both pipelines, time the long prompt (its length measured on `probe`) on each in interleaved
+    rounds, stop them."""
     try:
         for pipe in configs.values():
             pipe.start()
-        prompt = long_prompt(configs["f32"], args.prompt_tokens)
-        runs = rounds(configs, prompt, args.rounds)
+        return rounds(configs, long_prompt(configs[probe], args.prompt_tokens), args.rounds)
     finally:
         for pipe in configs.values():
             pipe.stop()
+
+
+def section_wire(split: Path, work: Path, args) -> dict:
+    configs = wire_configs(split, work, lambda split, where, config: Pipeline(retarget(split, where), where,
+                                                                              extra=COMMON, config=config))
+    runs = run_wire_rounds(configs, args)
     table = report("activations on loopback, 2 stages (f16 against f32)", runs, "f32",
                    ("bytes_per_token", "ttft_ms", "decode_ms"))
     lines = [verdict("bytes per token f16/f32", table["f16"]["bytes_per_token"] / table["f32"]["bytes_per_token"],
@@ -210,14 +215,7 @@ def section_slow_link(split: Path, work: Path, args) -> dict:
             return NetPipeline(where / "topology.toml", where, net, port=port, lanes=2, extra=COMMON, config=config)
 
         configs = wire_configs(split, work, make)
-        try:
-            for pipe in configs.values():
-                pipe.start()
-            prompt = long_prompt(configs["f16"], args.prompt_tokens)
-            runs = rounds(configs, prompt, args.rounds)
-        finally:
-            for pipe in configs.values():
-                pipe.stop()
+        runs = run_wire_rounds(configs, args, probe="f16")  # the faster of the two over the slow link
     finally:
         net.close()
     table = report(f"activations over a {args.rate} link (tbf), 2 stages in namespaces (f16 against f32)", runs,
