@@ -123,3 +123,41 @@ def test_the_daemon_drafts_by_ngram_unless_told_off():
         assert head_options(config).speculate_max_draft == drafts
         flags = read_settings(build_parser().parse_args(["--speculate", mode]), environ={}).config
         assert flags.runtime.speculate == mode
+
+
+def test_a_proposal_after_tokens_in_flight_drafts_as_if_they_were_in_the_context():
+    seq = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    for cut in range(len(seq) - 3, len(seq)):
+        p = NgramProposer(min_n=2, max_n=3)
+        p.extend(seq[:cut])
+        whole = NgramProposer(min_n=2, max_n=3)
+        whole.extend(seq)
+        # the n-grams that end inside the tokens in flight are not indexed, so only the ones the context holds match
+        assert p.propose(3, seq[cut:]) == whole.propose(3) == [4, 5, 6]
+    p = NgramProposer(min_n=2, max_n=2)
+    p.extend([5, 6, 5])
+    assert p.propose(4, [6]) == [5, 6, 5, 6]  # through the tokens in flight into the repetition
+    assert p.propose(2, [9]) == []
+
+
+def test_a_window_goes_behind_those_in_flight_only_while_they_are_likely_to_hold():
+    totals = SpeculationTotals(max_draft=8)
+    spec = Speculation(8, totals)
+    spec.begin([1, 2, 3, 4, 1, 2, 3, 4, 1, 2])
+    for _ in range(12):  # the proposer right every time: high acceptance
+        spec.sizer.judge(1, 1)
+    window = spec.chained([3, 4], room=8)
+    assert window[:3] == [1, 2, 3] and 2 <= len(window) <= 9  # the guess after the drafts, then drafts
+    assert spec.chained([3, 4] * 30, room=8) == []  # all 60 right in a row: too unlikely
+    assert spec.chained([3, 4], room=-1) == []  # no room in the reply for anything behind
+    for _ in range(30):
+        spec.sizer.judge(1, 2)
+    assert spec.chained([3, 4], room=8) == []  # the drafts have been wrong lately
+    spec.dropped(1)
+    assert spec.describe()["chained"] == 1 and spec.describe()["dropped"] == 1
+    assert totals.chained == 1 and totals.dropped == 1
+    shared = Speculation(8, SpeculationTotals(max_draft=8), sharing=lambda: 2)
+    shared.begin([1, 2, 3, 4, 1, 2, 3, 4, 1, 2])
+    for _ in range(12):
+        shared.sizer.judge(1, 1)
+    assert shared.chained([3, 4], room=8) == []  # never while sharing batches: the others pay for a void window

@@ -202,16 +202,50 @@ async def test_cancelled_in_the_middle_of_windows_every_stage_lets_go(pipe):
     assert len(again["tokens"]) == 8
 
 
-@pytest.fixture
-def resuming(splits, tmp_path):
-    p = Pipeline(retarget(splits[2], tmp_path), tmp_path, extra=[*FLAGS, "--resume"], config=CONFIG).start()
+DELAY = {"stage.link_delay_ms": 10}  # each way on every link: windows go behind the one in flight
+
+
+@pytest.fixture(scope="module")
+def delayed(splits, tmp_path_factory):
+    """2 stages whose link takes 10 ms each way (skippy's own link conditioning)."""
+    work = tmp_path_factory.mktemp("spec-delayed")
+    p = Pipeline(retarget(splits[2], work), work, extra=FLAGS, config={**CONFIG, **DELAY}).start()
+    yield p
+    p.stop_cleanly()
+
+
+async def test_windows_in_flight_over_a_slow_link_give_the_token_by_token_loops_output(delayed):
+    """Over a link whose round trip is long against a window's compute the head keeps windows in flight,
+    each drafted as if the one ahead were accepted in full; those behind a rejected draft are dropped. The
+    reply is the plain loop's, greedy and seeded."""
+    chained = dropped = 0
+    for kw in (COPY, EDIT, SEEDED, dict(EDIT, max_tokens=160)):
+        want = await delayed.generate(**dict(kw, speculate=False))
+        got = await delayed.generate(**kw)
+        assert got["tokens"] == want["tokens"], (kw, first_difference(got["tokens"], want["tokens"]))
+        spec = got["usage"]["speculation"]
+        chained += spec["chained"]
+        dropped += spec["dropped"]
+    assert chained >= 4 and dropped >= 1, (chained, dropped)
+    status = (await delayed.stages[0].astatus())["head"]["speculation"]
+    assert status["chained"] >= chained and status["dropped"] >= dropped
+    (final,) = (await delayed.stages[1].astatus())["stages"]
+    assert final["windows_dropped"] >= dropped
+
+
+@pytest.fixture(params=["loopback", "slow link"])
+def resuming(request, splits, tmp_path):
+    config = {**CONFIG, **(DELAY if request.param == "slow link" else {})}
+    p = Pipeline(retarget(splits[2], tmp_path), tmp_path, extra=[*FLAGS, "--resume"], config=config).start()
+    p.slow_link = request.param == "slow link"
     yield p
     p.stop_cleanly()
 
 
 async def test_a_stage_killed_in_the_middle_of_windows_resumes_without_a_repeated_or_lost_token(resuming):
     """--resume replays the reply so far token by token on the restarted pipeline and goes on drafting: the
-    stream repeats and loses nothing, and the reply is the uninterrupted one's (up to a near-tie)."""
+    stream repeats and loses nothing, and the reply is the uninterrupted one's (up to a near-tie). Over a
+    slow link windows are in flight behind one another when the stage dies."""
     pipe = resuming
     kw = dict(COPY, max_tokens=160)
     want = await reference(pipe, kw)
@@ -226,6 +260,8 @@ async def test_a_stage_killed_in_the_middle_of_windows_resumes_without_a_repeate
     got = s.result
     assert "".join(s.pieces) == got["text"], "the stream repeated or lost text across the replay"
     assert got["usage"]["speculation"]["windows"] >= 2
+    if pipe.slow_link:  # windows were in flight behind one another
+        assert got["usage"]["speculation"]["chained"] >= 1
     assert_same_or_near_tie(got, want)
     await pipe.wait_all_released(timeout=5.0)
 

@@ -614,3 +614,94 @@ def test_a_decode_step_computes_the_bits_of_the_same_row_in_a_window(default_mod
     state, logits = compute(plan)
     assert state == want_state
     assert np.array_equal(logits, want_logits)
+
+
+# ---------------------------------------------------------------------------- windows in flight
+
+
+async def send_behind(head: Head, link, sid: int, windows: list[tuple[list[int], int, bool]]) -> list[list[int]]:
+    """Send every window (tokens, position, chained) before reading any answer, as a head keeps windows in
+    flight; their answers, in order."""
+    for tokens, pos, chained in windows:
+        msg = head.window(sid, tokens, pos)
+        await link.begin(attrs.evolve(msg, chained=chained))
+    answers = []
+    for _ in windows:
+        reply, _wait = await link.finish()
+        answers.append(window_tokens(reply))
+    return answers
+
+
+def wrong(token: int) -> int:
+    return (token + 1) % 512
+
+
+# where the window ahead's rejection is: its first draft, a middle one, or after its last (every draft accepted,
+# the next token other than the chained window's first)
+REJECTED_AT = {
+    "first row": (lambda ref: [ref[0], wrong(ref[1]), ref[2], ref[3]], 1),
+    "middle row": (lambda ref: [ref[0], ref[1], wrong(ref[2]), ref[3]], 2),
+    "last row": (lambda ref: [ref[0], ref[1], ref[2], ref[3]], 4),
+}
+
+
+@pytest.mark.parametrize("where", list(REJECTED_AT))
+async def test_windows_behind_a_rejection_are_dropped_unsampled_and_the_next_step_goes_on(head2, final2, reference,
+                                                                                         where):
+    """Two chained windows behind one with a rejection: the final stage answers each with no tokens, without
+    computing it (its position stays the first window's end); the next window, at the position the first
+    answer confirmed, trims there and gives the reference's tokens."""
+    prompt, ref = reference
+    link = await head2.connect(final2)
+    sid, p = 1, len(prompt)
+    assert (await head2.open(link, sid, prompt)).token == ref[0]
+    first, accepted = REJECTED_AT[where]
+    chained_first = wrong(ref[4]) if where == "last row" else ref[4]  # "last row": the guess of ref[4] is wrong
+    answers = await send_behind(head2, link, sid, [(first(ref), p, False),
+                                                   ([chained_first, ref[5], ref[6]], p + 4, True),
+                                                   ([ref[7], ref[8]], p + 7, True)])
+    assert answers == [ref[1:1 + accepted], [], []]
+    assert position(final2, sid) == p + 4  # the first window's rows only: the dropped ones were never computed
+    assert final2.snapshot()["windows_dropped"] == 2
+    confirmed = p + accepted
+    got = window_tokens(await head2.request(link, head2.window(sid, ref[accepted:accepted + 4], confirmed)))
+    assert got == ref[accepted + 1:accepted + 5]
+    assert position(final2, sid) == confirmed + 4
+    assert isinstance(await head2.request(link, Stop(next(head2.ids), sid)), Ack)
+    await link.aclose()
+
+
+async def test_chained_windows_that_follow_are_computed_as_if_sent_after_the_answer(head2, final2, reference):
+    """Windows sent behind one another, each drafted as if the one ahead were accepted in full, give the
+    reference's tokens when it is: the same as one window after another."""
+    prompt, ref = reference
+    link = await head2.connect(final2)
+    sid, p = 2, len(prompt)
+    assert (await head2.open(link, sid, prompt)).token == ref[0]
+    answers = await send_behind(head2, link, sid, [(ref[0:4], p, False), (ref[4:7], p + 4, True),
+                                                   (ref[7:10], p + 7, True)])
+    assert answers == [ref[1:5], ref[5:8], ref[8:11]]
+    assert final2.snapshot()["windows_dropped"] == 0
+    # a chained window at another position than the answer's end is dropped too, even with the right token
+    assert await send_behind(head2, link, sid, [([ref[10], ref[11]], p + 9, True)]) == [[]]
+    assert position(final2, sid) == p + 10
+    assert isinstance(await head2.request(link, Stop(next(head2.ids), sid)), Ack)
+    await link.aclose()
+
+
+async def test_three_stages_the_middle_stage_computes_chained_windows_and_the_final_stage_drops_them(
+        head3, split3, nursery, reference):
+    prompt, ref = reference
+    middle, final = await start3(split3, nursery)
+    link = await head3.connect(middle)
+    sid, p = 3, len(prompt)
+    assert (await head3.open(link, sid, prompt)).token == ref[0]
+    answers = await send_behind(head3, link, sid, [([ref[0], ref[1], wrong(ref[2])], p, False),
+                                                   ([ref[3], ref[4]], p + 3, True)])
+    assert answers == [ref[1:3], []]
+    assert position(middle, sid) == p + 5 and position(final, sid) == p + 3
+    got = window_tokens(await head3.request(link, head3.window(sid, ref[2:5], p + 2)))
+    assert got == ref[3:6]
+    assert position(middle, sid) == position(final, sid) == p + 5
+    assert isinstance(await head3.request(link, Stop(next(head3.ids), sid)), Ack)
+    await link.aclose()

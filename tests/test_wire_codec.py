@@ -126,6 +126,8 @@ def token_messages(draw, n_embd: int):
     kwargs = {"final": draw(st.booleans())} if cls is PrefillChunk else {}
     if cls is DecodeStep:
         kwargs = {"direct_return": draw(st.booleans())}
+    if cls is VerifyWindow:
+        kwargs = {"chained": draw(st.booleans())}
     return cls(draw(ids), draw(ids), draw(positions), tokens, act, **kwargs)
 
 
@@ -489,7 +491,7 @@ def test_trusted_builders_make_what_the_constructors_make(stats, token, first, s
              (PredictedToken, (first, second, token, stats)),
              (DecodeStep, (first, second, pos, tokens, act, data.draw(st.booleans()))),
              (PrefillChunk, (first, second, pos, tokens, act, True, None)),
-             (VerifyWindow, (first, second, pos, tokens, act))]
+             (VerifyWindow, (first, second, pos, tokens, act, True))]
     assert {cls for cls, _ in cases} == set(codec.TRUSTED)
     for cls, values in cases:
         built = codec.TRUSTED[cls](*values)

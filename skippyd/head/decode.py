@@ -13,8 +13,10 @@ reply whatever its steps were: an end-of-generation token, a stop string,
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 
+from skippyd.head.errors import GenerationError
 from skippyd.head.generation_lane import GenerationLane
 from skippyd.head.live import LiveGeneration
 from skippyd.head.sink import GenerationSink
@@ -61,12 +63,29 @@ class Reply:
         self.finish_reason = reason
 
 
+class _Step:
+    """A step in flight: what the lane's ``begin`` returned, its tokens (the current one, then its drafts),
+    whether it is chained (sent behind another not yet answered) and, once a draft ahead of it failed, void."""
+
+    __slots__ = ("sent", "tokens", "chained", "void")
+
+    def __init__(self, sent: object, tokens: list[int], chained: bool):
+        self.sent, self.tokens, self.chained, self.void = sent, tokens, chained, False
+
+
 class Decoder:
-    """Runs a generation's decode loop on its lane, from the first token to the reply's end."""
+    """Runs a generation's decode loop on its lane, from the first token to the reply's end.
+
+    Over a lane whose round trip is long against a window's compute (``lane.window_depth`` > 1), windows
+    go out behind the one in flight, drafted as if it were accepted in full (its next token guessed too);
+    the answers come back in order, and a window behind a rejected draft is void: the final stage drops
+    it unsampled, the others trim it with the next step's position, and the loop reads its empty answer
+    and drafts on from the answer that came. The tokens are the same either way."""
 
     def __init__(self, reply: Reply, live: LiveGeneration, clock: StepClock, drafts: Drafts, started: float):
         self.reply, self.live, self.clock, self.drafts = reply, live, clock, drafts
         self.started = started  # perf_counter: the request came in (the time to first token counts from it)
+        self.in_flight: deque[_Step] = deque()  # oldest first; void ones at the front, if any
 
     async def run(self, lane: GenerationLane, token: int, context: Sequence[int]) -> None:
         """From ``token`` (predicted, not yet in the reply) until the reply ends; ``context``: the prompt and
@@ -74,6 +93,8 @@ class Decoder:
         reply, live, clock, drafts = self.reply, self.live, self.clock, self.drafts
         tokens, text, is_eog, logprobs = reply.tokens, reply.text, reply.is_eog, reply.logprobs
         max_tokens = reply.max_tokens
+        in_flight = self.in_flight
+        in_flight.clear()
         drafts.begin([*context, token])
         answer = [token]
         clock.restart()
@@ -101,8 +122,7 @@ class Decoder:
                 # the next step goes down the pipeline first (it is the critical path); this answer's text is
                 # made and handed on while the other stages compute. A stop string found below leaves that
                 # step in flight: the lane's end collects its reply before it stops the session.
-                draft = drafts.drafts(max_tokens - len(tokens) - 1)  # (room for the step's next token)
-                step = await lane.begin(tokens[-1], draft)
+                await self._send(lane, tokens[-1], max_tokens - len(tokens))
             for i in range(since, len(tokens)):
                 if text.push(tokens[i]):  # a stop string: the reply ends with this token
                     reply.stopped_at(i)
@@ -111,5 +131,47 @@ class Decoder:
             if end is not None:
                 reply.end(end)
                 return
-            answer = await lane.finish(step)
-            drafts.done(draft, answer)
+            answer = await self._answer(lane)
+
+    async def _send(self, lane: GenerationLane, token: int, room: int) -> None:
+        """Keep the steps in flight: the step for ``token`` if none is (``room``: tokens the reply may still
+        take), then windows behind it while they pay, up to the lane's depth."""
+        in_flight, drafts = self.in_flight, self.drafts
+        live = [s for s in in_flight if not s.void]
+        if not live:
+            draft = list(drafts.drafts(room - 1))  # (room for the step's next token)
+            step = _Step(await lane.begin(token, draft), [token, *draft], False)
+            in_flight.append(step)
+            live = [step]
+        if len(live) == 1 and len(live[0].tokens) == 1:
+            return  # a plain step: drafts do not pay now, nor would a window behind it
+        depth = lane.window_depth
+        while len(live) < depth:
+            ahead = [t for s in live for t in s.tokens][1:]  # past the current token
+            window = list(drafts.chained(ahead, room - len(ahead) - 2))
+            if not window:
+                return
+            step = _Step(await lane.begin(window[0], window[1:], chained=True), window, True)
+            in_flight.append(step)
+            live.append(step)
+
+    async def _answer(self, lane: GenerationLane) -> list[int]:
+        """The next answer: the oldest live step's (the void ones ahead of it are read first, each an empty
+        answer). A rejected draft, or a next token other than the guess, voids the windows behind it."""
+        in_flight, drafts = self.in_flight, self.drafts
+        while in_flight[0].void:
+            if await lane.finish(in_flight.popleft().sent):
+                raise GenerationError("the final stage computed a verify window that a rejected draft made void",
+                                      status=502)
+        step = in_flight.popleft()
+        answer = await lane.finish(step.sent)
+        if not answer:
+            raise GenerationError("the final stage dropped a verify window whose drafts were all accepted",
+                                  status=502)
+        drafts.done(step.tokens[1:], answer)
+        if in_flight and (len(answer) < len(step.tokens) or answer[-1] != in_flight[0].tokens[0]):
+            for behind in in_flight:
+                behind.void = True
+            drafts.dropped(len(in_flight))
+            await lane.abandon()
+        return answer

@@ -84,20 +84,27 @@ class NgramProposer:
             end = len(toks)
             self._pending = {tuple(toks[end - n:end]): end for n in range(self.min_n, min(self.max_n, end) + 1)}
 
-    def propose(self, k: int) -> list[int]:
+    def propose(self, k: int, after: Sequence[int] = ()) -> list[int]:
+        """``after``: tokens not in the context yet (drafts in flight), which the proposal follows as if they
+        were: the n-gram that ends them is looked up among the context's, and what followed it is copied."""
         toks = self.tokens
         if k <= 0:
             return []
-        end = len(toks)
+        after = list(after)
+        tail = toks[-self.max_n:] + after if after else toks  # where the n-gram is taken from
+        real, end = len(toks), len(toks) + len(after)
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
-            at = self._ends.get(tuple(toks[end - n:end]))
+            at = self._ends.get(tuple(tail[len(tail) - n:]))
             if at is not None:
-                # what followed it, continued through the proposal itself where it runs into the present
+                # what followed it, continued through ``after`` and the proposal itself where it runs into the
+                # present
                 out = []
                 i = at
                 while len(out) < k:
-                    if i < end:
+                    if i < real:
                         out.append(toks[i])
+                    elif i < end:
+                        out.append(after[i - real])
                     else:
                         out.append(out[i - end])
                     i += 1

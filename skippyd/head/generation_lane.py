@@ -46,12 +46,24 @@ class GenerationLane(Protocol):
         """Compute a part of the prompt (text tokens, or an image's rows); the final one's answer is the first
         generated token (None for the others)."""
 
-    async def begin(self, token: int, drafts: Sequence[int]) -> object:
-        """Begin the step for ``token`` with ``drafts`` (none: a plain step); what :meth:`finish` takes."""
+    @property
+    def window_depth(self) -> int:
+        """How many steps to keep in flight at most (1: each one's answer before the next goes out): what
+        covers the lane's round trip, from its measured times."""
+
+    async def begin(self, token: int, drafts: Sequence[int], *, chained: bool = False) -> object:
+        """Begin the step for ``token`` with ``drafts`` (none: a plain step); what :meth:`finish` takes.
+        ``chained``: a window sent behind a step not yet answered, valid only if that step's drafts are all
+        accepted and ``token`` is its next token (the final stage drops it otherwise)."""
 
     async def finish(self, step: object) -> list[int]:
-        """The step's answer: the drafts the final stage accepted, then the next token. The head's sequence
-        then holds the positions of the step's token and the accepted drafts."""
+        """The step's answer: the drafts the final stage accepted, then the next token (none: a chained
+        window the final stage dropped). Answers come in the order the steps began. After a rejected draft
+        the head's sequence holds the positions of the step's token and the accepted drafts only."""
+
+    async def abandon(self) -> None:
+        """The chained steps in flight were drafted on an answer that did not come: the head's sequence holds
+        only what the last answer confirmed (their answers are still read, each empty)."""
 
     async def leave(self) -> None:
         """The pipeline failed under the generation: give what it holds up (a replay connects again)."""

@@ -233,9 +233,16 @@ class LaneClient:
         """The predicted token of a message sent with :meth:`send` or :meth:`send_step`."""
         raise NotImplementedError
 
-    async def window_predictions(self, sent: InFlight) -> list[int]:
+    async def window_predictions(self, sent: InFlight, *, dropped_ok: bool = False) -> list[int]:
         """The final stage's answer to a VerifyWindow sent with :meth:`send`: the drafts it accepted, then the
-        next token."""
+        next token; none if it dropped the window (``dropped_ok``: a chained one, else an error)."""
+        raise NotImplementedError
+
+    @property
+    def pipelines_windows(self) -> bool:
+        """Each stage takes the next message while the stages after it compute the one before, so windows
+        sent behind one another overlap: not on a relayed lane through a middle stage, which waits for each
+        answer before it reads on."""
         raise NotImplementedError
 
     # ------------------------------------------------------------ the end
@@ -283,9 +290,11 @@ def _logprobs_of(reply: PredictedToken) -> TokenLogprobs | None:
     return None
 
 
-def _window_tokens(sent: InFlight, reply, who: str) -> list[int]:
-    """The tokens of a VerifyWindow's answer: one more than the drafts accepted, at most one per position."""
-    if not isinstance(reply, PredictedTokens) or not 1 <= len(reply.tokens) <= len(sent.msg.tokens):
+def _window_tokens(sent: InFlight, reply, who: str, dropped_ok: bool) -> list[int]:
+    """The tokens of a VerifyWindow's answer: one more than the drafts accepted, at most one per position;
+    none if the final stage dropped it (``dropped_ok``: a chained window)."""
+    least = 0 if dropped_ok else 1
+    if not isinstance(reply, PredictedTokens) or not least <= len(reply.tokens) <= len(sent.msg.tokens):
         got = type(reply).__name__ if not isinstance(reply, PredictedTokens) else f"{len(reply.tokens)} tokens"
         raise GenerationError(f"{who} answered a verify window of {len(sent.msg.tokens)} positions with {got}",
                               status=502)
@@ -317,9 +326,14 @@ class RelayedLane(LaneClient):
         self.logprobs = _logprobs_of(reply)
         return int(reply.token)
 
-    async def window_predictions(self, sent: InFlight) -> list[int]:
+    async def window_predictions(self, sent: InFlight, *, dropped_ok: bool = False) -> list[int]:
         reply = await self._finish(sent)
-        return _window_tokens(sent, reply, "stage 1")
+        return _window_tokens(sent, reply, "stage 1", dropped_ok)
+
+    @property
+    def pipelines_windows(self) -> bool:
+        peer = self.link.peer
+        return peer.layer_end >= peer.n_layer  # stage 1 is the final stage
 
 
 class DirectLane(LaneClient):
@@ -334,12 +348,14 @@ class DirectLane(LaneClient):
         self._returns_watched: _PipelineFailures | None = None
         self._silent = False  # the lane is watched for anything stage 1 says (see _unacked_step)
         self._unacked = False  # the step prepare_step framed owes no ack
+        self._acks_owed = 0  # messages in flight whose ack stage 1 owes (windows behind one another: several)
 
     async def send(self, msg) -> InFlight:
         # stage 1 acks as soon as it has forwarded the message, so the ack arrives before the prediction can
         started = time.perf_counter()
         with self._sending:
             sent, write_us = await self.link.send_expecting_ack(msg)
+        self._acks_owed += 1
         return InFlight(msg, sent, write_us, started, True)
 
     def prepare_step(self, pos: int, token: int) -> PreparedFrame | None:
@@ -356,6 +372,7 @@ class DirectLane(LaneClient):
                 sent, write_us = await self.link.send(msg, prepared)
             else:
                 sent, write_us = await self.link.send_expecting_ack(msg, prepared)
+                self._acks_owed += 1
         return InFlight(msg, sent, write_us, started, not unacked)
 
     def _unacked_step(self) -> bool:
@@ -389,18 +406,21 @@ class DirectLane(LaneClient):
         self.logprobs = _logprobs_of(item)
         return int(item.token)
 
-    async def window_predictions(self, sent: InFlight) -> list[int]:
-        return _window_tokens(sent, await self._returned(sent), "the token-return connection")
+    async def window_predictions(self, sent: InFlight, *, dropped_ok: bool = False) -> list[int]:
+        return _window_tokens(sent, await self._returned(sent), "the token-return connection", dropped_ok)
+
+    pipelines_windows = True  # every middle stage acknowledges a window once it forwarded it
 
     async def _returned(self, sent: InFlight):
         """What the token-return connection brought for `sent` (an ErrorReply raised as a GenerationError)."""
         msg, lane, link, clock = sent.msg, self.lane, self.link, self.clock
         acked = sent.acked
         if acked:
+            self._acks_owed -= 1
             with self._watched(), span("head.hop", request=self.request_id, session=self.session_id,
                                        kind=type(msg).__name__, lane=lane.lane_id, direct=1):
                 cpu = time.thread_time()
-                await link.drain()
+                await link.drain(keep=self._acks_owed)  # (the acks of the windows sent behind it come later)
                 clock.waited_cpu_s += time.thread_time() - cpu
             folded, error = link.take_folded()
             self.stats.add(folded)

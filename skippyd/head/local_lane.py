@@ -62,8 +62,13 @@ class LocalLane:
         self._prompt_unrecorded = True  # not before the first token is out: a record is not its client's wait
         return int(token)
 
-    async def begin(self, token: int, drafts: Sequence[int]) -> tuple[int, Sequence[int]]:
+    window_depth = 1  # the head computes and samples each step itself: nothing to keep in flight
+
+    async def begin(self, token: int, drafts: Sequence[int], *, chained: bool = False) -> tuple[int, Sequence[int]]:
         return token, drafts  # computed when its answer is awaited
+
+    async def abandon(self) -> None:
+        pass  # never a step behind another (window_depth 1)
 
     async def finish(self, step: tuple[int, Sequence[int]]) -> list[int]:
         token, drafts = step

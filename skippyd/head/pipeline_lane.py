@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -38,6 +39,13 @@ from skippyd.telemetry import span
 from skippyd.wire.messages import PrefillChunk, VerifyWindow
 
 log = logging.getLogger("skippyd.head")
+
+MAX_CHAINED = 3  # windows in flight behind the oldest, at most
+EWMA = 0.2  # weight of the newest window's round trip
+
+
+def _blend(old: float, new: float) -> float:
+    return new if old == 0.0 else (1 - EWMA) * old + EWMA * new
 
 
 class PipelineLanes:
@@ -65,6 +73,11 @@ class PipelineLane:
         # a prediction came back: the sequence's next step follows at once (decode groups: Scheduler.back)
         self._back = functools.partial(sequence.scheduler.back, sequence.seq)
         self._prompt_tokens = self._prompt_us = 0  # the prompt's tokens computed so far, and their compute
+        # windows in flight: a window's round trip, from its begin to its answer, while alone in flight (an
+        # average), when the last such began, and the positions the last answer confirmed
+        self._window_us = 0.0
+        self._window_began = 0.0
+        self._confirmed = 0
 
     @property
     def logprobs(self) -> TokenLogprobs | None:
@@ -121,13 +134,28 @@ class PipelineLane:
         self._back()
         return token
 
-    async def begin(self, token: int, drafts: Sequence[int]) -> InFlight:
+    @property
+    def window_depth(self) -> int:
+        """1, plus a window behind for each window's service time (the stages' compute, measured as the
+        round trip less the link's) that the link's round trip covers, rounded; only on a lane where each
+        stage takes the next window while a later one computes the last (two stages, or direct return)."""
+        client = self.client
+        if client is None or not client.pipelines_windows or self._window_us <= 0.0:
+            return 1
+        link_us = self.lanes.services.chunker.round_trip_us
+        service_us = max(self._window_us - link_us, 1.0)
+        return 1 + min(MAX_CHAINED, int(link_us / service_us + 0.5))
+
+    async def begin(self, token: int, drafts: Sequence[int], *, chained: bool = False) -> InFlight:
         sequence, client = self.sequence, self.client
         pos = sequence.position
-        if drafts:
+        if drafts or chained:
             window = np.array([token, *drafts], dtype=np.int32)
+            if not chained:
+                self._window_began = time.perf_counter()
             hidden = await sequence.compute(window, pos, want_token=False, window=True)
-            return await client.send(VerifyWindow(self.wire_request_id, self.session_id, pos, window, hidden))
+            return await client.send(VerifyWindow(self.wire_request_id, self.session_id, pos, window, hidden,
+                                                  chained))
         tokens = np.array([token], dtype=np.int32)
         prepared = client.prepare_step(pos, token)  # the step's frame goes as the compute ends (see Job.out)
         hidden = await sequence.compute(tokens, pos, want_token=False, out=prepared)
@@ -145,12 +173,24 @@ class PipelineLane:
             token = await self.client.prediction(step)
             self._back()
             return [token]
-        predicted = await self.client.window_predictions(step)
+        predicted = await self.client.window_predictions(step, dropped_ok=step.msg.chained)
         self._back()
-        # the head's sequence keeps the window's token and its accepted drafts; the other stages trim at the
-        # next message (positions are authoritative)
-        await self.sequence.keep(step.msg.pos_start + len(predicted))
+        if not predicted:
+            return predicted  # dropped: the sequence was trimmed when the answer ahead of it came (abandon)
+        window = step.msg
+        if not window.chained and self._window_began:  # alone in flight as it began: its whole round trip
+            self._window_us = _blend(self._window_us, (time.perf_counter() - self._window_began) * 1e6)
+            self._window_began = 0.0
+        self._confirmed = window.pos_start + len(predicted)
+        if len(predicted) < len(window.tokens):
+            # a rejected draft: the head's sequence keeps the window's token and its accepted drafts (and drops
+            # whatever was computed behind them); the other stages trim at the next message (positions are
+            # authoritative)
+            await self.sequence.keep(self._confirmed)
         return predicted
+
+    async def abandon(self) -> None:
+        await self.sequence.keep(self._confirmed)
 
     async def leave(self) -> None:
         """Drop the lane that carried the failed pipeline (closing it releases whatever is left downstream)."""

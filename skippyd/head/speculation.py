@@ -19,6 +19,9 @@ import attrs
 from skippyd.head.drafting import NgramProposer, WindowSizer
 
 DEFAULT_MAX_DRAFT = 16  # drafts per window at most for a request that asks for speculation on a daemon without
+# a window goes behind those in flight only while the chance that they are all accepted, and its first token
+# guessed right, is at least this: one that is not costs the stages before the last its compute
+CHAIN_MIN_VALID = 0.3
 
 
 @attrs.define
@@ -31,11 +34,13 @@ class SpeculationTotals:
     drafted: int = 0
     accepted: int = 0
     plain_steps: int = 0  # decode steps of speculative generations that drafted nothing
+    chained: int = 0  # windows sent before the one ahead of them was answered
+    dropped: int = 0  # ... that a rejected draft ahead of them made void
 
     def describe(self) -> dict:
         return {"enabled": self.max_draft > 0, "max_draft": self.max_draft, "generations": self.generations,
                 "windows": self.windows, "drafted": self.drafted, "accepted": self.accepted,
-                "plain_steps": self.plain_steps,
+                "plain_steps": self.plain_steps, "chained": self.chained, "dropped": self.dropped,
                 "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None}
 
 
@@ -48,9 +53,18 @@ class Drafts(Protocol):
     def drafts(self, room: int) -> Sequence[int]:
         """Drafts for the next step (at most ``room``; none: a plain step). The step begins now."""
 
+    def chained(self, ahead: Sequence[int], room: int) -> Sequence[int]:
+        """A window to send behind the steps in flight, drafted as if each of them were accepted in full:
+        ``ahead``, their drafts and tokens past the current one. Its tokens: the guess of the token after
+        them, then at most ``room`` drafts; none while the chance that it is still valid when its turn comes
+        is too low to pay."""
+
     def done(self, drafts: Sequence[int], answer: Sequence[int]) -> None:
         """The step with ``drafts`` answered ``answer`` (the accepted drafts, then the next token), which the
         context goes on with."""
+
+    def dropped(self, n: int) -> None:
+        """``n`` chained windows were dropped: a draft of a window ahead of them was rejected."""
 
     def describe(self) -> dict | None:
         """What the generation reports of its speculation (None: it did not speculate)."""
@@ -65,7 +79,13 @@ class _PlainSteps:
     def drafts(self, room: int) -> Sequence[int]:
         return ()
 
+    def chained(self, ahead: Sequence[int], room: int) -> Sequence[int]:
+        return ()
+
     def done(self, drafts: Sequence[int], answer: Sequence[int]) -> None:
+        pass
+
+    def dropped(self, n: int) -> None:
         pass
 
     def describe(self) -> None:
@@ -88,6 +108,7 @@ class Speculation:
         self.totals = totals
         totals.generations += 1
         self.windows = self.drafted = self.accepted = 0
+        self.chained_windows = self.dropped_windows = 0  # windows sent behind others, and those dropped
 
     def begin(self, context: Sequence[int]) -> None:
         self.proposer = NgramProposer()
@@ -96,6 +117,21 @@ class Speculation:
     def drafts(self, room: int) -> list[int]:
         k = min(self.sizer.choose(self.sharing()), room)
         return self.proposer.propose(k) if k > 0 else []
+
+    def chained(self, ahead: Sequence[int], room: int) -> list[int]:
+        # valid only if every draft ahead is accepted and the guess that follows them is the next token
+        if room < 0 or self.sharing() > 1 or self.sizer.a ** (len(ahead) + 1) < CHAIN_MIN_VALID:
+            return []
+        k = min(self.sizer.choose(), room)
+        window = self.proposer.propose(1 + k, ahead)
+        if window:
+            self.chained_windows += 1
+            self.totals.chained += 1
+        return window
+
+    def dropped(self, n: int) -> None:
+        self.dropped_windows += n
+        self.totals.dropped += n
 
     def done(self, drafts: Sequence[int], answer: Sequence[int]) -> None:
         # every token judges the proposer (its first draft there), whatever the step that carried it: the
@@ -108,7 +144,7 @@ class Speculation:
             proposer.extend((token,))
         if drafts:
             self._window_done(len(drafts), len(answer) - 1)
-        else:
+        elif len(answer) == 1:
             self.totals.plain_steps += 1
 
     def _window_done(self, drafted: int, accepted: int) -> None:
@@ -125,6 +161,7 @@ class Speculation:
         sizer = self.sizer
         return {"windows": self.windows, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
+                "chained": self.chained_windows, "dropped": self.dropped_windows,
                 # what the next window is sized from: the acceptance the tokens show, a draft's cost in plain
                 # steps
                 "acceptance_estimate": round(sizer.a, 4), "draft_cost": round(sizer.b, 4)}

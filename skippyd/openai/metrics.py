@@ -271,7 +271,11 @@ class _DaemonCollector(Collector):
                 ("skippy_speculative_drafted_tokens", "drafted", "Drafted tokens sent for verification"),
                 ("skippy_speculative_accepted_tokens", "accepted", "Drafted tokens the final stage accepted"),
                 ("skippy_speculative_plain_steps", "plain_steps",
-                 "Decode steps of speculative generations sent without drafts (drafting did not pay)")):
+                 "Decode steps of speculative generations sent without drafts (drafting did not pay)"),
+                ("skippy_speculative_chained_windows", "chained",
+                 "Verify windows sent before the window ahead of them was answered (windows in flight)"),
+                ("skippy_speculative_dropped_windows", "dropped",
+                 "Windows in flight that a rejected draft ahead of them made void (dropped by the final stage)")):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], getattr(totals, attr))
             yield c

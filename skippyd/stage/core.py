@@ -37,6 +37,7 @@ class StageCounters:
     # decode steps with DIRECT_RETURN: sent to the final stage (no ack owed), answered by the final stage on the
     # token-return connection only, and taken by a middle stage without a reply on its lane
     returns_only: dict[str, int] = attrs.field(factory=lambda: {"forwarded": 0, "answered": 0, "unacked": 0})
+    windows_dropped: int = 0  # the final stage: chained verify windows dropped, unsampled (a draft before failed)
 
 
 class StageCore:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import select
 import time
+from collections import deque
 from collections.abc import Callable
 
 import trio
@@ -109,10 +110,9 @@ class DownstreamLink:
         self._folded = NO_STATS
         self._deferred_error: ErrorReply | None = None
         self.broken = False
-        # what an interrupted caller left behind (see settle): a frame half written, a reply not yet read
+        # what an interrupted caller left behind (see settle): a frame half written, replies not yet read
         self.writing = False
-        self.awaiting_reply = False
-        self._reply_owed_since = 0.0
+        self._owed: deque[float] = deque()  # when each request whose reply is owed was sent, oldest first
         self._nursery = nursery
         self._silence: trio.CancelScope | None = None  # see watch_silence
         self._behind: trio.Event | None = None  # set once the frame a task writes (send_deferred) is out
@@ -359,14 +359,20 @@ class DownstreamLink:
         Raises DownstreamError if the link closed."""
         return await self._read()
 
-    async def drain(self) -> None:
-        while self.pending_acks:
+    async def drain(self, keep: int = 0) -> None:
+        """Collect the owed acks, all but the ``keep`` newest (those of messages sent after the one waited for)."""
+        while self.pending_acks > keep:
             await self._collect_one_ack()
+
+    @property
+    def awaiting_reply(self) -> bool:
+        """A request's reply is owed (:meth:`begin` sent it, :meth:`finish` has not read it)."""
+        return bool(self._owed)
 
     @property
     def settled(self) -> bool:
         """Nothing left half done: no frame half written, no ack or reply owed by the next stage."""
-        return not (self.broken or self.writing or self.pending_acks or self.awaiting_reply)
+        return not (self.broken or self.writing or self.pending_acks or self._owed)
 
     async def settle(self) -> None:
         """Finish what an interrupted caller left: collect the owed acks and the owed reply (dropped), so
@@ -379,9 +385,9 @@ class DownstreamLink:
             self.broken = True
             raise DownstreamError(self.address, "a frame was left half written")
         await self.drain()
-        if self.awaiting_reply:
+        while self._owed:
             await self._read()
-            self.awaiting_reply = False
+            self._owed.popleft()
         self._folded, self._deferred_error = NO_STATS, None
 
     async def request(self, msg: Message) -> tuple[Reply, int, int, int]:
@@ -395,18 +401,18 @@ class DownstreamLink:
         return reply, n, write_us, wait_us
 
     async def begin(self, msg: Message, prepared: PreparedFrame | None = None) -> tuple[int, int]:
-        """The first half of :meth:`request`: send `msg` (its reply is then owed); (bytes, write_us)."""
+        """The first half of :meth:`request`: send `msg` (its reply is then owed, after those of the requests
+        begun before it, which the next stage answers in order); (bytes, write_us)."""
         sent = await self.send(msg, prepared)
-        self.awaiting_reply = True
-        self._reply_owed_since = time.perf_counter()
+        self._owed.append(time.perf_counter())
         return sent
 
     async def finish(self) -> tuple[Reply, int]:
-        """The second half of :meth:`request`: drain the acks, read the reply; (reply, wait_us since sent)."""
+        """The second half of :meth:`request`: drain the acks, read the oldest owed reply; (reply, wait_us since
+        its request was sent)."""
         await self.drain()
         reply = await self._read()
-        self.awaiting_reply = False
-        wait_us = int((time.perf_counter() - self._reply_owed_since) * 1e6)
+        wait_us = int((time.perf_counter() - self._owed.popleft()) * 1e6)
         if self._deferred_error is not None:
             reply, self._deferred_error = self._deferred_error, None
         if self._folded is not NO_STATS:  # acks were drained: their stats travel with the reply

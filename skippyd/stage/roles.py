@@ -59,6 +59,7 @@ log = logging.getLogger("skippyd.stage")
 # A middle stage k relays a Ping and waits PING_RELAY_S ** k for the answer of the stages after it: less
 # than whoever pinged it waits (the head: 1 s), so the stage before a hung one is the one that names it.
 PING_RELAY_S = 0.8
+_NO_TOKENS = np.empty(0, dtype=np.int32)  # a dropped window's answer
 
 
 class FinalStage(StageHandlers):
@@ -151,13 +152,32 @@ class FinalStage(StageHandlers):
                                                     StageStats.single(self.core.index)))
         return self.core.token_return.prepare(frame, REPLY_COMPUTE_US_AT)
 
+    async def on_verify_window(self, msg: VerifyWindow) -> None:
+        """A chained window that does not start where the last window's answer left the session (a draft
+        before it was rejected, or its first token was not the one predicted) is dropped: answered with no
+        tokens, neither computed nor sampled here (its random draws stay for the tokens that are kept). The
+        stages before this one computed it; the next message's position trims them."""
+        if msg.chained:
+            session = self._session(msg, create=False)
+            if session.follows != (msg.pos_start, int(msg.tokens[0])):
+                self._take_deferred(msg.session_id)
+                self.core.counters.windows_dropped += 1
+                await self._send_window_answer(session, PredictedTokens(msg.request_id, msg.session_id, _NO_TOKENS,
+                                                                        self._own_stats()))
+                return
+        await super().on_verify_window(msg)
+
     async def _answer_window(self, session: StageSession, msg: VerifyWindow, job: Job) -> None:
         """The window's PredictedTokens (the drafts accepted, then the next token), on the lane or, for a
         direct-return session, on the token-return connection with an Ack on the lane."""
         tokens = job.result
         session.generated += len(tokens)
-        reply = PredictedTokens(msg.request_id, msg.session_id, np.asarray(tokens, dtype=np.int32),
-                                self._own_stats(job))
+        session.follows = (msg.pos_start + len(tokens), int(tokens[-1]))
+        await self._send_window_answer(session, PredictedTokens(msg.request_id, msg.session_id,
+                                                                np.asarray(tokens, dtype=np.int32),
+                                                                self._own_stats(job)))
+
+    async def _send_window_answer(self, session: StageSession, reply: PredictedTokens) -> None:
         if not session.direct_return:
             await self.reply(reply)
             return
@@ -165,7 +185,7 @@ class FinalStage(StageHandlers):
             await self.core.token_return.send(reply)
         except TokenReturnLost as exc:
             raise ReplyError(ErrorCode.DOWNSTREAM_FAILED, f"stage {self.core.index}: {exc}") from exc
-        await self.reply(Ack(msg.request_id, msg.session_id, stats=NO_STATS))
+        await self.reply(Ack(reply.request_id, reply.session_id, stats=NO_STATS))
 
     async def _predict_on_return(self, session: StageSession, msg, job: Job) -> None:
         """The prediction goes to the head on the token-return connection (with this stage's report); the

@@ -331,6 +331,7 @@ class StageServer:
             refused_upstreams=counters.refused_upstreams,
             dropped_handshakes=counters.dropped_handshakes,
             returns_only=dict(counters.returns_only),
+            windows_dropped=counters.windows_dropped,
             link_secret=bool(self.config.link_auth),
             prefix_cache=core.prefix_cache.stats().to_json(),
         )

@@ -48,6 +48,9 @@ class StageSession:
     # how this session's decode steps are answered (skippyd/stage/handlers.py AnswerPath): chosen when the
     # session is created or configured, so that no step tests the session's flags
     answer: Any = None
+    # the final stage: where the session's last verify window's answer leaves it (the position after its
+    # accepted drafts, and the token predicted there): what a chained window must start with to be computed
+    follows: tuple[int, int] | None = None
     # a middle stage's reports of the decode steps it did not acknowledge (DIRECT_RETURN): they go up with
     # the session's next reply on the lane (its Stop's, usually); summed in place, as they come every token
     unreported: StatsTotal = attrs.field(factory=StatsTotal)

@@ -217,7 +217,7 @@ _ALLOWED_FLAGS = {int(k): 0 for k in _ALL_KINDS}
 _ALLOWED_FLAGS[MessageKind.PREFILL] = int(Flags.FINAL | Flags.POSITIONS | Flags.NON_CAUSAL | Flags.F16)  # ints
 _ALLOWED_FLAGS[MessageKind.CONFIGURE_GENERATION] = int(Flags.SAMPLING | Flags.DIRECT_RETURN)
 _ALLOWED_FLAGS[MessageKind.DECODE] = int(Flags.DIRECT_RETURN | Flags.F16)
-_ALLOWED_FLAGS[MessageKind.VERIFY_WINDOW] = int(Flags.F16)
+_ALLOWED_FLAGS[MessageKind.VERIFY_WINDOW] = int(Flags.F16 | Flags.CHAINED)
 _ALLOWED_FLAGS[MessageKind.CACHE_QUERY] = int(Flags.CLEAR | Flags.CLEAR_DISK)
 _REQUIRED_FLAGS = {int(k): 0 for k in _ALL_KINDS}
 _REQUIRED_FLAGS[MessageKind.CONFIGURE_GENERATION] = int(Flags.SAMPLING)
@@ -257,6 +257,7 @@ _CLEAR_FLAG = int(Flags.CLEAR)
 _CLEAR_DISK_FLAG = int(Flags.CLEAR_DISK)
 _POSITIONS_FLAG, _NON_CAUSAL_FLAG = int(Flags.POSITIONS), int(Flags.NON_CAUSAL)
 _F16_FLAG = int(Flags.F16)
+_CHAINED_FLAG = int(Flags.CHAINED)
 
 
 class FramePrefix(NamedTuple):
@@ -332,6 +333,7 @@ def encode_message(msg: Message, wire: WireFormat = WireFormat.F32) -> list[Buff
             flags = _DIRECT_RETURN_FLAG if msg.direct_return else 0
             pos_start, tokens, activation = msg.pos_start, msg.tokens, msg.activation
         case VerifyWindow():
+            flags = _CHAINED_FLAG if msg.chained else 0
             pos_start, tokens, activation = msg.pos_start, msg.tokens, msg.activation
         case ConfigureGeneration():
             flags = Flags.SAMPLING | (Flags.DIRECT_RETURN if msg.direct_return else 0)
@@ -773,7 +775,8 @@ def decode_message(header: MessageHeader, tail: Buffer, activation: Buffer | Non
         if kind == MessageKind.DECODE:
             return trusted(DecodeStep, header.request_id, header.session_id, header.pos_start, tokens, act,
                            bool(header.flags & _DIRECT_RETURN_FLAG))
-        return trusted(VerifyWindow, header.request_id, header.session_id, header.pos_start, tokens, act)
+        return trusted(VerifyWindow, header.request_id, header.session_id, header.pos_start, tokens, act,
+                       bool(header.flags & _CHAINED_FLAG))
     except ProtocolError as exc:
         exc.request_id, exc.session_id = header.request_id, header.session_id
         raise

@@ -100,7 +100,7 @@ __all__ = [
 # keys of the positions they take; NON_CAUSAL); 8: cache records carry the disk tier (128 bytes), CacheQuery's
 # CLEAR_DISK; 9: the Hello's activation encodings (byte 7, was reserved) and flag F16 on PREFILL, DECODE and
 # VERIFY_WINDOW (an activation of half floats)
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 # Hard limits of the protocol (the same in every version). A receiver may be configured tighter
 # (see Limits), never looser.
@@ -177,7 +177,9 @@ class Flags(enum.IntFlag):
     final stage sends the prediction, or the error, on the token-return
     connection only, and no reply on the lane. ``CLEAR``, only on
     ``CACHE_QUERY``: each stage empties its prefix cache before it reports; ``CLEAR_DISK``, only there
-    too: its disk tier as well.
+    too: its disk tier as well. ``CHAINED`` (FINAL's bit), only on ``VERIFY_WINDOW``: the window was sent
+    before the one ahead of it was answered, drafted as if that one were accepted in full and its next
+    token were this window's first; the final stage drops it, unsampled, when that is not so.
     Every other bit must be zero.
     """
 
@@ -190,6 +192,7 @@ class Flags(enum.IntFlag):
     NON_CAUSAL = 0x20
     F16 = 0x40
     CLEAR_DISK = 0x80
+    CHAINED = 0x01  # FINAL's bit, on VERIFY_WINDOW (an alias: flags are read per kind)
 
 
 class WireFormat(enum.IntFlag):
@@ -660,8 +663,11 @@ class DecodeStep:
 @attrs.frozen
 class VerifyWindow:
     """Several tokens (current + drafts) decoded at once for speculative
-    decoding; ``pos_start`` is authoritative. Reply: ``PredictedTokens`` with
-    one prediction per position."""
+    decoding; ``pos_start`` is authoritative. Reply: ``PredictedTokens``, the
+    drafts accepted and the next token. ``chained``: sent behind a window not
+    yet answered, valid only if that one's answer ends at ``pos_start`` with
+    ``tokens[0]``; the final stage answers one that is not with no tokens
+    (dropped, never computed there)."""
 
     kind: ClassVar[MessageKind] = MessageKind.VERIFY_WINDOW
     request_id: int = attrs.field(validator=_u64)
@@ -669,6 +675,7 @@ class VerifyWindow:
     pos_start: int = attrs.field(validator=_position)
     tokens: np.ndarray = _tokens_field()
     activation: np.ndarray | None = _activation_field()
+    chained: bool = False
 
     def __attrs_post_init__(self) -> None:
         _check_tokens(self.tokens, lo=1, hi=MAX_TOKENS, what="VerifyWindow")
