@@ -2,7 +2,7 @@
 whether the output stays the same.
 
     .venv/bin/python bench/bench_speculative.py [--stages 1,2,3] [--tokens 128] [--rounds 3] [--json out.json]
-                                                [--skip-delay] [--skip-llama-cpp]
+                                                [--delay-ms 10,30] [--skip-delay] [--skip-llama-cpp]
     .venv/bin/python bench/bench_speculative.py --tokens 16 --rounds 1          # smoke run
 
 Workloads, chats through the control channel (``Generate`` with ``messages``: the head's chat template, as
@@ -38,8 +38,14 @@ counted from the lookups it made (drafted) and the tokens they gave (tokens afte
 window: an estimate).
 
 With a delay (``--skip-delay`` skips it; needs root, ``ip`` and ``tc``, else the reason is printed): the
-2-stage comparison again, each stage in a network namespace of its own (tests/netns.py), joined by a veth pair
-with ``tc qdisc ... netem delay --delay-ms`` (10) on both ends: that one-way delay on the link, either way.
+2-stage comparison again for each of ``--delay-ms`` (10; a comma-separated list, e.g. ``10,30``), each stage in
+a network namespace of its own (tests/netns.py), joined by a veth pair with ``tc qdisc ... netem delay`` on
+both ends: that one-way delay on the link, either way (without netem in the kernel: skippy's own link
+conditioning, ``stage.link_delay_ms``, on loopback). Then the windows in flight: with speculation on, each
+workload's ms/token over the delayed link against loopback (the same request on the 2-stage pair), the
+windows with a rejected draft per 100 tokens, and the ratio those rejections allow (each costs a round trip
+that no window in flight can hide: loopback's ms/token plus 2 x the delay per rejection), with the windows
+chained and dropped.
 
 Output identity: for each workload and configuration, greedy (the first round's runs) and seeded
 (temperature 0.8, seed 7: one more run each, off and on), the speculative tokens against the others: identical,
@@ -423,8 +429,12 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                  "ratio": statistics.median(on) / statistics.median(off) if off and on else None,
                  "errors": sum(bool(r.get("error")) for mode in ("off", "on") for r in runs[mode])}
     specs = [r["speculation"] for r in runs["on"] if r.get("speculation") is not None]
-    out["speculation"] = total = ({k: sum(s.get(k, 0) for s in specs) for k in ("windows", "drafted", "accepted")}
+    out["speculation"] = total = ({k: sum(s.get(k, 0) for s in specs)
+                                   for k in ("windows", "drafted", "accepted", "plain_steps", "rejected", "chained",
+                                             "dropped")}
                                   if specs else None)
+    out["tokens_on"] = sum(len(r["tokens"]) if isinstance(r.get("tokens"), list) and r["tokens"]
+                           and isinstance(r["tokens"][0], int) else 0 for r in runs["on"])
     out["acceptance"] = total["accepted"] / total["drafted"] if total and total["drafted"] else None
     out["tokens_per_window"] = ((total["windows"] + total["accepted"]) / total["windows"]
                                 if total and total["windows"] else None)
@@ -732,6 +742,16 @@ def parse_stages(text: str) -> list[int]:
     return stages
 
 
+def parse_delays(text: str) -> list[float]:
+    try:
+        delays = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of milliseconds: {text!r}") from None
+    if not delays or any(d <= 0 for d in delays):
+        raise argparse.ArgumentTypeError("delays must be positive (--skip-delay skips the section)")
+    return delays
+
+
 def positive(text: str) -> int:
     try:
         value = int(text)
@@ -749,7 +769,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=positive, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--threads", type=positive, default=2,
                     help="compute threads of every stage and of llama-cpp-python (default 2)")
-    ap.add_argument("--delay-ms", type=float, default=10.0, help="one-way delay of the delayed section (default 10)")
+    ap.add_argument("--delay-ms", type=parse_delays, default=[10.0],
+                    help="one-way delays of the delayed section, comma-separated (default 10)")
     ap.add_argument("--skip-delay", action="store_true", help="skip the 2-stage comparison over delayed links")
     ap.add_argument("--skip-llama-cpp", action="store_true", help="skip llama-cpp-python's prompt lookup")
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the embedded default model)")
@@ -758,8 +779,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.llama_cpp_worker:
         return llama_cpp_worker(args)
-    if args.delay_ms <= 0:
-        ap.error("--delay-ms must be positive (--skip-delay skips the section)")
+
 
     from skippyd.runtime.llama import Model
     from skippyd.runtime.models import fetch_default_model
@@ -805,40 +825,12 @@ def main() -> int:
         walls = report["section_wall_s"] = {"loopback": time.monotonic() - section}
         section = time.monotonic()
         why_not = "--skip-delay" if args.skip_delay else delay_unavailable()
-        delayed = None
-        if why_not is None:
-            net = None
-            dpair = None
-            try:
-                print(f"starting 2-stage in two network namespaces, netem {args.delay_ms:g} ms each way",
-                      file=sys.stderr, flush=True)
-                net, dpair = start_delayed(model, tmp, common, args.delay_ms)
-                rtt = ping_ms(net)
-                druns = measure([dpair], WORKLOADS, args.rounds, args.tokens, progress="delayed: ")
-                drows = identity_rows([dpair], druns, None, WORKLOADS)
-                delayed = {"delay_ms": args.delay_ms, "ping_rtt_ms": rtt, "runs": druns, "identity": drows,
-                           "summary": {dpair.name: {w: summarize(druns[dpair.name][w]) for w in WORKLOADS}}}
-            except Exception as exc:  # netem missing in this kernel, a namespace that cannot be made: said, not fatal
-                why_not = f"{type(exc).__name__}: {exc}"
-            finally:
-                if dpair is not None:
-                    dpair.stop()
-                if net is not None:
-                    net.close()
-        if delayed is None and not args.skip_delay:
-            # no netem here: the same delay from skippy's own link conditioning, on loopback
-            print(f"delayed links: no netem ({why_not}); stage.link_delay_ms {args.delay_ms:g} on loopback "
-                  f"instead", file=sys.stderr, flush=True)
-            dpair = start_loopback(model, 2, tmp / "conditioned", common, link_delay_ms=args.delay_ms)
-            try:
-                druns = measure([dpair], WORKLOADS, args.rounds, args.tokens, progress="delayed: ")
-                drows = identity_rows([dpair], druns, None, WORKLOADS)
-                delayed = {"delay_ms": args.delay_ms, "ping_rtt_ms": None, "how": "stage.link_delay_ms",
-                           "netem_missing": why_not, "runs": druns, "identity": drows,
-                           "summary": {dpair.name: {w: summarize(druns[dpair.name][w]) for w in WORKLOADS}}}
-            finally:
-                dpair.stop()
-        report["delayed"] = delayed if delayed is not None else {"skipped": why_not}
+        delays: list[dict] = []
+        for delay_ms in ([] if args.skip_delay else args.delay_ms):
+            delayed = measure_delayed(model, tmp, common, delay_ms, why_not, args.rounds, args.tokens)
+            if delayed is not None:
+                delays.append(delayed)
+        report["delayed"] = delays if delays else {"skipped": why_not}
 
         walls["delayed"] = time.monotonic() - section
         section = time.monotonic()
@@ -860,16 +852,18 @@ def main() -> int:
           f"and the range of the per-round ratios; accepted: accepted / drafted drafts; tok/window: tokens per "
           f"verify window; windows: verify windows in all rounds")
     print_speed("loopback", report["loopback"]["summary"])
-    if delayed is not None:
+    for delayed in delays:
         rtt = f", ping round trip {delayed['ping_rtt_ms']:.1f} ms" if delayed["ping_rtt_ms"] else ""
         how = ("skippy's link conditioning (stage.link_delay_ms) on loopback" if delayed.get("how")
                else "network namespaces, netem")
-        print_speed(f"2 stages, {how}, {args.delay_ms:g} ms one-way on the link{rtt}",
+        print_speed(f"2 stages, {how}, {delayed['delay_ms']:g} ms one-way on the link{rtt}",
                     delayed["summary"])
-    else:
+    if not delays:
         print(f"\ndelayed links: skipped ({why_not})")
+    elif "2-stage" in report["loopback"]["summary"]:
+        print_in_flight(report["loopback"]["summary"]["2-stage"], delays)
     print_identity(rows, vocab)
-    if delayed is not None:
+    for delayed in delays:
         print_identity(delayed["identity"], vocab)
     if lc is not None:
         ones = {w: runs["1-stage"][w]["off"][0]["tokens"] for w in SINGLE_PROMPTS
@@ -883,6 +877,94 @@ def main() -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1, default=str))
     return 0
+
+
+def measure_delayed(model: Path, tmp: Path, common: list[str], delay_ms: float, why_not: str | None, rounds: int,
+                    tokens: int) -> dict | None:
+    """The 2-stage pair over links delayed ``delay_ms`` each way: in network namespaces with netem where the
+    kernel has it (``why_not`` None), else with skippy's own link conditioning on loopback."""
+    if why_not is None:
+        net = dpair = None
+        try:
+            print(f"starting 2-stage in two network namespaces, netem {delay_ms:g} ms each way", file=sys.stderr,
+                  flush=True)
+            net, dpair = start_delayed(model, tmp, common, delay_ms)
+            rtt = ping_ms(net)
+            druns = measure([dpair], WORKLOADS, rounds, tokens, progress=f"delayed {delay_ms:g} ms: ")
+            return {"delay_ms": delay_ms, "ping_rtt_ms": rtt, "runs": druns,
+                    "identity": identity_rows([dpair], druns, None, WORKLOADS),
+                    "summary": {dpair.name: {w: summarize(druns[dpair.name][w]) for w in WORKLOADS}}}
+        except Exception as exc:  # netem missing in this kernel, a namespace that cannot be made: said, not fatal
+            why_not = f"{type(exc).__name__}: {exc}"
+        finally:
+            if dpair is not None:
+                dpair.stop()
+            if net is not None:
+                net.close()
+    # no netem here: the same delay from skippy's own link conditioning, on loopback
+    print(f"delayed links: no netem ({why_not}); stage.link_delay_ms {delay_ms:g} on loopback instead",
+          file=sys.stderr, flush=True)
+    dpair = start_loopback(model, 2, tmp / f"conditioned-{delay_ms:g}", common, link_delay_ms=delay_ms)
+    try:
+        druns = measure([dpair], WORKLOADS, rounds, tokens, progress=f"delayed {delay_ms:g} ms: ")
+        delayed = {"delay_ms": delay_ms, "ping_rtt_ms": None, "how": "stage.link_delay_ms", "netem_missing": why_not,
+                   "runs": druns, "identity": identity_rows([dpair], druns, None, WORKLOADS),
+                   "summary": {dpair.name: {w: summarize(druns[dpair.name][w]) for w in WORKLOADS}}}
+    finally:
+        dpair.stop()
+    delayed["one_in_flight"] = measure_one_in_flight(model, tmp, common, delay_ms, rounds, tokens)
+    return delayed
+
+
+def measure_one_in_flight(model: Path, tmp: Path, common: list[str], delay_ms: float, rounds: int,
+                          tokens: int) -> dict:
+    """The same 2 stages with speculation on and ``runtime.speculate_in_flight = 1`` (each window answered
+    before the next goes out): decode tok/s of the single-session workloads, ``rounds`` each, and their tokens."""
+    from tests.procs import Pipeline, split_for_test
+
+    where = tmp / f"one-in-flight-{delay_ms:g}"
+    where.mkdir(parents=True)
+    split_for_test(model, 2, where)
+    pipe = Pipeline(where / "topology.toml", where, extra=[*common, "--speculate", "on"],
+                    config={"stage.link_delay_ms": delay_ms, "runtime.speculate_in_flight": 1}).start()
+    try:
+        trio.run(generate, pipe.head, PROSE_PROMPT, 4, "greedy")  # warm-up
+        out: dict = {}
+        for w in SINGLE_PROMPTS:
+            runs = [trio.run(run_workload, pipe.head, w, tokens, "greedy") for _ in range(rounds)]
+            out[w] = {"tok_s": [r["tok_s"] for r in runs if r.get("tok_s")], "tokens": runs[0].get("tokens")}
+        return out
+    finally:
+        pipe.stop()
+
+
+def print_in_flight(loopback: dict, delays: list[dict]) -> None:
+    """Speculation on, 2 stages: ms/token over each delayed link against loopback, the same request. Every
+    rejected draft costs one round trip (2 x the one-way delay) that no window in flight can hide: the bound
+    is loopback's ms/token plus that, per token."""
+    print("\nwindows in flight, speculation on, 2 stages: ms/token (median), delayed / loopback; one in flight: "
+          "the same with runtime.speculate_in_flight = 1; rej/100: windows with a rejected draft per 100 tokens; "
+          "plain/100: steps with nothing to draft; bound: the ratio those round trips allow (none can be hidden)")
+    print(f"  {'':14}{'delay':>7}{'loopback':>10}{'delayed':>9}{'ratio':>7}{'1 in flight':>12}{'ratio':>7}"
+          f"{'rej/100':>9}{'plain/100':>10}{'bound':>7}{'chained':>9}{'dropped':>9}")
+    for w in ("code edit", "prose"):
+        base = loopback.get(w)
+        if not base or not base["on_tok_s"]:
+            continue
+        loop_ms = 1e3 / statistics.median(base["on_tok_s"])
+        for delayed in delays:
+            s = next(iter(delayed["summary"].values())).get(w)
+            if not s or not s["on_tok_s"] or not s["speculation"] or not s["tokens_on"]:
+                continue
+            ms = 1e3 / statistics.median(s["on_tok_s"])
+            spec = s["speculation"]
+            rej, plain = spec["rejected"] / s["tokens_on"], spec["plain_steps"] / s["tokens_on"]
+            bound = (loop_ms + (rej + plain) * 2 * delayed["delay_ms"]) / loop_ms
+            one = (delayed.get("one_in_flight") or {}).get(w) or {}
+            one_ms = 1e3 / statistics.median(one["tok_s"]) if one.get("tok_s") else None
+            one_txt = f"{one_ms:>12.2f}{one_ms / loop_ms:>7.2f}" if one_ms else f"{'-':>12}{'-':>7}"
+            print(f"  {w:14}{delayed['delay_ms']:>5g}ms{loop_ms:>10.2f}{ms:>9.2f}{ms / loop_ms:>7.2f}{one_txt}"
+                  f"{100 * rej:>9.1f}{100 * plain:>10.1f}{bound:>7.2f}{spec['chained']:>9}{spec['dropped']:>9}")
 
 
 def _off_tokens(runs: dict, seeded: dict, row: dict) -> list[int]:

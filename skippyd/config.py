@@ -164,6 +164,9 @@ class RuntimeSection:
     # (on: the same); off: token by token
     speculate: str = attrs.field(default="ngram", validator=_one_of(SPECULATE_MODES))
     speculate_max_draft: int = attrs.field(default=16, validator=_in_range(1, 16))  # drafts in one window at most
+    # verify windows in flight at most (the next sent before the last is answered, over a long round trip);
+    # 1: each answered before the next
+    speculate_in_flight: int = attrs.field(default=4, validator=_in_range(1, 4))
     # the most memory (MiB) skippy may use on this host, as reported to a deployment's planner; 0: what the
     # host (or its cgroup) has available
     memory_limit_mb: int = attrs.field(default=0, validator=_at_least(0))

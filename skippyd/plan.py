@@ -40,6 +40,7 @@ class HeadOptions:
     queue_timeout: float
     resume_window: float | None  # None: a generation a stage failure interrupts fails (no replay)
     speculate_max_draft: int = 0  # drafts per verify window at most; 0: no speculative decoding
+    speculate_in_flight: int = 4  # verify windows in flight at most (1: each answered before the next)
     chat_template: str | None = None  # the operator's chat template (Jinja source); None: the model's own
     mmproj: Path | None = None  # the operator's projector; None: the topology's stage 0 mmproj, if any
     image_max_bytes: int = 20 << 20
@@ -157,6 +158,7 @@ def head_options(config: Config) -> HeadOptions:
     return HeadOptions(prefill_chunk=rt.prefill_chunk, receipts_file=config.daemon.receipts,
                        queue_timeout=rt.queue_timeout, resume_window=rt.resume_window if rt.resume else None,
                        speculate_max_draft=rt.speculate_max_draft if rt.speculate != "off" else 0,
+                       speculate_in_flight=rt.speculate_in_flight,
                        chat_template=_chat_template(config.pipeline.chat_template_file),
                        mmproj=config.pipeline.mmproj, image_max_bytes=rt.image_max_mb << 20,
                        image_max_pixels=rt.image_max_pixels)

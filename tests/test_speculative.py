@@ -202,12 +202,14 @@ async def test_cancelled_in_the_middle_of_windows_every_stage_lets_go(pipe):
     assert len(again["tokens"]) == 8
 
 
-DELAY = {"stage.link_delay_ms": 10}  # each way on every link: windows go behind the one in flight
+# each way on every link: a round trip longer than a window's compute even on a busy machine, so windows go
+# behind the one in flight
+DELAY = {"stage.link_delay_ms": 25}
 
 
 @pytest.fixture(scope="module")
 def delayed(splits, tmp_path_factory):
-    """2 stages whose link takes 10 ms each way (skippy's own link conditioning)."""
+    """2 stages whose link takes 25 ms each way (skippy's own link conditioning)."""
     work = tmp_path_factory.mktemp("spec-delayed")
     p = Pipeline(retarget(splits[2], work), work, extra=FLAGS, config={**CONFIG, **DELAY}).start()
     yield p

@@ -151,7 +151,7 @@ class HeadEngine:
                  pool: LanePool | None, *, prefill_chunk: int = 256, receipts_file: Path | None = None,
                  receipts_kept: int = 256, queue_timeout: float = 30.0, hub: TokenReturnHub | None = None,
                  watch: StageWatch | None = None, resume_window: float | None = None,
-                 prefix_cache: PrefixCache | None = None, speculate_max_draft: int = 0,
+                 prefix_cache: PrefixCache | None = None, speculate_max_draft: int = 0, speculate_in_flight: int = 4,
                  chat_template: str | None = None, projector: mtmd.Projector | None = None,
                  image_limits: ImageLimits | None = None):
         self.model = model
@@ -180,7 +180,8 @@ class HeadEngine:
         self.watch = watch  # stage 1's liveness (None: single stage)
         # where the predictions of pipeline generations came from, and configures that fell back
         self.token_paths = TokenPaths()
-        self.lane_services = LaneServices(watch, hub, self.chunker, self.token_paths, context.n_embd)
+        self.lane_services = LaneServices(watch, hub, self.chunker, self.token_paths, context.n_embd,
+                                          max_in_flight=speculate_in_flight)
         # the KV of stage 0's layers for prompts the head has computed (none: budget 0)
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0, stage_index=0)
         # speculative decoding: on for every generation with a max_draft (a request may say otherwise)

@@ -102,6 +102,7 @@ class LaneServices:
     chunker: PrefillChunker
     paths: TokenPaths
     n_embd: int
+    max_in_flight: int = 4  # verify windows a generation keeps in flight at most (runtime.speculate_in_flight)
 
     @property
     def wants_direct_return(self) -> bool:

@@ -41,7 +41,7 @@ log = logging.getLogger("skippyd.head")
 class HeadNode:
     def __init__(self, config: StageConfig, *, topology: Topology | None = None, model_path: Path | None = None,
                  prefill_chunk: int = 256, receipts_file: Path | None = None, queue_timeout: float = 30.0,
-                 resume_window: float | None = None, speculate_max_draft: int = 0,
+                 resume_window: float | None = None, speculate_max_draft: int = 0, speculate_in_flight: int = 4,
                  chat_template: str | None = None, mmproj: Path | None = None, image_max_bytes: int = 20 << 20,
                  image_max_pixels: int = 1 << 25):
         if topology is None and model_path is None:
@@ -54,6 +54,7 @@ class HeadNode:
         self.queue_timeout = queue_timeout
         self.resume_window = resume_window  # None: a stage failure fails the generation
         self.speculate_max_draft = speculate_max_draft  # 0: no speculative decoding unless a request asks
+        self.speculate_in_flight = speculate_in_flight  # verify windows in flight at most
         self.chat_template = chat_template  # the operator's chat template (None: the model's own)
         self.mmproj = mmproj if mmproj is not None or topology is None else topology.stage(0).mmproj
         self.image_limits = ImageLimits(image_max_bytes, image_max_pixels)
@@ -114,6 +115,7 @@ class HeadNode:
                                      hub=self.hub, watch=self.watch, resume_window=self.resume_window,
                                      prefix_cache=PrefixCache(cfg.prefix_cache_mb << 20, stage_index=0, disk=disk),
                                      speculate_max_draft=self.speculate_max_draft,
+                                     speculate_in_flight=self.speculate_in_flight,
                                      chat_template=self.chat_template, projector=self.projector,
                                      image_limits=self.image_limits)
             try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -40,7 +41,6 @@ from skippyd.wire.messages import PrefillChunk, VerifyWindow
 
 log = logging.getLogger("skippyd.head")
 
-MAX_CHAINED = 3  # windows in flight behind the oldest, at most
 EWMA = 0.2  # weight of the newest window's round trip
 
 
@@ -137,14 +137,17 @@ class PipelineLane:
     @property
     def window_depth(self) -> int:
         """1, plus a window behind for each window's service time (the stages' compute, measured as the
-        round trip less the link's) that the link's round trip covers, rounded; only on a lane where each
-        stage takes the next window while a later one computes the last (two stages, or direct return)."""
+        round trip less the link's) that the link's round trip covers, from a quarter of one on: on a link
+        much shorter than the compute there is nothing to hide, and the void windows would cost compute.
+        Only on a lane where each stage takes the next window while a later one computes the last (two
+        stages, or direct return)."""
         client = self.client
         if client is None or not client.pipelines_windows or self._window_us <= 0.0:
             return 1
-        link_us = self.lanes.services.chunker.round_trip_us
+        services = self.lanes.services
+        link_us = services.chunker.round_trip_us
         service_us = max(self._window_us - link_us, 1.0)
-        return 1 + min(MAX_CHAINED, int(link_us / service_us + 0.5))
+        return min(services.max_in_flight, 1 + max(0, math.ceil(link_us / service_us - 0.25)))
 
     async def begin(self, token: int, drafts: Sequence[int], *, chained: bool = False) -> InFlight:
         sequence, client = self.sequence, self.client

@@ -109,6 +109,8 @@ class Speculation:
         totals.generations += 1
         self.windows = self.drafted = self.accepted = 0
         self.chained_windows = self.dropped_windows = 0  # windows sent behind others, and those dropped
+        self.rejected = 0  # windows with a draft rejected (each costs a round trip no window in flight hides)
+        self.plain_steps = 0  # steps without drafts (nothing worth drafting: a round trip each too)
 
     def begin(self, context: Sequence[int]) -> None:
         self.proposer = NgramProposer()
@@ -145,11 +147,13 @@ class Speculation:
         if drafts:
             self._window_done(len(drafts), len(answer) - 1)
         elif len(answer) == 1:
+            self.plain_steps += 1
             self.totals.plain_steps += 1
 
     def _window_done(self, drafted: int, accepted: int) -> None:
         self.sizer.window_done(drafted, accepted)
         self.windows += 1
+        self.rejected += accepted < drafted
         self.drafted += drafted
         self.accepted += accepted
         totals = self.totals
@@ -161,6 +165,7 @@ class Speculation:
         sizer = self.sizer
         return {"windows": self.windows, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
+                "plain_steps": self.plain_steps, "rejected": self.rejected,
                 "chained": self.chained_windows, "dropped": self.dropped_windows,
                 # what the next window is sized from: the acceptance the tokens show, a draft's cost in plain
                 # steps
