@@ -38,14 +38,16 @@ counted from the lookups it made (drafted) and the tokens they gave (tokens afte
 window: an estimate).
 
 With a delay (``--skip-delay`` skips it; needs root, ``ip`` and ``tc``, else the reason is printed): the
-2-stage comparison again for each of ``--delay-ms`` (10; a comma-separated list, e.g. ``10,30``), each stage in
-a network namespace of its own (tests/netns.py), joined by a veth pair with ``tc qdisc ... netem delay`` on
-both ends: that one-way delay on the link, either way (without netem in the kernel: skippy's own link
-conditioning, ``stage.link_delay_ms``, on loopback). Then the windows in flight: with speculation on, each
-workload's ms/token over the delayed link against loopback (the same request on the 2-stage pair), the
-windows with a rejected draft per 100 tokens, and the ratio those rejections allow (each costs a round trip
-that no window in flight can hide: loopback's ms/token plus 2 x the delay per rejection), with the windows
-chained and dropped.
+comparison again for each of ``--delay-stages`` (2; or ``2,3``) and each of ``--delay-ms`` (10; a
+comma-separated list, e.g. ``10,30``), 2 stages each in a network namespace of its own (tests/netns.py),
+joined by a veth pair with ``tc qdisc ... netem delay`` on both ends: that one-way delay on the link, either
+way (without netem in the kernel: skippy's own link conditioning, ``stage.link_delay_ms``, on loopback; 3
+stages always so). Then the windows in flight: with speculation on, each workload's ms/token over the
+delayed links against loopback (the same request on as many stages; ``--stages`` must include them), the
+same with ``runtime.speculate_in_flight = 1``, the windows with a rejected draft and the steps with nothing
+to draft per 100 tokens, and the ratio those allow (each costs a trip round the pipeline that no window in
+flight can hide: loopback's ms/token plus one delay per stage for each), with the windows chained and
+dropped.
 
 Output identity: for each workload and configuration, greedy (the first round's runs) and seeded
 (temperature 0.8, seed 7: one more run each, off and on), the speculative tokens against the others: identical,
@@ -742,6 +744,13 @@ def parse_stages(text: str) -> list[int]:
     return stages
 
 
+def delay_stages(text: str) -> list[int]:
+    stages = parse_stages(text)
+    if 1 in stages:
+        raise argparse.ArgumentTypeError("a delay needs a link: 2 or 3 stages")
+    return stages
+
+
 def parse_delays(text: str) -> list[float]:
     try:
         delays = [float(x) for x in text.split(",") if x.strip()]
@@ -771,7 +780,10 @@ def main() -> int:
                     help="compute threads of every stage and of llama-cpp-python (default 2)")
     ap.add_argument("--delay-ms", type=parse_delays, default=[10.0],
                     help="one-way delays of the delayed section, comma-separated (default 10)")
-    ap.add_argument("--skip-delay", action="store_true", help="skip the 2-stage comparison over delayed links")
+    ap.add_argument("--delay-stages", type=delay_stages, default=[2],
+                    help="stage counts of the delayed section, comma-separated, from 2 (default 2; 3 and more with "
+                         "skippy's link conditioning)")
+    ap.add_argument("--skip-delay", action="store_true", help="skip the comparison over delayed links")
     ap.add_argument("--skip-llama-cpp", action="store_true", help="skip llama-cpp-python's prompt lookup")
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the embedded default model)")
     ap.add_argument("--json", type=Path, default=None, help="write every run and figure here")
@@ -826,10 +838,9 @@ def main() -> int:
         section = time.monotonic()
         why_not = "--skip-delay" if args.skip_delay else delay_unavailable()
         delays: list[dict] = []
-        for delay_ms in ([] if args.skip_delay else args.delay_ms):
-            delayed = measure_delayed(model, tmp, common, delay_ms, why_not, args.rounds, args.tokens)
-            if delayed is not None:
-                delays.append(delayed)
+        for n in ([] if args.skip_delay else args.delay_stages):
+            for delay_ms in args.delay_ms:
+                delays.append(measure_delayed(model, tmp, common, n, delay_ms, why_not, args.rounds, args.tokens))
         report["delayed"] = delays if delays else {"skipped": why_not}
 
         walls["delayed"] = time.monotonic() - section
@@ -856,12 +867,12 @@ def main() -> int:
         rtt = f", ping round trip {delayed['ping_rtt_ms']:.1f} ms" if delayed["ping_rtt_ms"] else ""
         how = ("skippy's link conditioning (stage.link_delay_ms) on loopback" if delayed.get("how")
                else "network namespaces, netem")
-        print_speed(f"2 stages, {how}, {delayed['delay_ms']:g} ms one-way on the link{rtt}",
+        print_speed(f"{delayed['stages']} stages, {how}, {delayed['delay_ms']:g} ms one-way on every link{rtt}",
                     delayed["summary"])
     if not delays:
         print(f"\ndelayed links: skipped ({why_not})")
-    elif "2-stage" in report["loopback"]["summary"]:
-        print_in_flight(report["loopback"]["summary"]["2-stage"], delays)
+    else:
+        print_in_flight(report["loopback"]["summary"], delays)
     print_identity(rows, vocab)
     for delayed in delays:
         print_identity(delayed["identity"], vocab)
@@ -879,11 +890,11 @@ def main() -> int:
     return 0
 
 
-def measure_delayed(model: Path, tmp: Path, common: list[str], delay_ms: float, why_not: str | None, rounds: int,
-                    tokens: int) -> dict | None:
-    """The 2-stage pair over links delayed ``delay_ms`` each way: in network namespaces with netem where the
-    kernel has it (``why_not`` None), else with skippy's own link conditioning on loopback."""
-    if why_not is None:
+def measure_delayed(model: Path, tmp: Path, common: list[str], n: int, delay_ms: float, why_not: str | None,
+                    rounds: int, tokens: int) -> dict:
+    """The ``n``-stage pair over links delayed ``delay_ms`` each way: 2 stages in network namespaces with netem
+    where the kernel has it (``why_not`` None), else with skippy's own link conditioning on loopback."""
+    if why_not is None and n == 2:
         net = dpair = None
         try:
             print(f"starting 2-stage in two network namespaces, netem {delay_ms:g} ms each way", file=sys.stderr,
@@ -891,7 +902,7 @@ def measure_delayed(model: Path, tmp: Path, common: list[str], delay_ms: float, 
             net, dpair = start_delayed(model, tmp, common, delay_ms)
             rtt = ping_ms(net)
             druns = measure([dpair], WORKLOADS, rounds, tokens, progress=f"delayed {delay_ms:g} ms: ")
-            return {"delay_ms": delay_ms, "ping_rtt_ms": rtt, "runs": druns,
+            return {"stages": n, "delay_ms": delay_ms, "ping_rtt_ms": rtt, "runs": druns,
                     "identity": identity_rows([dpair], druns, None, WORKLOADS),
                     "summary": {dpair.name: {w: summarize(druns[dpair.name][w]) for w in WORKLOADS}}}
         except Exception as exc:  # netem missing in this kernel, a namespace that cannot be made: said, not fatal
@@ -902,29 +913,29 @@ def measure_delayed(model: Path, tmp: Path, common: list[str], delay_ms: float, 
             if net is not None:
                 net.close()
     # no netem here: the same delay from skippy's own link conditioning, on loopback
-    print(f"delayed links: no netem ({why_not}); stage.link_delay_ms {delay_ms:g} on loopback instead",
-          file=sys.stderr, flush=True)
-    dpair = start_loopback(model, 2, tmp / f"conditioned-{delay_ms:g}", common, link_delay_ms=delay_ms)
+    print(f"delayed links, {n} stages: no netem ({why_not or 'netem runs 2 stages only'}); stage.link_delay_ms "
+          f"{delay_ms:g} on loopback instead", file=sys.stderr, flush=True)
+    dpair = start_loopback(model, n, tmp / f"conditioned-{n}-{delay_ms:g}", common, link_delay_ms=delay_ms)
     try:
         druns = measure([dpair], WORKLOADS, rounds, tokens, progress=f"delayed {delay_ms:g} ms: ")
-        delayed = {"delay_ms": delay_ms, "ping_rtt_ms": None, "how": "stage.link_delay_ms", "netem_missing": why_not,
-                   "runs": druns, "identity": identity_rows([dpair], druns, None, WORKLOADS),
+        delayed = {"stages": n, "delay_ms": delay_ms, "ping_rtt_ms": None, "how": "stage.link_delay_ms",
+                   "netem_missing": why_not, "runs": druns, "identity": identity_rows([dpair], druns, None, WORKLOADS),
                    "summary": {dpair.name: {w: summarize(druns[dpair.name][w]) for w in WORKLOADS}}}
     finally:
         dpair.stop()
-    delayed["one_in_flight"] = measure_one_in_flight(model, tmp, common, delay_ms, rounds, tokens)
+    delayed["one_in_flight"] = measure_one_in_flight(model, tmp, common, n, delay_ms, rounds, tokens)
     return delayed
 
 
-def measure_one_in_flight(model: Path, tmp: Path, common: list[str], delay_ms: float, rounds: int,
+def measure_one_in_flight(model: Path, tmp: Path, common: list[str], n: int, delay_ms: float, rounds: int,
                           tokens: int) -> dict:
-    """The same 2 stages with speculation on and ``runtime.speculate_in_flight = 1`` (each window answered
+    """The same ``n`` stages with speculation on and ``runtime.speculate_in_flight = 1`` (each window answered
     before the next goes out): decode tok/s of the single-session workloads, ``rounds`` each, and their tokens."""
     from tests.procs import Pipeline, split_for_test
 
-    where = tmp / f"one-in-flight-{delay_ms:g}"
+    where = tmp / f"one-in-flight-{n}-{delay_ms:g}"
     where.mkdir(parents=True)
-    split_for_test(model, 2, where)
+    split_for_test(model, n, where)
     pipe = Pipeline(where / "topology.toml", where, extra=[*common, "--speculate", "on"],
                     config={"stage.link_delay_ms": delay_ms, "runtime.speculate_in_flight": 1}).start()
     try:
@@ -939,31 +950,34 @@ def measure_one_in_flight(model: Path, tmp: Path, common: list[str], delay_ms: f
 
 
 def print_in_flight(loopback: dict, delays: list[dict]) -> None:
-    """Speculation on, 2 stages: ms/token over each delayed link against loopback, the same request. Every
-    rejected draft costs one round trip (2 x the one-way delay) that no window in flight can hide: the bound
-    is loopback's ms/token plus that, per token."""
-    print("\nwindows in flight, speculation on, 2 stages: ms/token (median), delayed / loopback; one in flight: "
+    """Speculation on: ms/token over each delayed link against loopback, the same request on as many stages.
+    Every rejected draft, and every step with nothing to draft, costs one trip round the pipeline (a one-way
+    delay per stage, with direct return) that no window in flight can hide: the bound is loopback's ms/token
+    plus those, per token."""
+    print("\nwindows in flight, speculation on: ms/token (median), delayed / loopback; one in flight: "
           "the same with runtime.speculate_in_flight = 1; rej/100: windows with a rejected draft per 100 tokens; "
           "plain/100: steps with nothing to draft; bound: the ratio those round trips allow (none can be hidden)")
-    print(f"  {'':14}{'delay':>7}{'loopback':>10}{'delayed':>9}{'ratio':>7}{'1 in flight':>12}{'ratio':>7}"
+    print(f"  {'':22}{'delay':>7}{'loopback':>10}{'delayed':>9}{'ratio':>7}{'1 in flight':>12}{'ratio':>7}"
           f"{'rej/100':>9}{'plain/100':>10}{'bound':>7}{'chained':>9}{'dropped':>9}")
     for w in ("code edit", "prose"):
-        base = loopback.get(w)
-        if not base or not base["on_tok_s"]:
-            continue
-        loop_ms = 1e3 / statistics.median(base["on_tok_s"])
         for delayed in delays:
+            n = delayed["stages"]
+            base = loopback.get(f"{n}-stage", {}).get(w)
+            if not base or not base["on_tok_s"]:
+                continue
+            loop_ms = 1e3 / statistics.median(base["on_tok_s"])
             s = next(iter(delayed["summary"].values())).get(w)
             if not s or not s["on_tok_s"] or not s["speculation"] or not s["tokens_on"]:
                 continue
             ms = 1e3 / statistics.median(s["on_tok_s"])
             spec = s["speculation"]
             rej, plain = spec["rejected"] / s["tokens_on"], spec["plain_steps"] / s["tokens_on"]
-            bound = (loop_ms + (rej + plain) * 2 * delayed["delay_ms"]) / loop_ms
+            bound = (loop_ms + (rej + plain) * n * delayed["delay_ms"]) / loop_ms
             one = (delayed.get("one_in_flight") or {}).get(w) or {}
             one_ms = 1e3 / statistics.median(one["tok_s"]) if one.get("tok_s") else None
             one_txt = f"{one_ms:>12.2f}{one_ms / loop_ms:>7.2f}" if one_ms else f"{'-':>12}{'-':>7}"
-            print(f"  {w:14}{delayed['delay_ms']:>5g}ms{loop_ms:>10.2f}{ms:>9.2f}{ms / loop_ms:>7.2f}{one_txt}"
+            label = f"{w}, {n} stages"
+            print(f"  {label:22}{delayed['delay_ms']:>5g}ms{loop_ms:>10.2f}{ms:>9.2f}{ms / loop_ms:>7.2f}{one_txt}"
                   f"{100 * rej:>9.1f}{100 * plain:>10.1f}{bound:>7.2f}{spec['chained']:>9}{spec['dropped']:>9}")
 
 
