@@ -6,7 +6,10 @@ re-plans over the two hosts left, ships the slice they lack, and every generatio
 the uninterrupted run's tokens; the host restarted is taken back (its share restored) with no request
 failing; the hosts left too small for the model give 503 naming the shortfall (the request in flight fails
 with it), and the pipeline serves again by itself when the host's link comes back; a faster host offered
-with `deploy --add` takes the slow one's place, and status shows it.
+with `deploy --add` takes the slow one's place, and status shows it. A host lost while the re-plan ships it
+its slice (four hosts, a slow link into the one receiving) stops that re-plan: the head plans again over the
+host left and the generation in flight completes with the uninterrupted run's tokens; the returning host lost
+while the head switches to it leaves the plan it had serving, no request failing.
 """
 
 from __future__ import annotations

@@ -442,9 +442,6 @@ class Supervisor:
             self.replans[kind] += 1
             self.last_change = {"generation": self.generation, "cause": f"{what}; switch abandoned ({cause})",
                                 "took_s": round(took, 2), "bytes_shipped": 0, "at": round(time.time(), 3)}
-            for h in self.hosts.values():
-                if h.state == WAITING:
-                    h.returned = False
             self._set(SERVING)
             log.warning("deploy: %s: the switch (%s) abandoned after %.2f s; generation %d serves on as it was",
                         what, cause, took, self.generation)
@@ -510,7 +507,8 @@ class Supervisor:
                     log.warning("deploy: could not release %s's old stage: %s", h.name, exc)
             if h.state in (IN_PLAN, WAITING):
                 h.move(IN_PLAN if h.name in placed else WAITING)
-                h.returned = False
+                if h.name in placed:  # (one back while the change ran and left out: considered next)
+                    h.returned = False
         await self._point_head(topology, text)
         self.plan = {**plan.as_dict(), "ranges": plan.ranges}
         self.generation += 1
