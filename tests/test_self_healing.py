@@ -9,7 +9,8 @@ with it), and the pipeline serves again by itself when the host's link comes bac
 with `deploy --add` takes the slow one's place, and status shows it. A host lost while the re-plan ships it
 its slice (four hosts, a slow link into the one receiving) stops that re-plan: the head plans again over the
 host left and the generation in flight completes with the uninterrupted run's tokens; the returning host lost
-while the head switches to it leaves the plan it had serving, no request failing.
+while the head switches to it leaves the plan it had serving, and a host of both plans lost then makes the head
+plan over the hosts left, no request failing either time.
 """
 
 from __future__ import annotations
@@ -341,8 +342,9 @@ def test_a_host_lost_during_a_switch_leaves_the_plan_serving(net, cache, default
         hosts.daemons[2].kill()
         _wait_for(head, lambda s: s["generation"] == 2 and s["state"] == "serving")
 
-        async def switch_cut_short() -> list[dict]:
-            # a long generation holds the switch at its request boundary; one more asked meanwhile waits there
+        async def switch_cut_short(victim: int) -> list[dict]:
+            # host 2 comes back; a long generation holds the switch to it at its request boundary, one more
+            # asked meanwhile waits there; host `victim` dies then
             results: list[dict] = [{}, {}]
             started = trio.Event()
 
@@ -352,16 +354,16 @@ def test_a_host_lost_during_a_switch_leaves_the_plan_serving(net, cache, default
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(lambda: one(0, started=started, max_tokens=400))
                 await started.wait()
-                lost = hosts.daemons[2]
-                await trio.to_thread.run_sync(lost.restart)
-                await trio.to_thread.run_sync(lost.wait_ready)  # back: the head switches to give it its share
+                back = hosts.daemons[2]
+                await trio.to_thread.run_sync(back.restart)
+                await trio.to_thread.run_sync(back.wait_ready)  # back: the head switches to give it its share
                 change = await trio.to_thread.run_sync(lambda: _change(head, lambda c: c["step"] == "draining"))
                 assert names[2] in change["hosts"] and "back" in change["cause"], change
                 nursery.start_soon(one, 1)
-                await trio.to_thread.run_sync(lost.kill)  # the host joining, mid-switch
+                await trio.to_thread.run_sync(hosts.daemons[victim].kill)
             return results
 
-        long, waiting = trio.run(switch_cut_short)
+        long, waiting = trio.run(switch_cut_short, 2)  # the host joining, mid-switch
         assert "failed" not in long and long["tokens"][:len(want["tokens"])] == want["tokens"], long
         assert "failed" not in waiting and waiting["tokens"] == want["tokens"], waiting
         sup = _wait_for(head, lambda s: s["state"] == "serving" and s["change"] is None)
@@ -370,6 +372,17 @@ def test_a_host_lost_during_a_switch_leaves_the_plan_serving(net, cache, default
         assert f"{names[2]} lost while draining" in sup["last_change"]["cause"], sup["last_change"]
         assert _host(sup, names[2])["state"] == "dropped", sup
         assert "generation 2 serves on" in head.log() and "Traceback" not in head.log()
+        assert generate(head, prompt=PROMPT, raw=True, max_tokens=TOKENS)["tokens"] == want["tokens"]
+
+        # back again; this time host 1, in the plan serving and in the new one, dies mid-switch: the head plans
+        # over host 2, and the generation that was running (on host 1) is replayed there
+        long, waiting = trio.run(switch_cut_short, 1)
+        assert "failed" not in long and long["tokens"][:len(want["tokens"])] == want["tokens"], long
+        assert "failed" not in waiting and waiting["tokens"] == want["tokens"], waiting
+        sup = _wait_for(head, lambda s: s["state"] == "serving" and s["change"] is None)
+        assert sup["generation"] == 3 and [s["host"] for s in sup["plan"]["stages"]] == [names[0], names[2]], sup
+        assert sup["replans"]["lost_during_switch"] == 2, sup
+        assert f"{names[1]} lost while draining" in sup["last_change"]["cause"], sup["last_change"]
         assert generate(head, prompt=PROMPT, raw=True, max_tokens=TOKENS)["tokens"] == want["tokens"]
     finally:
         hosts.stop()

@@ -284,6 +284,7 @@ class Supervisor:
         if self._broken is not None:  # a change was abandoned: the pipeline may be half moved, plan again now
             kind, cause, started = self._broken
             self._broken = None
+            self._refused_over = None  # planned with again, whatever was refused before
             for h in self.hosts.values():  # no grace: the plan is broken now, not perhaps in a while
                 if h.name != self.head_name and h.state == UNREACHABLE:
                     h.move(DROPPED, h.reason)
