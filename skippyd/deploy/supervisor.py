@@ -29,7 +29,9 @@ dropped, and the head plans again at once over the hosts that answer;
 generations in flight and waiting go on waiting and are replayed once it
 serves. A switch abandoned before it started a stage keeps the plan it was
 leaving, which serves on. Either counts as a re-plan with the cause
-`lost_during_transfer` (a re-plan after a loss) or `lost_during_switch`.
+`lost_during_transfer` (a re-plan after a loss) or `lost_during_switch`. A
+host that failed the change with an error of its own (not silence) is taken
+back no sooner than ``REFUSED_BACKOFF_S`` later.
 """
 
 from __future__ import annotations
@@ -67,12 +69,16 @@ RELEASE_TIMEOUT_S = 10.0  # an abandoned change's stages are released within thi
 # is left as it is: the next plan assigns or releases it)
 
 
-class HostLost(Exception):
-    """A host a change needs was lost while the change ran: the change is abandoned."""
+REFUSED_BACKOFF_S = 60.0  # a host that answered a change with an error is taken back no sooner than this
 
-    def __init__(self, host: str, why: str):
+
+class HostLost(Exception):
+    """A host a change needs was lost while the change ran (`code`: the control channel's error code,
+    "unreachable" when it did not answer): the change is abandoned."""
+
+    def __init__(self, host: str, why: str, code: str = "unreachable"):
         super().__init__(f"{host}: {why}")
-        self.host, self.why = host, why
+        self.host, self.why, self.code = host, why, code
 
 
 @attrs.define
@@ -89,6 +95,7 @@ class HostState:
     assigned: dict | None = None  # what it said it runs, at its last answer
     answered: bool = False  # has answered a probe since supervision began
     returned: bool = False  # was dropped, answers again: its share is to be restored
+    held_until: float | None = None  # trio time before which it stays dropped though it answers
 
     @property
     def host(self) -> str:
@@ -244,6 +251,8 @@ class Supervisor:
             self._wake.set()
         elif host.state == IN_PLAN and not self._runs_its_stage(host):
             self._wake.set()  # restarted within the grace: it runs nothing now
+        elif host.state == DROPPED and host.held_until is not None and trio.current_time() < host.held_until:
+            pass  # it failed a change with an error of its own: taking it back at once would fail again
         elif host.state == DROPPED:
             log.info("deploy: %s, dropped %.0f s ago, answers again", host.name, time.time() - host.since)
             host.move(WAITING)
@@ -420,6 +429,8 @@ class Supervisor:
         lost = self.hosts[exc.host]
         lost.move(DROPPED, f"lost while {step} ({exc.why})")
         lost.returned = False
+        if exc.code != "unreachable":  # it answered, with an error: not again at once (nor every few seconds)
+            lost.held_until = trio.current_time() + REFUSED_BACKOFF_S
         if lost.failing_since is None:
             lost.failing_since = trio.current_time()
         started_on = [n for n in self._started if n != lost.name]
@@ -474,7 +485,7 @@ class Supervisor:
                 shipped += await send_slice(host.url, host.name, self.token, files[k], spec.sha256,
                                             on_start=lambda: self.change["shipping"].append(host.name))
             except RemoteError as exc:
-                failed.append(HostLost(host.name, str(exc)))
+                failed.append(HostLost(host.name, str(exc), exc.code))
                 scope.cancel()
 
         async with trio.open_nursery() as nursery:
@@ -496,7 +507,7 @@ class Supervisor:
                                            lambda i, k=k: m.StageAssign(id=i, topology=text, stage=k),
                                            timeout=ASSIGN_TIMEOUT_S)
             except RemoteError as exc:
-                raise HostLost(host.name, str(exc)) from None
+                raise HostLost(host.name, str(exc), exc.code) from None
         placed = set(plan.hosts)
         for h in self.hosts.values():
             if h.name != self.head_name and h.name not in placed and h.state in (IN_PLAN, WAITING) \
