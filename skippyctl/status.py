@@ -133,6 +133,10 @@ def _supervised(sup: dict | None) -> str:
     for h in sup["hosts"]:
         ago = max(0.0, time.time() - h["since"])
         line += f"\n  {h['name']}: {h['state']} for {ago:.0f}s" + (f": {h['reason']}" if h["reason"] else "")
+    change = sup.get("change")
+    if change:  # a re-plan or switch under way
+        shipping = f" to {', '.join(change['shipping'])}" if change.get("shipping") else ""
+        line += f"\nchange under way: {change['step']}{shipping} ({change['cause']})"
     last = sup.get("last_change")
     if last:
         line += f"\nlast change: {last['cause']} (generation {last['generation']}, {last['took_s']:.1f} s)"

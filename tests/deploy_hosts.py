@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -80,5 +81,5 @@ class Hosts:
         return generate(self.daemons[self.data_hosts().split(",").index(head)], **kw)
 
     def stop(self) -> None:
-        for d in self.daemons:
-            assert d.stop() == 0, d.log()
+        for d in self.daemons:  # a clean exit, or the SIGKILL a test gave it
+            assert d.stop() in (0, -signal.SIGKILL), d.log()

@@ -7,7 +7,8 @@ more. A test cuts a host's link (``link_down``), makes packets between two
 hosts lose their way one way (``drop``: an nftables rule on the receiving
 host's input, so the packets leave their sender and never arrive) or both
 (``partition``: two hosts that no longer hear each other, each still hearing
-the others). Each host also has a management link
+the others), or slows what reaches a host (``limit_rate``: a token bucket on
+its port of the switch; needs ``tc``). Each host also has a management link
 to the test's own namespace (a veth pair on a /30 of 10.78.0.0/16) that no
 fault touches: the daemons' control channels listen there, so a test can
 ask a stage for its sessions while the data link is down.
@@ -195,8 +196,23 @@ class Network:
         self.drop(a, b)
         self.drop(b, a)
 
+    def limit_rate(self, k: int, mbit: float) -> None:
+        """Packets to host k leave the switch at `mbit` Mbit/s at most (a token bucket on its switch port):
+        a slow link into one host, the others' untouched. Three hosts or more (a switch)."""
+        if self.switch is None:
+            raise NetnsError("a rate limit needs the switch of three hosts or more")
+        _run("ip", "netns", "exec", self.switch, "tc", "qdisc", "replace", "dev", f"skp{self.tag}{k}", "root",
+             "tbf", "rate", f"{mbit}mbit", "burst", "32kbit", "latency", "1s")
+
+    def unlimit_rate(self, k: int) -> None:
+        if self.switch is not None:
+            _run("ip", "netns", "exec", self.switch, "tc", "qdisc", "del", "dev", f"skp{self.tag}{k}", "root",
+                 check=False)
+
     def heal(self) -> None:
-        """Undo every fault: links up, drop rules gone."""
+        """Undo every fault: links up, drop rules and rate limits gone."""
+        for k in range(len(self.hosts)):
+            self.unlimit_rate(k)
         for k in sorted(self._dropping):
             self.hosts[k].run("nft", "delete", "table", "inet", "skfault", check=False)
         self._dropping.clear()

@@ -6,7 +6,11 @@ re-plans over the two hosts left, ships the slice they lack, and every generatio
 the uninterrupted run's tokens; the host restarted is taken back (its share restored) with no request
 failing; the hosts left too small for the model give 503 naming the shortfall (the request in flight fails
 with it), and the pipeline serves again by itself when the host's link comes back; a faster host offered
-with `deploy --add` takes the slow one's place, and status shows it.
+with `deploy --add` takes the slow one's place, and status shows it. A host lost while the re-plan ships it
+its slice (four hosts, a slow link into the one receiving) stops that re-plan: the head plans again over the
+host left and the generation in flight completes with the uninterrupted run's tokens; the returning host lost
+while the head switches to it leaves the plan it had serving, and a host of both plans lost then makes the head
+plan over the hosts left, no request failing either time.
 """
 
 from __future__ import annotations
@@ -76,11 +80,11 @@ def _host(sup: dict, name: str) -> dict:
     return next(h for h in sup["hosts"] if h["name"] == name)
 
 
-async def _stream(daemon, started: trio.Event | None = None, **kw) -> dict:
+async def _stream(daemon, started: trio.Event | None = None, max_tokens: int = TOKENS, **kw) -> dict:
     """A streamed generation through the control channel (as `skippyctl generate` runs it): its result, or the
     error it ended with."""
     async with open_control(daemon.url, daemon.token_file) as client:
-        request = m.Generate(id=client.new_id(), prompt=PROMPT, raw=True, max_tokens=TOKENS, **kw)
+        request = m.Generate(id=client.new_id(), prompt=PROMPT, raw=True, max_tokens=max_tokens, **kw)
         async for reply in client.replies(request):
             if isinstance(reply, m.Piece) and started is not None:
                 started.set()
@@ -165,8 +169,9 @@ def test_a_host_killed_during_decode_is_replaced_and_taken_back_with_no_request_
         assert sup["replans"]["returned"] == 1 and "back" in sup["last_change"]["cause"], sup
         assert generate(head, prompt=PROMPT, raw=True, max_tokens=TOKENS)["tokens"] == want["tokens"]
         metrics = head.status()  # the counters behind /metrics
-        assert metrics["deployment"]["supervised"]["replans"] == {"dropped": 1, "returned": 1, "added": 0,
-                                                                   "restarted": 0}
+        assert metrics["deployment"]["supervised"]["replans"] == {
+            "dropped": 1, "returned": 1, "added": 0, "restarted": 0, "lost_during_transfer": 0,
+            "lost_during_switch": 0}
     finally:
         hosts.stop()
 
@@ -268,3 +273,116 @@ def test_a_faster_host_added_takes_over_at_a_request_boundary(net, cache, defaul
             hosts.stop()
     finally:
         slow.close()
+
+
+@pytest.fixture(scope="module")
+def net4():
+    why = netns.unavailable()
+    if why:
+        pytest.skip(why)
+    with netns.Network(4) as network:
+        yield network
+
+
+def _change(daemon, predicate, timeout: float = 120.0) -> dict:
+    """The change under way once `predicate` holds for it (a change ended meanwhile fails the test)."""
+    return _wait_for(daemon, lambda s: s["change"] is not None and predicate(s["change"]), timeout)["change"]
+
+
+def test_a_host_lost_during_the_slice_transfer_is_dropped_and_the_plan_made_again(
+        net4, cache, default_model_path, want, tmp_path):
+    # hosts 0-2 run the three stages, host 3 waits; traffic to host 3 crawls, so that a slice it is sent is on
+    # its way for seconds
+    hosts = Hosts(net4, tmp_path, cache, configs=[GRACE] * 4)
+    names = hosts.data_hosts().split(",")
+    try:
+        deployed = hosts.deploy(default_model_path, "--ranges", RANGES)
+        assert [s["host"] for s in deployed["plan"]["stages"]] == names[:3], deployed["plan"]
+        head = hosts.daemons[0]
+        net4.limit_rate(3, 8)
+
+        async def lose_two() -> dict:
+            started = trio.Event()
+            result = {}
+
+            async def one() -> None:
+                result.update(await _stream(head, started))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one)
+                await started.wait()
+                await trio.to_thread.run_sync(hosts.daemons[2].kill)  # the final stage, mid-decode
+                # the re-plan over hosts 1 and 3 ships host 3 its slice: it dies on the way
+                change = await trio.to_thread.run_sync(lambda: _change(head, lambda c: names[3] in c["shipping"]))
+                assert change["step"] == "shipping" and "dropped" in change["cause"], change
+                await trio.to_thread.run_sync(hosts.daemons[3].kill)
+            return result
+
+        result = trio.run(lose_two)
+        assert "failed" not in result and result["tokens"] == want["tokens"], result
+        sup = _wait_for(head, lambda s: s["state"] == "serving" and s["generation"] >= 2)
+        assert sup["generation"] == 2 and [s["host"] for s in sup["plan"]["stages"]] == names[:2], sup
+        assert sup["replans"]["lost_during_transfer"] == 1 and sup["replans"]["dropped"] == 0, sup
+        assert f"{names[3]} lost while shipping" in sup["last_change"]["cause"], sup["last_change"]
+        assert _host(sup, names[3])["state"] == "dropped" and sup["change"] is None, sup
+        log = head.log()
+        assert f"{names[3]} lost while shipping" in log and "abandoned after" in log and "Traceback" not in log
+        assert generate(head, prompt=PROMPT, raw=True, max_tokens=TOKENS)["tokens"] == want["tokens"]
+    finally:
+        net4.heal()
+        hosts.stop()
+
+
+def test_a_host_lost_during_a_switch_leaves_the_plan_serving(net, cache, default_model_path, want, tmp_path):
+    hosts = Hosts(net, tmp_path, cache, configs=[GRACE] * 3)
+    names = hosts.data_hosts().split(",")
+    try:
+        hosts.deploy(default_model_path, "--ranges", RANGES)
+        head = hosts.daemons[0]
+        hosts.daemons[2].kill()
+        _wait_for(head, lambda s: s["generation"] == 2 and s["state"] == "serving")
+
+        async def switch_cut_short(victim: int) -> list[dict]:
+            # host 2 comes back; a long generation holds the switch to it at its request boundary, one more
+            # asked meanwhile waits there; host `victim` dies then
+            results: list[dict] = [{}, {}]
+            started = trio.Event()
+
+            async def one(k: int, **kw) -> None:
+                results[k] = await _stream(head, **kw)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: one(0, started=started, max_tokens=400))
+                await started.wait()
+                back = hosts.daemons[2]
+                await trio.to_thread.run_sync(back.restart)
+                await trio.to_thread.run_sync(back.wait_ready)  # back: the head switches to give it its share
+                change = await trio.to_thread.run_sync(lambda: _change(head, lambda c: c["step"] == "draining"))
+                assert names[2] in change["hosts"] and "back" in change["cause"], change
+                nursery.start_soon(one, 1)
+                await trio.to_thread.run_sync(hosts.daemons[victim].kill)
+            return results
+
+        long, waiting = trio.run(switch_cut_short, 2)  # the host joining, mid-switch
+        assert "failed" not in long and long["tokens"][:len(want["tokens"])] == want["tokens"], long
+        assert "failed" not in waiting and waiting["tokens"] == want["tokens"], waiting
+        sup = _wait_for(head, lambda s: s["state"] == "serving" and s["change"] is None)
+        assert sup["generation"] == 2 and [s["host"] for s in sup["plan"]["stages"]] == names[:2], sup
+        assert sup["replans"]["lost_during_switch"] == 1, sup
+        assert f"{names[2]} lost while draining" in sup["last_change"]["cause"], sup["last_change"]
+        assert _host(sup, names[2])["state"] == "dropped", sup
+        assert "generation 2 serves on" in head.log() and "Traceback" not in head.log()
+        assert generate(head, prompt=PROMPT, raw=True, max_tokens=TOKENS)["tokens"] == want["tokens"]
+
+        # back again; this time host 1, in the plan serving and in the new one, dies mid-switch: the head plans
+        # over host 2, and the generation that was running (on host 1) is replayed there
+        long, waiting = trio.run(switch_cut_short, 1)
+        assert "failed" not in long and long["tokens"][:len(want["tokens"])] == want["tokens"], long
+        assert "failed" not in waiting and waiting["tokens"] == want["tokens"], waiting
+        sup = _wait_for(head, lambda s: s["state"] == "serving" and s["change"] is None)
+        assert sup["generation"] == 3 and [s["host"] for s in sup["plan"]["stages"]] == [names[0], names[2]], sup
+        assert sup["replans"]["lost_during_switch"] == 2, sup
+        assert f"{names[1]} lost while draining" in sup["last_change"]["cause"], sup["last_change"]
+        assert generate(head, prompt=PROMPT, raw=True, max_tokens=TOKENS)["tokens"] == want["tokens"]
+    finally:
+        hosts.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -76,8 +77,10 @@ async def call(url: str, name: str, token: str, make, *, timeout: float = 5.0):
         return await host.call(make)
 
 
-async def send_slice(url: str, name: str, token: str, path: Path, sha256: str) -> int:
-    """Send the file unless the host holds it (resuming where an interrupted transfer stopped); bytes sent."""
+async def send_slice(url: str, name: str, token: str, path: Path, sha256: str, *,
+                     on_start: Callable[[], None] | None = None) -> int:
+    """Send the file unless the host holds it (resuming where an interrupted transfer stopped); bytes sent.
+    `on_start` is called once, before the first chunk goes (not when the host holds the file)."""
     size = path.stat().st_size
     async with open_host(url, name, token, timeout=30.0) as host:
         for _attempt in range(3):
@@ -86,6 +89,9 @@ async def send_slice(url: str, name: str, token: str, path: Path, sha256: str) -
                 return 0
             done = sent = offer["received"]
             sent = 0
+            if on_start is not None and done < size:
+                on_start()
+                on_start = None
             with open(path, "rb") as f:
                 f.seek(done)
                 while done < size:

@@ -20,6 +20,18 @@ dropped host its share back, or is faster by ``SWITCH_GAIN`` by the planner's
 estimate, at a request boundary (new requests wait, running ones finish, the
 stages move, new requests go on). A host must present the deployment's token
 to be asked at all: one that refuses it stays dropped, with that reason.
+
+A host lost while a change runs (a re-plan cutting, shipping or starting the
+new stages; a switch draining, shipping or starting) stops the change: a call
+to it fails, or the probes drop it meanwhile. The change is abandoned (the
+stages it started released, the head's upstream rule put back), the host
+dropped, and the head plans again at once over the hosts that answer;
+generations in flight and waiting go on waiting and are replayed once it
+serves. A switch abandoned before it started a stage keeps the plan it was
+leaving, which serves on. Either counts as a re-plan with the cause
+`lost_during_transfer` (a re-plan after a loss) or `lost_during_switch`. A
+host that failed the change with an error of its own (not silence) is taken
+back no sooner than ``REFUSED_BACKOFF_S`` later.
 """
 
 from __future__ import annotations
@@ -52,6 +64,21 @@ ASSIGN_TIMEOUT_S = 120.0
 CALIBRATION_LAYERS = 4
 
 IN_PLAN, WAITING, UNREACHABLE, DROPPED = "in plan", "waiting", "unreachable", "dropped"
+LOST_DURING_TRANSFER, LOST_DURING_SWITCH = "lost_during_transfer", "lost_during_switch"
+RELEASE_TIMEOUT_S = 10.0  # an abandoned change's stages are released within this (a host that does not answer
+# is left as it is: the next plan assigns or releases it)
+
+
+REFUSED_BACKOFF_S = 60.0  # a host that answered a change with an error is taken back no sooner than this
+
+
+class HostLost(Exception):
+    """A host a change needs was lost while the change ran (`code`: the control channel's error code,
+    "unreachable" when it did not answer): the change is abandoned."""
+
+    def __init__(self, host: str, why: str, code: str = "unreachable"):
+        super().__init__(f"{host}: {why}")
+        self.host, self.why, self.code = host, why, code
 
 
 @attrs.define
@@ -68,6 +95,7 @@ class HostState:
     assigned: dict | None = None  # what it said it runs, at its last answer
     answered: bool = False  # has answered a probe since supervision began
     returned: bool = False  # was dropped, answers again: its share is to be restored
+    held_until: float | None = None  # trio time before which it stays dropped though it answers
 
     @property
     def host(self) -> str:
@@ -102,8 +130,12 @@ class Supervisor:
         self.generation = 1
         self.plan: dict = spec.plan
         self.shape = None
-        self.replans = {"dropped": 0, "returned": 0, "added": 0, "restarted": 0}
+        self.replans = {"dropped": 0, "returned": 0, "added": 0, "restarted": 0, LOST_DURING_TRANSFER: 0,
+                        LOST_DURING_SWITCH: 0}
         self.last_change: dict | None = None
+        self.change: dict | None = None  # the change under way (its step, cause, hosts), for status
+        self._started: list[str] = []  # the hosts the change under way has started a stage on
+        self._broken: tuple[str, str, float] | None = None  # (kind, cause, start) of a change abandoned: plan again
         self._wake = trio.Event()
         self.running = False  # started, not yet stopped
         self.done = trio.Event()
@@ -121,7 +153,7 @@ class Supervisor:
                 "state": availability.state if availability is not None else None,
                 "why": availability.why if availability is not None else None,
                 "rejoin_grace_s": self.grace_s, "hosts": [h.describe() for h in self.hosts.values()],
-                "replans": dict(self.replans), "last_change": self.last_change}
+                "replans": dict(self.replans), "last_change": self.last_change, "change": self.change}
 
     def _engine(self):
         head = self.daemon.head
@@ -177,12 +209,13 @@ class Supervisor:
             epoch = self._epoch
             try:
                 report = await call(host.url, host.name, self.token, lambda i: m.Host(id=i), timeout=PROBE_TIMEOUT_S)
-            except RemoteError as exc:
-                if epoch == self._epoch and not self._changing:
-                    self._missed(host, str(exc))
+            except RemoteError as exc:  # news even while the stages move: a host lost then stops the change
+                self._missed(host, str(exc))
             else:
                 if epoch == self._epoch and not self._changing:
                     self._answered(host, report)
+                elif self._changing:
+                    host.failing_since = None  # it answers: not lost, whatever it runs meanwhile
             await trio.sleep(PROBE_S)
 
     def _missed(self, host: HostState, why: str) -> None:
@@ -212,11 +245,14 @@ class Supervisor:
             host.move(IN_PLAN)
             if self._runs_its_stage(host):
                 log.info("deploy: %s answers again within the grace", host.name)
-                if not any(h.state in (UNREACHABLE, DROPPED) and self._in_plan(h) for h in self.hosts.values()):
-                    self._set(SERVING)
+                if self.change is None and not any(h.state in (UNREACHABLE, DROPPED) and self._in_plan(h)
+                                                   for h in self.hosts.values()):
+                    self._set(SERVING)  # (a change under way says when it serves)
             self._wake.set()
         elif host.state == IN_PLAN and not self._runs_its_stage(host):
             self._wake.set()  # restarted within the grace: it runs nothing now
+        elif host.state == DROPPED and host.held_until is not None and trio.current_time() < host.held_until:
+            pass  # it failed a change with an error of its own: taking it back at once would fail again
         elif host.state == DROPPED:
             log.info("deploy: %s, dropped %.0f s ago, answers again", host.name, time.time() - host.since)
             host.move(WAITING)
@@ -254,6 +290,15 @@ class Supervisor:
         for h in self.hosts.values():  # a grace ends on time, not at the next probe (which may take seconds)
             if h.state == UNREACHABLE and h.failing_since is not None and now - h.failing_since >= self.grace_s:
                 h.move(DROPPED, h.reason)
+        if self._broken is not None:  # a change was abandoned: the pipeline may be half moved, plan again now
+            kind, cause, started = self._broken
+            self._broken = None
+            self._refused_over = None  # planned with again, whatever was refused before
+            for h in self.hosts.values():  # no grace: the plan is broken now, not perhaps in a while
+                if h.name != self.head_name and h.state == UNREACHABLE:
+                    h.move(DROPPED, h.reason)
+            await self._replan(cause, kind, switch=False, started=started)
+            return
         plan_hosts = [s["host"] for s in self.plan["stages"]]
         lost = [self.hosts[n] for n in plan_hosts[1:] if self.hosts[n].state == DROPPED
                 or (self.hosts[n].state == IN_PLAN and not self._runs_its_stage(self.hosts[n]))]
@@ -291,8 +336,8 @@ class Supervisor:
                          head_end, tail,
                          ctx=self.spec.ctx, lanes=self.spec.lanes, stages=stages, hop_ms=self.spec.hop_ms)
 
-    async def _replan(self, cause: str, kind: str, *, switch: bool) -> None:
-        started = trio.current_time()
+    async def _replan(self, cause: str, kind: str, *, switch: bool, started: float | None = None) -> None:
+        started = trio.current_time() if started is None else started
         candidates = self._candidates()
         over = frozenset((h.name, h.memory_bytes >> 26) for h in candidates)  # memory to 64 MiB: it moves
         if over == self._refused_over:
@@ -330,12 +375,94 @@ class Supervisor:
 
     async def _apply(self, plan: DeployPlan, cause: str, kind: str, started: float, *, drain: bool) -> None:
         self._epoch += 1
-        self._changing = True
+        self._started = []
+        head = self.daemon.head
+        allow = head.hub.allow if head.hub is not None else None
+        self.change = {"step": "draining" if drain else "cutting", "cause": cause,
+                       "hosts": list(plan.hosts), "shipping": [], "since": round(time.time(), 3)}
         try:
-            await self._switch(plan, cause, kind, started, drain=drain)
+            await self._guarded(plan, drain, lambda: self._switch(plan, cause, kind, started, drain=drain))
+        except HostLost as exc:
+            if head.hub is not None:
+                head.hub.allow = allow
+            await self._abandon(exc, plan, cause, started, drain=drain)
         finally:
             self._changing = False
             self._epoch += 1
+            self.change = None
+
+    async def _guarded(self, plan: DeployPlan, drain: bool, change) -> None:
+        """Run `change`; a host it needs lost meanwhile (dropped by the probes: a waiting host at its first
+        unanswered probe, one in the plan after its grace) stops it with HostLost, as a call to it that fails
+        does. It needs the new plan's hosts, and while draining those of the plan that serves."""
+        watched = set(plan.hosts[1:])
+        if drain:
+            watched |= {s["host"] for s in self.plan["stages"][1:] if self.hosts[s["host"]].state == IN_PLAN}
+        lost: list[HostLost] = []
+
+        async def watch(scope: trio.CancelScope) -> None:
+            while True:
+                for name in watched:
+                    h = self.hosts[name]
+                    if h.state == DROPPED or (h.state == UNREACHABLE and h.failing_since is not None
+                                              and trio.current_time() - h.failing_since >= self.grace_s):
+                        lost.append(HostLost(name, h.reason or "it does not answer"))
+                        scope.cancel()
+                        return
+                await trio.sleep(0.1)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, nursery.cancel_scope)
+            try:
+                await change()
+            except HostLost as exc:
+                lost.insert(0, exc)
+            nursery.cancel_scope.cancel()
+        if lost:
+            raise lost[0]
+
+    async def _abandon(self, exc: HostLost, plan: DeployPlan, cause: str, started: float, *, drain: bool) -> None:
+        """A host was lost mid-change: drop it, release what the change started, and serve on the old plan when
+        the change touched none of its stages, else plan again at once (the next round of decisions)."""
+        kind = LOST_DURING_SWITCH if drain else LOST_DURING_TRANSFER
+        step = self.change["step"] if self.change else "change"
+        lost = self.hosts[exc.host]
+        lost.move(DROPPED, f"lost while {step} ({exc.why})")
+        lost.returned = False
+        if exc.code != "unreachable":  # it answered, with an error: not again at once (nor every few seconds)
+            lost.held_until = trio.current_time() + REFUSED_BACKOFF_S
+        if lost.failing_since is None:
+            lost.failing_since = trio.current_time()
+        started_on = [n for n in self._started if n != lost.name]
+        if started_on:  # half a pipeline of the abandoned plan: released, the next plan starts its own stages
+            async def release(h: HostState) -> None:
+                with trio.move_on_after(RELEASE_TIMEOUT_S):
+                    try:
+                        await call(h.url, h.name, self.token, lambda i: m.StageRelease(id=i),
+                                   timeout=RELEASE_TIMEOUT_S)
+                        h.assigned = None
+                    except RemoteError as why:
+                        log.warning("deploy: could not release %s's stage of the abandoned plan: %s", h.name, why)
+
+            async with trio.open_nursery() as nursery:
+                for name in started_on:
+                    nursery.start_soon(release, self.hosts[name])
+        took = trio.current_time() - started
+        what = f"{lost.name} lost while {step} ({exc.why})"
+        old = [self.hosts[s["host"]] for s in self.plan["stages"][1:]]
+        if drain and not started_on and all(h.state == IN_PLAN and self._runs_its_stage(h) for h in old):
+            self.replans[kind] += 1
+            self.last_change = {"generation": self.generation, "cause": f"{what}; switch abandoned ({cause})",
+                                "took_s": round(took, 2), "bytes_shipped": 0, "at": round(time.time(), 3)}
+            self._set(SERVING)
+            log.warning("deploy: %s: the switch (%s) abandoned after %.2f s; generation %d serves on as it was",
+                        what, cause, took, self.generation)
+            return
+        self._broken = (kind, what, started)
+        self._set(RECOVERING, f"{what}: planning again")
+        log.warning("deploy: %s: the change to %s (%s) abandoned after %.2f s; planning again over the hosts "
+                    "that answer", what, ", ".join(plan.hosts), cause, took)
+        self._wake.set()
 
     async def _switch(self, plan: DeployPlan, cause: str, kind: str, started: float, *, drain: bool) -> None:
         engine = self._engine()
@@ -344,27 +471,43 @@ class Supervisor:
             with trio.move_on_after(DRAIN_S):
                 while any(live.state != GenerationState.QUEUED for live in list(engine.live.values())):
                     await trio.sleep(0.05)
+        self.change["step"] = "cutting"
         topology, files = await trio.to_thread.run_sync(self._cut, plan)
+        self.change["step"] = "shipping"
         shipped = 0
+        failed: list[HostLost] = []
 
-        async def ship(k: int) -> None:
+        async def ship(k: int, scope: trio.CancelScope) -> None:
             nonlocal shipped
             host = self.hosts[plan.stages[k].host]
             spec = topology.stage(k)
-            shipped += await send_slice(host.url, host.name, self.token, files[k], spec.sha256)
+            try:
+                shipped += await send_slice(host.url, host.name, self.token, files[k], spec.sha256,
+                                            on_start=lambda: self.change["shipping"].append(host.name))
+            except RemoteError as exc:
+                failed.append(HostLost(host.name, str(exc), exc.code))
+                scope.cancel()
 
         async with trio.open_nursery() as nursery:
             for k in range(1, len(plan.stages)):
-                nursery.start_soon(ship, k)
+                nursery.start_soon(ship, k, nursery.cancel_scope)
+        if failed:
+            raise failed[0]
+        self.change["step"] = "starting"
+        self._changing = True
         text = _wire(topology)
         head = self.daemon.head
         if head.hub is not None and len(topology.stages) >= 3:  # the new final stage returns tokens from its host
             head.hub.allow = UpstreamAllow.for_stage(topology, 0, head.config.upstream_allow)
         for k in reversed(range(1, len(plan.stages))):
             host = self.hosts[plan.stages[k].host]
-            host.assigned = await call(host.url, host.name, self.token,
-                                       lambda i, k=k: m.StageAssign(id=i, topology=text, stage=k),
-                                       timeout=ASSIGN_TIMEOUT_S)
+            self._started.append(host.name)  # (a failed assignment may leave a stage half started)
+            try:
+                host.assigned = await call(host.url, host.name, self.token,
+                                           lambda i, k=k: m.StageAssign(id=i, topology=text, stage=k),
+                                           timeout=ASSIGN_TIMEOUT_S)
+            except RemoteError as exc:
+                raise HostLost(host.name, str(exc), exc.code) from None
         placed = set(plan.hosts)
         for h in self.hosts.values():
             if h.name != self.head_name and h.name not in placed and h.state in (IN_PLAN, WAITING) \
@@ -376,7 +519,8 @@ class Supervisor:
                     log.warning("deploy: could not release %s's old stage: %s", h.name, exc)
             if h.state in (IN_PLAN, WAITING):
                 h.move(IN_PLAN if h.name in placed else WAITING)
-                h.returned = False
+                if h.name in placed:  # (one back while the change ran and left out: considered next)
+                    h.returned = False
         await self._point_head(topology, text)
         self.plan = {**plan.as_dict(), "ranges": plan.ranges}
         self.generation += 1
