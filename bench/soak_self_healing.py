@@ -7,9 +7,10 @@ Four hosts of their own (network namespaces, tests/netns.py: root, `ip` and
 deployed by `skippyctl deploy --ranges 0:8,8:16,16:23,23:30` (host 0 the
 head, with the OpenAI endpoint and `deploy.rejoin_grace_s` = `--grace`).
 Four clients (the official `openai` package) stream greedy completions of
-four fixed prompts in a loop, one of them with speculative decoding; each
-reply is checked against the same prompt's uninterrupted reply, measured
-first.
+four fixed prompts in a loop, one of them with speculative decoding, one of
+them long (~350 tokens; the prefix cache is off, so it is computed in full
+each time and some losses land in its prefill); each reply is checked
+against the same prompt's uninterrupted reply, measured first.
 
 Each run takes the plan's final stage host away while the clients run: its
 daemon killed with SIGKILL (odd runs) or its link taken down (even runs); the
@@ -65,7 +66,11 @@ from tests import netns  # noqa: E402
 from tests.deploy_hosts import Hosts  # noqa: E402
 from tests.procs import free_ports  # noqa: E402
 
-PROMPTS = ["The three primary colours are", "Water boils at", "The capital of France is", "A haiku about the sea:"]
+# the last one long (~350 tokens, computed in full every time: the prefix cache is off), so that some losses
+# land in a prefill
+PROMPTS = ["The three primary colours are", "Water boils at", "The capital of France is",
+           "Things to pack for a long trip: " + ", ".join(f"item {i}" for i in range(1, 70))
+           + ". The one thing not to forget is"]
 TOKENS = 48
 FLAGS = ["--lanes", "4", "--ctx", "512"]
 RANGES = "0:8,8:16,16:23,23:30"
@@ -277,7 +282,9 @@ def main() -> int:
     with netns.Network(HOSTS) as net, tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        hosts = Hosts(net, work, work / "cache", configs=[head_config] + [{}] * (HOSTS - 1), common=FLAGS)
+        no_cache = {"runtime.prefix_cache_mb": 0}
+        hosts = Hosts(net, work, work / "cache", configs=[{**head_config, **no_cache}] + [no_cache] * (HOSTS - 1),
+                      common=FLAGS)
         clients = None
         try:
             started = time.monotonic()

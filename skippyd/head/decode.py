@@ -64,13 +64,13 @@ class Reply:
 
 
 class _Step:
-    """A step in flight: what the lane's ``begin`` returned, its tokens (the current one, then its drafts),
-    whether it is chained (sent behind another not yet answered) and, once a draft ahead of it failed, void."""
+    """A step in flight: what the lane's ``begin`` returned, its tokens (the current one, then its drafts)
+    and, once a draft of a step ahead of it failed, void."""
 
-    __slots__ = ("sent", "tokens", "chained", "void")
+    __slots__ = ("sent", "tokens", "void")
 
-    def __init__(self, sent: object, tokens: list[int], chained: bool):
-        self.sent, self.tokens, self.chained, self.void = sent, tokens, chained, False
+    def __init__(self, sent: object, tokens: list[int]):
+        self.sent, self.tokens, self.void = sent, tokens, False
 
 
 class Decoder:
@@ -140,7 +140,7 @@ class Decoder:
         live = [s for s in in_flight if not s.void]
         if not live:
             draft = list(drafts.drafts(room - 1))  # (room for the step's next token)
-            step = _Step(await lane.begin(token, draft), [token, *draft], False)
+            step = _Step(await lane.begin(token, draft), [token, *draft])
             in_flight.append(step)
             live = [step]
         if len(live) == 1 and len(live[0].tokens) == 1:
@@ -151,7 +151,7 @@ class Decoder:
             window = list(drafts.chained(ahead, room - len(ahead) - 2))
             if not window:
                 return
-            step = _Step(await lane.begin(window[0], window[1:], chained=True), window, True)
+            step = _Step(await lane.begin(window[0], window[1:], chained=True), window)
             in_flight.append(step)
             live.append(step)
 
