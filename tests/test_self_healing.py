@@ -95,6 +95,24 @@ async def _stream(daemon, started: trio.Event | None = None, max_tokens: int = T
     raise AssertionError("no result")
 
 
+def _stream_while(daemon, act) -> dict:
+    """One streamed generation (see _stream); ``act`` (async) runs once its first piece has come. Its result."""
+    async def run() -> dict:
+        started = trio.Event()
+        result = {}
+
+        async def one() -> None:
+            result.update(await _stream(daemon, started))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one)
+            await started.wait()
+            await act()
+        return result
+
+    return trio.run(run)
+
+
 def test_a_host_killed_during_decode_is_replaced_and_taken_back_with_no_request_failing(
         net, cache, default_model_path, want, tmp_path):
     hosts = Hosts(net, tmp_path, cache, configs=[GRACE] * 3)
@@ -191,20 +209,10 @@ def test_too_little_memory_left_is_a_503_naming_the_shortfall_until_the_host_ret
         api = f"http://{net.hosts[0].control_host}:{api_port}/v1/completions"
         body = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}
 
-        async def in_flight_then_cut() -> dict:
-            started = trio.Event()
-            result = {}
+        async def cut() -> None:
+            net.link_down(2)  # for good, as far as the grace goes
 
-            async def one() -> None:
-                result.update(await _stream(head, started))
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(one)
-                await started.wait()
-                net.link_down(2)  # for good, as far as the grace goes
-            return result
-
-        failed = trio.run(in_flight_then_cut)
+        failed = _stream_while(head, cut)
         assert "more than" in failed.get("failed", ""), failed
         sup = _wait_for(head, lambda s: s["state"] == "short")
         assert f"more than {names[1]} holds" in sup["why"], sup
@@ -301,24 +309,14 @@ def test_a_host_lost_during_the_slice_transfer_is_dropped_and_the_plan_made_agai
         head = hosts.daemons[0]
         net4.limit_rate(3, 8)
 
-        async def lose_two() -> dict:
-            started = trio.Event()
-            result = {}
+        async def lose_two() -> None:
+            await trio.to_thread.run_sync(hosts.daemons[2].kill)  # the final stage, mid-decode
+            # the re-plan over hosts 1 and 3 ships host 3 its slice: it dies on the way
+            change = await trio.to_thread.run_sync(lambda: _change(head, lambda c: names[3] in c["shipping"]))
+            assert change["step"] == "shipping" and "dropped" in change["cause"], change
+            await trio.to_thread.run_sync(hosts.daemons[3].kill)
 
-            async def one() -> None:
-                result.update(await _stream(head, started))
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(one)
-                await started.wait()
-                await trio.to_thread.run_sync(hosts.daemons[2].kill)  # the final stage, mid-decode
-                # the re-plan over hosts 1 and 3 ships host 3 its slice: it dies on the way
-                change = await trio.to_thread.run_sync(lambda: _change(head, lambda c: names[3] in c["shipping"]))
-                assert change["step"] == "shipping" and "dropped" in change["cause"], change
-                await trio.to_thread.run_sync(hosts.daemons[3].kill)
-            return result
-
-        result = trio.run(lose_two)
+        result = _stream_while(head, lose_two)
         assert "failed" not in result and result["tokens"] == want["tokens"], result
         sup = _wait_for(head, lambda s: s["state"] == "serving" and s["generation"] >= 2)
         assert sup["generation"] == 2 and [s["host"] for s in sup["plan"]["stages"]] == names[:2], sup
