@@ -92,6 +92,20 @@ class TokenPaths:
         return {"direct": self.direct, "relayed": self.relayed, "fallbacks": self.fallbacks}
 
 
+class WindowTimes:
+    """A verify window's round trip while alone in flight, from its begin to its answer (an average over the
+    head's generations): with the link's own round trip, what sizes the windows kept in flight."""
+
+    EWMA = 0.2  # weight of the newest window
+
+    def __init__(self) -> None:
+        self.round_trip_us = 0.0
+
+    def observe(self, us: float) -> None:
+        old = self.round_trip_us
+        self.round_trip_us = us if old == 0.0 else (1 - self.EWMA) * old + self.EWMA * us
+
+
 @attrs.frozen
 class LaneServices:
     """What the head's lane clients share: stage 1's liveness, the token-return hub, the prefill chunker
@@ -103,6 +117,7 @@ class LaneServices:
     paths: TokenPaths
     n_embd: int
     max_in_flight: int = 4  # verify windows a generation keeps in flight at most (runtime.speculate_in_flight)
+    windows: WindowTimes = attrs.field(factory=WindowTimes)
 
     @property
     def wants_direct_return(self) -> bool:

@@ -41,13 +41,6 @@ from skippyd.wire.messages import PrefillChunk, VerifyWindow
 
 log = logging.getLogger("skippyd.head")
 
-EWMA = 0.2  # weight of the newest window's round trip
-
-
-def _blend(old: float, new: float) -> float:
-    return new if old == 0.0 else (1 - EWMA) * old + EWMA * new
-
-
 class PipelineLanes:
     """The lanes of a pipeline's head (a LaneSource): its pool, what their clients share, the request ids."""
 
@@ -73,9 +66,8 @@ class PipelineLane:
         # a prediction came back: the sequence's next step follows at once (decode groups: Scheduler.back)
         self._back = functools.partial(sequence.scheduler.back, sequence.seq)
         self._prompt_tokens = self._prompt_us = 0  # the prompt's tokens computed so far, and their compute
-        # windows in flight: a window's round trip, from its begin to its answer, while alone in flight (an
-        # average), when the last such began, and the positions the last answer confirmed
-        self._window_us = 0.0
+        # windows in flight: when the last window alone in flight began (its round trip is measured), and the
+        # positions the last answer confirmed
         self._window_began = 0.0
         self._confirmed = 0
 
@@ -141,12 +133,12 @@ class PipelineLane:
         much shorter than the compute there is nothing to hide, and the void windows would cost compute.
         Only on a lane where each stage takes the next window while a later one computes the last (two
         stages, or direct return)."""
-        client = self.client
-        if client is None or not client.pipelines_windows or self._window_us <= 0.0:
+        client, services = self.client, self.lanes.services
+        window_us = services.windows.round_trip_us
+        if client is None or not client.pipelines_windows or window_us <= 0.0:
             return 1
-        services = self.lanes.services
         link_us = services.chunker.round_trip_us
-        service_us = max(self._window_us - link_us, 1.0)
+        service_us = max(window_us - link_us, 1.0)
         return min(services.max_in_flight, 1 + max(0, math.ceil(link_us / service_us - 0.25)))
 
     async def begin(self, token: int, drafts: Sequence[int], *, chained: bool = False) -> InFlight:
@@ -182,7 +174,7 @@ class PipelineLane:
             return predicted  # dropped: the sequence was trimmed when the answer ahead of it came (abandon)
         window = step.msg
         if not window.chained and self._window_began:  # alone in flight as it began: its whole round trip
-            self._window_us = _blend(self._window_us, (time.perf_counter() - self._window_began) * 1e6)
+            self.lanes.services.windows.observe((time.perf_counter() - self._window_began) * 1e6)
             self._window_began = 0.0
         self._confirmed = window.pos_start + len(predicted)
         if len(predicted) < len(window.tokens):
