@@ -21,12 +21,16 @@ not, for a skip. A daemon runs in a host with ``ip netns exec NAME``: see
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import random
 import shutil
 import subprocess
 import uuid
+from collections.abc import Iterator
+
+import pytest
 
 DATA_NET = "10.77.0"  # the data link's /24: host k is DATA_NET.<k+1>
 
@@ -62,6 +66,16 @@ def unavailable(need_nft: bool = False) -> str | None:
     finally:
         _run("ip", "netns", "del", probe, check=False)
     return None
+
+
+@contextlib.contextmanager
+def network_for_test(n: int = 2) -> Iterator[Network]:
+    """A Network of ``n`` hosts for as long as the block runs, or the test skipped with why there can be none."""
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    with Network(n) as network:
+        yield network
 
 
 def _free_mgmt_base() -> int:

@@ -150,10 +150,7 @@ def net_pipeline(net: netns.Network, split: Path, work: Path, **kw) -> Iterator[
 
 @pytest.fixture(scope="module")
 def net():
-    why = netns.unavailable()
-    if why:
-        pytest.skip(why)
-    with netns.Network() as network:
+    with netns.network_for_test() as network:
         yield network
 
 

@@ -40,10 +40,7 @@ RANGES = "0:10,10:20,20:30"  # in the hosts' order: host 0 the head, host 2 the 
 
 @pytest.fixture(scope="module")
 def net():
-    why = netns.unavailable()
-    if why:
-        pytest.skip(why)
-    with netns.Network(3) as network:
+    with netns.network_for_test(3) as network:
         yield network
 
 
@@ -285,10 +282,7 @@ def test_a_faster_host_added_takes_over_at_a_request_boundary(net, cache, defaul
 
 @pytest.fixture(scope="module")
 def net4():
-    why = netns.unavailable()
-    if why:
-        pytest.skip(why)
-    with netns.Network(4) as network:
+    with netns.network_for_test(4) as network:
         yield network
 
 
