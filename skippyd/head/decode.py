@@ -137,14 +137,14 @@ class Decoder:
         """Keep the steps in flight: the step for ``token`` if none is (``room``: tokens the reply may still
         take), then windows behind it while they pay, up to the lane's depth."""
         in_flight, drafts = self.in_flight, self.drafts
+        if not in_flight or in_flight[-1].void:  # nothing live in flight (void steps only sit ahead of live ones)
+            draft = drafts.drafts(room - 1)  # (room for the step's next token)
+            in_flight.append(_Step(await lane.begin(token, draft), [token, *draft]))
+            if not draft:
+                return  # a plain step: drafts do not pay now, nor would a window behind it
         live = [s for s in in_flight if not s.void]
-        if not live:
-            draft = list(drafts.drafts(room - 1))  # (room for the step's next token)
-            step = _Step(await lane.begin(token, draft), [token, *draft])
-            in_flight.append(step)
-            live = [step]
         if len(live) == 1 and len(live[0].tokens) == 1:
-            return  # a plain step: drafts do not pay now, nor would a window behind it
+            return  # a chained window of one token: nothing drafted to go behind it
         depth = lane.window_depth
         while len(live) < depth:
             ahead = [t for s in live for t in s.tokens][1:]  # past the current token

@@ -41,6 +41,7 @@ from skippyd.wire.messages import PrefillChunk, VerifyWindow
 
 log = logging.getLogger("skippyd.head")
 
+
 class PipelineLanes:
     """The lanes of a pipeline's head (a LaneSource): its pool, what their clients share, the request ids."""
 

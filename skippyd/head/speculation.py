@@ -146,7 +146,7 @@ class Speculation:
             proposer.extend((token,))
         if drafts:
             self._window_done(len(drafts), len(answer) - 1)
-        elif len(answer) == 1:
+        else:
             self.plain_steps += 1
             self.totals.plain_steps += 1
 
