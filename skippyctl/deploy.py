@@ -15,7 +15,6 @@ sent before the plan fits every host's memory.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import os
@@ -31,16 +30,16 @@ from rich.table import Table
 from skippyctl.client import ControlError, open_control, read_token
 from skippyctl.render import EXIT_USAGE, emit, fail, host_progress, human_bytes, listing
 from skippyd.control import messages as m
+from skippyd.deploy import transfer
 from skippyd.deploy.planner import HostInfo, PlanError, make_plan, model_shape, place
+from skippyd.deploy.transfer import Sent
 from skippyd.runtime.gguf_info import ModelFileError
 from skippyd.runtime.pypi import cache_root
-from skippyd.runtime.slicing import RangeError, SliceError, parse_ranges, split_model, write_middle_slice
+from skippyd.runtime.slicing import RangeError, SliceError, parse_ranges
 from skippyd.topology import TOPOLOGY_VERSION, Topology, TopologyError, format_address, parse_address
 
 DEFAULT_CONTROL_PORT = 7390
 DEFAULT_STAGE_PORT = 7400
-CHUNK = 512 << 10  # bytes per slice_chunk message (base64 in JSON: under the websocket's 1 MiB message cap)
-CALIBRATION_LAYERS = 4
 READY_TIMEOUT_S = 120.0
 
 ModelArg = Annotated[Path, typer.Argument(metavar="MODEL.gguf", help="The GGUF model to place.", show_default=False)]
@@ -116,6 +115,16 @@ def _port(item: str, raw: str) -> int:
 
 
 # ---------------------------------------------------------------- talking to the hosts
+class _Link:
+    """A control client as the shared slice sender calls it (skippyd.deploy.transfer.Link)."""
+
+    def __init__(self, client):
+        self.client = client
+
+    async def call(self, make, timeout: float | None = None):
+        return await self.client.call(make(self.client.new_id()))
+
+
 class HostError(ControlError):
     """A host's failure, named."""
 
@@ -152,17 +161,6 @@ async def probe(targets: list[Target], token_file: Path | None) -> dict[str, dic
     return reports
 
 
-@attrs.define
-class Sent:
-    """What one slice's transfer to one host did."""
-
-    size: int
-    held: bool = False  # the host held it already: nothing sent
-    resumed_from: int = 0  # bytes an earlier, interrupted transfer had left there
-    sent: int = 0
-    resent: int = 0  # times it arrived damaged and went again
-
-
 class Sender:
     """Sends slices to hosts over their control channels, `max_rate` bytes/s at most in all (0: no cap)."""
 
@@ -172,48 +170,16 @@ class Sender:
         self._next_at = 0.0  # rate limit: when the next chunk may go
 
     async def send(self, target: Target, path: Path, sha256: str, update=lambda done, total: None) -> Sent:
-        size = path.stat().st_size
         try:
             async with open_control(target.url, self.token_file) as client:
-                for attempt in range(3):
-                    result = await self._send_once(client, path, sha256, size, update)
-                    if result is not None:
-                        result.resent = attempt
-                        return result
+                return await transfer.send_slice(_Link(client), path, sha256, errors=(ControlError,), update=update,
+                                                 pace=self._pace if self.max_rate > 0 else None)
         except ControlError as exc:
             raise HostError(target, f"sending {path.name}: {exc}", exc.code) from None
-        raise HostError(target, f"{path.name} arrived damaged three times: check the link and the host's disk")
-
-    async def _send_once(self, client, path: Path, sha256: str, size: int, update) -> Sent | None:
-        offer = await client.call(m.SliceOffer(id=client.new_id(), sha256=sha256, size=size))
-        if offer["held"]:
-            update(size, size)
-            return Sent(size, held=True)
-        done = offer["received"]
-        result = Sent(size, resumed_from=done)
-        update(done, size)
-        with open(path, "rb") as f:
-            f.seek(done)
-            while done < size:
-                block = f.read(CHUNK)
-                await self._pace(len(block))
-                reply = await client.call(m.SliceChunk(id=client.new_id(), sha256=sha256, offset=done,
-                                                       data=base64.b64encode(block).decode("ascii")))
-                done = reply["received"]
-                result.sent += len(block)
-                update(done, size)
-        try:
-            await client.call(m.SliceCommit(id=client.new_id(), sha256=sha256, size=size))
-        except ControlError as exc:
-            if exc.code == "corrupt":  # the host deleted what arrived: send it all again
-                update(0, size)
-                return None
-            raise
-        return result
+        except transfer.DamagedThrice as exc:
+            raise HostError(target, str(exc)) from None
 
     async def _pace(self, n: int) -> None:
-        if self.max_rate <= 0:
-            return
         now = trio.current_time()
         self._next_at = max(self._next_at, now)
         await trio.sleep_until(self._next_at)
@@ -228,19 +194,10 @@ def _source_key(model: Path) -> str:
 
 def calibration_slice(model: Path, n_layer: int) -> tuple[Path, str]:
     """A middle slice of a few layers (cut once per model file, kept in the cache): what every host times."""
-    start = 1
-    end = min(n_layer - 1, start + CALIBRATION_LAYERS)
+    start, end = transfer.calibration_range(n_layer)
     if end <= start:
         raise PlanError(f"{model.name} has {n_layer} layers: too few to time a middle slice of them")
-    folder = _cache_dir() / _source_key(model)
-    path = folder / f"calibration-{start}-{end}.gguf"
-    record = path.with_suffix(".sha256")
-    if path.exists() and record.exists():
-        return path, record.read_text().strip()
-    folder.mkdir(parents=True, exist_ok=True)
-    sha = write_middle_slice(model, start, end, path)
-    record.write_text(sha + "\n")
-    return path, sha
+    return transfer.calibration_slice(model, n_layer, _cache_dir() / _source_key(model))
 
 
 async def calibrate(targets: list[Target], token_file: Path | None, model: Path, n_layer: int,
@@ -294,13 +251,18 @@ def _plan_data(plan, reports: dict[str, dict], timings: dict[str, dict]) -> dict
 def _plan_table(data: dict) -> Table:
     table = listing(title=f"{data['model']}: {len(data['stages'])} stage(s), "
                           f"{data['ms_per_token']:.2f} ms per token expected")
-    for column in ("stage", "host", "layers", "memory", "of which cache", "ms/token", "ms/layer there"):
+    # the link to the next stage takes f16 at or below this rate (runtime.activation_wire = "auto", measured
+    # when each link opens: skippyctl status shows what it chose)
+    for column in ("stage", "host", "layers", "memory", "of which cache", "ms/token", "ms/layer there",
+                   "link f16 at or below"):
         table.add_column(column, justify="left" if column in ("host", "layers") else "right")
     for s in data["stages"]:
+        below = s.get("f16_below_mbps")
         table.add_row(str(s["index"]), s["host"], f"{s['layer_start']}:{s['layer_end']}",
                       human_bytes(s["memory_bytes"]), human_bytes(s.get("prefix_cache_bytes", 0)),
                       f"{s['ms_per_token']:.2f}",
-                      f"{data['hosts'][s['host']]['ms_per_layer']:.3f}")
+                      f"{data['hosts'][s['host']]['ms_per_layer']:.3f}",
+                      "-" if below is None else f"{below:.3g} Mbit/s")
     return table
 
 
@@ -352,27 +314,7 @@ def plan(
 def _slices_for(model: Path, ranges: list[tuple[int, int]], addresses: list[str]) -> Topology:
     """The plan's stage files, cut here once per model file and ranges (kept in the cache), with the stages'
     addresses."""
-    key = "_".join(f"{a}-{b}" for a, b in ranges)
-    folder = _cache_dir() / _source_key(model) / key
-    try:
-        cached = Topology.load(folder / "topology.toml")
-        if cached.ranges == ranges and all(s.file.exists() for s in cached.stages):
-            stages = [attrs.evolve(s, host=host, port=port)
-                      for s, (host, port) in zip(cached.stages, map(parse_address, addresses))]
-            return attrs.evolve(cached, stages=stages)
-    except TopologyError:
-        pass
-    return split_model(model, ranges, folder, hosts=addresses)
-
-
-def _wire_topology(topology: Topology) -> str:
-    """The topology each host gets: stage files (and the head's projector) named by their sha256, as the hosts
-    keep them."""
-    def named(s):
-        mmproj = None if s.mmproj is None else Path(f"{s.mmproj_sha256}.gguf")
-        return attrs.evolve(s, file=Path(f"{s.sha256}.gguf"), mmproj=mmproj)
-
-    return attrs.evolve(topology, stages=[named(s) for s in topology.stages]).to_toml()
+    return transfer.cut_slices(model, ranges, _cache_dir() / _source_key(model), addresses)
 
 
 def file_sha256(path: Path) -> str:
@@ -494,7 +436,7 @@ def deploy(
             async with trio.open_nursery() as nursery:
                 for k, target in enumerate(placed):
                     nursery.start_soon(send, k, target)
-        text = _wire_topology(topology)
+        text = transfer.wire_topology(topology)
         try:
             for k in reversed(range(len(placed))):  # downstream first: each stage finds the next one listening
                 await _call(placed[k], token_file, lambda i, k=k: m.StageAssign(id=i, topology=text, stage=k))

@@ -3,7 +3,6 @@ them (the same token, the same messages), and the slices it sends them."""
 
 from __future__ import annotations
 
-import base64
 import itertools
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -13,8 +12,7 @@ import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError, open_websocket_url
 
 from skippyd.control import messages as m
-
-CHUNK = 512 << 10  # bytes per slice_chunk (base64 in JSON: under the websocket's 1 MiB per message)
+from skippyd.deploy import transfer
 
 
 class RemoteError(Exception):
@@ -36,7 +34,7 @@ class HostLink:
     def new_id(self) -> str:
         return str(next(self._ids))
 
-    async def call(self, make, timeout: float | None = None):
+    async def call(self, make: Callable[[str], object], timeout: float | None = None):
         """One request (``make(id)``), its one answer's data; RemoteError for an Error reply or no answer."""
         request = make(self.new_id())
         try:
@@ -81,29 +79,8 @@ async def send_slice(url: str, name: str, token: str, path: Path, sha256: str, *
                      on_start: Callable[[], None] | None = None) -> int:
     """Send the file unless the host holds it (resuming where an interrupted transfer stopped); bytes sent.
     `on_start` is called once, before the first chunk goes (not when the host holds the file)."""
-    size = path.stat().st_size
     async with open_host(url, name, token, timeout=30.0) as host:
-        for _attempt in range(3):
-            offer = await host.call(lambda i: m.SliceOffer(id=i, sha256=sha256, size=size))
-            if offer["held"]:
-                return 0
-            done = sent = offer["received"]
-            sent = 0
-            if on_start is not None and done < size:
-                on_start()
-                on_start = None
-            with open(path, "rb") as f:
-                f.seek(done)
-                while done < size:
-                    block = f.read(CHUNK)
-                    reply = await host.call(lambda i, at=done, b=block: m.SliceChunk(
-                        id=i, sha256=sha256, offset=at, data=base64.b64encode(b).decode("ascii")))
-                    done = reply["received"]
-                    sent += len(block)
-            try:
-                await host.call(lambda i: m.SliceCommit(id=i, sha256=sha256, size=size), timeout=60.0)
-                return sent
-            except RemoteError as exc:
-                if exc.code != "corrupt":
-                    raise
-    raise RemoteError(f"{name}: {path.name} arrived damaged three times")
+        try:
+            return (await transfer.send_slice(host, path, sha256, errors=(RemoteError,), on_start=on_start)).sent
+        except transfer.DamagedThrice as exc:
+            raise RemoteError(f"{name}: {exc}") from None

@@ -31,6 +31,7 @@ from skippyd.stage.connection import UpstreamConnection
 from skippyd.stage.core import StageCore
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.stage.host_lock import HostComputeLock
+from skippyd.stage.link_choice import describe_links, describe_upstream, time_prompt_rows
 from skippyd.stage.prefix_cache import PrefixCache
 from skippyd.stage.prefix_disk import model_digest, open_disk_tier
 from skippyd.stage.scheduler import Scheduler
@@ -39,7 +40,7 @@ from skippyd.stage.token_return import TokenReturnLink
 from skippyd.topology import StageSpec, Topology
 from skippyd.wire.errors import HandshakeRefused, PeerClosed, ReadTimeout, WireError
 from skippyd.wire.handshake import handshake_server, refuse_handshake
-from skippyd.wire.messages import Hello, wire_formats
+from skippyd.wire.messages import Hello, LinkProbe, link_timed, wire_formats
 from skippyd.wire.stream import DEFAULT_MIN_RATE, ReceiveBuffer, keep_alive
 
 log = logging.getLogger("skippyd.stage")
@@ -88,7 +89,8 @@ class StageConfig:
     prefix_cache_mb: int = _RUNTIME.prefix_cache_mb  # the prefix cache's budget (MiB); 0: no cache
     prefix_cache_dir: Path | None = None  # its disk tier's directory (each stage in DIR/stage-K); None: no tier
     prefix_cache_disk_mb: int = _RUNTIME.prefix_cache_disk_mb  # ... and that tier's budget (MiB)
-    activation_wire: str = _RUNTIME.activation_wire  # f16: offer half-float activations on stage links; f32: not
+    # how activations travel on this stage's links: auto (f32 unless a link, timed when it opens, is slow), f16, f32
+    activation_wire: str = _RUNTIME.activation_wire
 
     def open_disk_tier(self, stage_index: int, model: str, layers: tuple[int, int], context: Context):
         """The prefix cache's disk tier for a stage (blocking; None: no tier)."""
@@ -228,11 +230,14 @@ class StageServer:
         peer_ip, peer = _peer_address(stream)
         try:
             async with trio.open_nursery() as nursery:
-                admitted = await self._admit(stream, peer_ip, peer, nursery)
+                out = self._shape.wrap(stream, nursery)
+                admitted = await self._admit(stream, peer_ip, peer, nursery, out)
                 if admitted is not None:
-                    receive, down = admitted
-                    conn = UpstreamConnection(self.core, stream, peer, receive=receive, down=down,
-                                              out=self._shape.wrap(stream, nursery))
+                    receive, down, timed = admitted
+                    conn = UpstreamConnection(self.core, stream, peer, receive=receive, down=down, out=out)
+                    if timed is not None:  # its dialer timed the link: frames get the time its rate needs
+                        conn.upstream_link = (timed.wire, timed.rate_kbps)
+                        conn.frame_min_rate = frame_min_rate(self.core.frame_min_rate, timed.rate_kbps)
                     self.connections[conn.conn_id] = conn
                     try:
                         await conn.serve()
@@ -242,11 +247,13 @@ class StageServer:
         finally:
             await trio.aclose_forcefully(stream)
 
-    async def _admit(self, stream: trio.SocketStream, peer_ip: str, peer: str,
-                     nursery: trio.Nursery) -> tuple[ReceiveBuffer, DownstreamLink | None] | None:
-        """Admission: the handshake cap, the allow-list, then the handshake. Returns the connection's reads
-        (with what the handshake read ahead) and a middle stage's link to the next stage; None when the
-        connection is refused or gone (logged)."""
+    async def _admit(self, stream: trio.SocketStream, peer_ip: str, peer: str, nursery: trio.Nursery,
+                     out: trio.abc.SendStream,
+                     ) -> tuple[ReceiveBuffer, DownstreamLink | None, LinkProbe | None] | None:
+        """Admission: the handshake cap, the allow-list, then the handshake (and a timed link's timing, its
+        answers through ``out``). Returns the connection's reads (with what the handshake read ahead), a middle
+        stage's link to the next stage and the dialer's timing RESULT (None: the link was not timed); None when
+        the connection is refused or gone (logged)."""
         cfg, counters = self.config, self.core.counters
         if counters.handshaking >= cfg.max_handshakes:
             # a flood of connections that never finish their handshake must not use up this stage's
@@ -255,6 +262,7 @@ class StageServer:
             return None
         receive = ReceiveBuffer(stream)
         opened: list[DownstreamLink] = []
+        timed: list[LinkProbe] = []
 
         async def open_downstream(hello: Hello) -> str | None:
             """The handshake's admit hook: a middle stage opens its downstream connection before accepting
@@ -263,8 +271,8 @@ class StageServer:
             lead nowhere)."""
             if self.core.is_final:
                 return None
-            try:
-                opened.append(await self.core.open_downstream(nursery))
+            try:  # timed if the upstream times its own link: a lane, not a connection for a query
+                opened.append(await self.core.open_downstream(nursery, timed=link_timed(hello, self.hello)))
             except DownstreamError as exc:  # logged as the refusal
                 return f"downstream unavailable: stage {self.index + 1} at {exc.address}: {exc.detail}"
             return None
@@ -278,7 +286,7 @@ class StageServer:
                                        f"connect to stage {self.index}", receive=receive,
                                        timeout=min(cfg.handshake_timeout_s, 2.0))
             await handshake_server(stream, self.hello, timeout=cfg.handshake_timeout_s, receive=receive,
-                                   admit=open_downstream)
+                                   admit=open_downstream, probe_out=out, timed=timed.append)
         except HandshakeRefused as exc:
             if exc.by_peer:  # e.g. a status probe, which declines once it has seen our Hello
                 log.info("stage %d: upstream %s declined: %s", self.index, peer, exc.reason)
@@ -295,7 +303,7 @@ class StageServer:
         except Exception:  # a bug must cost one connection, never the daemon
             log.exception("stage %d: connection from %s failed", self.index, peer)
         else:
-            return receive, (opened[0] if opened else None)
+            return receive, (opened[0] if opened else None), (timed[0] if timed else None)
         finally:
             counters.handshaking -= 1
         for down in opened:  # refused or gone after the next stage accepted us: that lane leads nowhere
@@ -334,8 +342,30 @@ class StageServer:
             windows_dropped=counters.windows_dropped,
             link_secret=bool(self.config.link_auth),
             prefix_cache=core.prefix_cache.stats().to_json(),
+            link=self.describe_link(),
+            # the live sessions' boundary rows (skippyd/stage/boundary.py), beside the KV and the prefix cache
+            boundary_rows_bytes=sum(s.rows.nbytes for s in core.sessions.live),
+            upstream_link=describe_upstream((c.upstream_link for c in list(self.connections.values())
+                                             if c.upstream_link is not None), origin=self.index - 1),
+            loop_lag=self.loop_lag.describe(),
         )
         return snap
+
+
+    def describe_link(self) -> dict | None:
+        """What this stage's connections to the next stage carry (see link_choice.describe_links); None: the
+        final stage, or none is open."""
+        if self.core.is_final:
+            return None
+        downs = [getattr(c.handlers, "down", None) for c in list(self.connections.values())]
+        return describe_links((d.describe_choice() for d in downs if d is not None), to=self.index + 1)
+
+
+def frame_min_rate(configured: float, rate_kbps: int) -> float:
+    """The least rate (bytes/s) a frame must keep arriving at on a link measured at ``rate_kbps``: half of it
+    where that is below ``configured`` (a frame of a slow link gets the time its size needs there), never
+    more than ``configured`` (the deadline is never shorter than an untimed link's)."""
+    return min(configured, max(1.0, rate_kbps * 1e3 / 8 / 2))
 
 
 def _peer_address(stream: trio.SocketStream) -> tuple[str, str]:

@@ -89,6 +89,7 @@ from skippyd.wire.messages import (
     MAX_NODE_NAME_BYTES,
     MAX_POSITION,
     MAX_POSITION_SECTIONS,
+    MAX_PROBE_PADDING,
     MAX_REASON_BYTES,
     MAX_TOKENS,
     MAX_TOP_LOGPROBS,
@@ -108,6 +109,7 @@ from skippyd.wire.messages import (
     Hello,
     HelloReply,
     Limits,
+    LinkProbe,
     MediaRows,
     Message,
     MessageKind,
@@ -190,6 +192,7 @@ _REPLY_HEADER = struct.Struct("<QQIHH" "QQQQQQII")
 _HELLO = struct.Struct("<4sHBB32sIIIIIHH")
 _HELLO_VERSION = struct.Struct("<4sH")
 _HELLO_REPLY = struct.Struct("<BBH")
+_LINK_PROBE = struct.Struct("<BBHI")  # step, wire, reserved, rate_kbps; then the padding
 # stage_index, flags (bit 0: disk_on; the rest zero), then CacheStats' u64 fields in order
 _CACHE_RECORD = struct.Struct("<IIQQQQQQQQQQQQQQQ")
 _LOAD_RECORD = struct.Struct("<IIIIQQQQQQQQQQQ")  # StageLoad's fields in order
@@ -517,6 +520,25 @@ def encode_hello_reply(reply: HelloReply) -> bytes:
     return _prefix(HandshakeKind.HELLO_REPLY, 0, len(body)) + body
 
 
+def encode_link_probe(probe: LinkProbe) -> list[Buffer]:
+    """LinkProbe body: ``u8 step (0 probe, 1 result), u8 wire (a result's F32 or F16, else 0), u16 reserved = 0,
+    u32 rate_kbps (a result's, else 0)``, then ``padding`` bytes of zeros (version 11)."""
+    result = probe.step == 1
+    head = _LINK_PROBE.pack(int(probe.step), int(probe.wire) if result else 0, 0, probe.rate_kbps if result else 0)
+    return [_prefix(HandshakeKind.LINK_PROBE, 0, len(head) + probe.padding) + head, bytes(probe.padding)]
+
+
+def decode_link_probe(body: Buffer) -> LinkProbe:
+    _need(body, _LINK_PROBE.size, "link probe")
+    step, wire, reserved, rate_kbps = _LINK_PROBE.unpack_from(body)
+    if step > 1 or reserved or (step == 0 and (wire or rate_kbps)):
+        raise ProtocolError(ErrorCode.BAD_VALUE, "link probe: bad step, wire or reserved field")
+    try:
+        return LinkProbe(step, len(body) - _LINK_PROBE.size, wire if step else 1, rate_kbps)
+    except ValueError as exc:
+        raise ProtocolError(ErrorCode.BAD_VALUE, f"link probe: {exc}") from exc
+
+
 def encode_frame(obj: Frame, wire: WireFormat = WireFormat.F32) -> list[Buffer]:
     """Frame anything: the buffers to write, in order. ``wire``: how an activation travels (the lane's
     negotiated encoding, see :func:`wire_activation`)."""
@@ -535,6 +557,8 @@ def encode_frame(obj: Frame, wire: WireFormat = WireFormat.F32) -> list[Buffer]:
             return [encode_hello(obj)]
         case HelloReply():
             return [encode_hello_reply(obj)]
+        case LinkProbe():
+            return encode_link_probe(obj)
         case (Ack() | PredictedToken() | PredictedTokens() | ErrorReply() | PrefixRestored() | CacheReport()
               | StageReport()):
             return encode_reply(obj)
@@ -613,6 +637,8 @@ def _body_bounds(kind: int, limits: Limits, n_embd: int | None, flags: int = 0) 
         return _HELLO_VERSION.size, MAX_HELLO_BODY_BYTES
     if kind == HandshakeKind.HELLO_REPLY:
         return HELLO_REPLY_SIZE, HELLO_REPLY_SIZE + MAX_REASON_BYTES
+    if kind == HandshakeKind.LINK_PROBE:
+        return _LINK_PROBE.size, _LINK_PROBE.size + MAX_PROBE_PADDING
     raise AssertionError(kind)
 
 
@@ -993,6 +1019,8 @@ def decode_body(prefix: FramePrefix, body: Buffer, limits: Limits = DEFAULT_LIMI
         return decode_hello(body, limits)
     if prefix.kind == HandshakeKind.HELLO_REPLY:
         return decode_hello_reply(body)
+    if prefix.kind == HandshakeKind.LINK_PROBE:
+        return decode_link_probe(body)
     raise ProtocolError(ErrorCode.UNEXPECTED_KIND, f"{_kind_name(prefix.kind)} is a message frame")
 
 

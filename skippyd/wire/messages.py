@@ -11,7 +11,7 @@ Pure data, no I/O. The byte layout lives in :mod:`skippyd.wire.codec` and in
   :class:`PredictedTokens`, :class:`ErrorReply`, :class:`PrefixRestored`,
   :class:`CacheReport` (of :class:`CacheStats` records), :class:`StageReport` (of
   :class:`StageLoad` records), each with :class:`StageStats`;
-* the **handshake**: :class:`Hello` and :class:`HelloReply`.
+* the **handshake**: :class:`Hello` and :class:`HelloReply`, then (a timed link) :class:`LinkProbe`.
 
 Tokens are 1-D ``int32`` numpy arrays, activations 2-D ``float32`` arrays of
 shape ``(len(tokens), n_embd)`` or ``None``. Constructors accept anything
@@ -44,10 +44,12 @@ __all__ = [
     "MAX_NODE_NAME_BYTES",
     "MAX_N_EMBD",
     "MAX_POSITION",
+    "MAX_PROBE_PADDING",
     "MAX_REASON_BYTES",
     "MAX_TOKENS",
     "NO_STATS",
     "PROTOCOL_VERSION",
+    "ProbeStep",
     "Ack",
     "CacheQuery",
     "CacheReport",
@@ -56,10 +58,12 @@ __all__ = [
     "DecodeStep",
     "ErrorCode",
     "ErrorReply",
+    "F16_RATIO",
     "Flags",
     "Frame",
     "HandshakeKind",
     "Hello",
+    "LinkProbe",
     "HelloReply",
     "Limits",
     "Message",
@@ -87,6 +91,8 @@ __all__ = [
     "VerifyWindow",
     "WireFormat",
     "merge",
+    "f16_threshold_Bps",
+    "link_timed",
     "negotiate_wire",
     "wire_formats",
 ]
@@ -128,6 +134,7 @@ class HandshakeKind(enum.IntEnum):
 
     HELLO = 0x01
     HELLO_REPLY = 0x02
+    LINK_PROBE = 0x03
 
 
 class MessageKind(enum.IntEnum):
@@ -198,28 +205,58 @@ class Flags(enum.IntFlag):
 class WireFormat(enum.IntFlag):
     """How activations travel on a lane: the encodings a Hello offers (its byte 7), one bit each.
 
-    Every end takes ``F32``. A lane carries ``F16`` (half the bytes; the
-    receiver widens each value back to float32 before its layers) when both
-    Hellos offer it, else ``F32`` (:func:`negotiate_wire`).
+    Every end takes ``F32``. ``TIMED``, on a dialer's Hello only: the dialer chooses the lane's encoding from
+    the link's rate (``runtime.activation_wire = "auto"``), timed right after the handshake
+    (:class:`LinkProbe`) when the acceptor offers ``F16``. A lane carries ``F16`` (half the bytes; the
+    receiver widens each value back to float32 before its layers) when both Hellos offer it and the dialer
+    chose it: always without ``TIMED`` (:func:`negotiate_wire`), on a timed link when the link is slow
+    (skippyd/stage/link_choice.py); else ``F32``.
     """
 
     F32 = 0x01
     F16 = 0x02
+    TIMED = 0x04
 
 
-ACTIVATION_WIRES = ("f32", "f16")  # runtime.activation_wire: the most compact encoding this end offers
+# runtime.activation_wire: "auto" offers both and lets the dialer of each link choose from its measured rate
+# (f32 unless the link is slow); "f16" offers both and takes f16 wherever the peer does; "f32" offers float32 only
+ACTIVATION_WIRES = ("auto", "f32", "f16")
 
 
 def wire_formats(activation_wire: str) -> WireFormat:
-    """The encodings a Hello offers for ``runtime.activation_wire`` ("f16": both, "f32": float32 only)."""
+    """The encodings a Hello offers for ``runtime.activation_wire`` ("auto": both, timed; "f16": both; "f32":
+    float32 only)."""
     if activation_wire not in ACTIVATION_WIRES:
         raise ValueError(f"activation_wire must be one of {', '.join(ACTIVATION_WIRES)}, got {activation_wire!r}")
-    return WireFormat.F32 | WireFormat.F16 if activation_wire == "f16" else WireFormat.F32
+    return {"auto": WireFormat.F32 | WireFormat.F16 | WireFormat.TIMED, "f16": WireFormat.F32 | WireFormat.F16,
+            "f32": WireFormat.F32}[activation_wire]
+
+
+# "auto": a link takes f16 once an f32 row takes this many times a row's compute on it (f16 then saves at least
+# a fifth of each prompt row's time; the reasoning is in skippyd/stage/link_choice.py)
+F16_RATIO = 1.25
+
+
+def f16_threshold_Bps(n_embd: int, row_compute_s: float) -> float | None:
+    """The link rate (bytes/s) at or below which "auto" takes f16: an f32 row (4 × n_embd bytes) takes
+    F16_RATIO times the sending stage's compute of a row there. None while the compute is unknown."""
+    if row_compute_s <= 0 or n_embd <= 0:
+        return None
+    return 4 * n_embd / (F16_RATIO * row_compute_s)
 
 
 def negotiate_wire(ours: Hello, theirs: Hello) -> WireFormat:
-    """The encoding of a lane's activations, the same at both ends: the most compact one both Hellos offer."""
+    """The encoding of an untimed lane's activations, the same at both ends: the most compact one both Hellos
+    offer (a timed lane's dialer chooses, see :func:`link_timed`)."""
     return WireFormat.F16 if ours.wire_formats & theirs.wire_formats & WireFormat.F16 else WireFormat.F32
+
+
+def link_timed(dialer: Hello, acceptor: Hello) -> bool:
+    """Whether a lane is timed after its handshake (LinkProbe frames): its dialer asks (TIMED) and its acceptor
+    would take half floats. Both ends know both Hellos, so both decide alike. A token-return connection
+    carries no activations and is never timed."""
+    return bool(dialer.role == Role.LANE and dialer.wire_formats & WireFormat.TIMED
+                and acceptor.wire_formats & WireFormat.F16)
 
 
 class ErrorCode(enum.IntEnum):
@@ -1001,12 +1038,13 @@ def _as_fingerprint(value: bytes | str) -> bytes:
     return value
 
 
-_KNOWN_WIRE_FORMATS = int(WireFormat.F32 | WireFormat.F16)
+_KNOWN_WIRE_FORMATS = int(WireFormat.F32 | WireFormat.F16 | WireFormat.TIMED)
 
 
 def _wire_formats(_inst: object, _attribute: attrs.Attribute, value: WireFormat) -> None:
     if not value & WireFormat.F32 or int(value) & ~_KNOWN_WIRE_FORMATS:
-        raise ValueError(f"wire formats 0x{int(value):02x}: F32 (0x01) must be offered, F16 (0x02) may be")
+        raise ValueError(f"wire formats 0x{int(value):02x}: F32 (0x01) must be offered, F16 (0x02) and "
+                         f"TIMED (0x04) may be")
 
 
 def _auth_len(_inst: object, _attribute: attrs.Attribute, value: bytes) -> None:
@@ -1055,7 +1093,37 @@ class HelloReply:
     reason: str = attrs.field(default="", converter=_truncate_utf8(MAX_REASON_BYTES))
 
 
-Frame: TypeAlias = Message | Reply | Hello | HelloReply
+MAX_PROBE_PADDING = 256 * 1024  # bytes of padding in one LinkProbe
+
+
+class ProbeStep(enum.IntEnum):
+    """What a LinkProbe is: a timed exchange (answered by an empty PROBE), or the dialer's last word (the
+    encoding it chose and the rate it measured; not answered)."""
+
+    PROBE = 0
+    RESULT = 1
+
+
+@attrs.frozen
+class LinkProbe:
+    """Timing a lane after its handshake (see :func:`link_timed`). The dialer sends PROBEs of ``padding``
+    bytes, each answered by the acceptor with an empty PROBE once all of it has arrived, then a RESULT:
+    ``wire`` (F32 or F16) is the encoding its activations will travel in, ``rate_kbps`` the link's rate it
+    measured (kbit/s; 0: none)."""
+
+    kind: ClassVar[HandshakeKind] = HandshakeKind.LINK_PROBE
+    step: ProbeStep = attrs.field(default=ProbeStep.PROBE, converter=ProbeStep)
+    padding: int = attrs.field(default=0, validator=_int_range(0, MAX_PROBE_PADDING))
+    wire: WireFormat = attrs.field(default=WireFormat.F32, converter=WireFormat)
+    rate_kbps: int = attrs.field(default=0, validator=_u32)
+
+    @wire.validator
+    def _check_wire(self, _attribute, value) -> None:
+        if self.step == ProbeStep.RESULT and value not in (WireFormat.F32, WireFormat.F16):
+            raise ValueError(f"a probe result names F32 or F16, not 0x{int(value):02x}")
+
+
+Frame: TypeAlias = Message | Reply | Hello | HelloReply | LinkProbe
 
 
 TRUSTED = {cls: _trusted_builder(cls) for cls in (PrefillChunk, DecodeStep, VerifyWindow, Ack, PredictedToken,
