@@ -30,6 +30,7 @@ def _table(data: dict) -> Table:
                             + _listening(data.get("listeners"))
                             + _warnings(data.get("warnings"))
                             + _caches(data)
+                            + _links(data)
                             + _speculation((data.get("head") or {}).get("speculation"))
                             + _vision((data.get("head") or {}).get("vision"))
                             + _supervised((data.get("deployment") or {}).get("supervised")))
@@ -96,6 +97,24 @@ def _caches(data: dict) -> str:
                 f"{human_bytes(cache['disk_budget_bytes'])}, {cache['disk_hits']} hits" if cache.get("disk_on") else "")
         lines.append(head + f"{entries(cache['entries'])}, {human_bytes(cache['bytes_held'])} of "
                             f"{human_bytes(cache['budget_bytes'])}, {rate}{disk}")
+    return "".join(lines)
+
+
+def _links(data: dict) -> str:
+    """A line per link from a local stage: how its activations travel (runtime.activation_wire), the rate it
+    measured when it opened, and the rate below which it would take f16."""
+    lines = []
+    for s in (data.get("topology") or {}).get("stages", []):
+        link = s.get("link")
+        if not link:
+            continue
+        line = f"\nlink {s['index']} → {link['to']}: {link['wire']} ({link['mode']}"
+        if link.get("rate_mbps") is not None:
+            line += f"; {link['rate_mbps']:.3g} Mbit/s measured"
+        if link.get("threshold_mbps") is not None:
+            line += f", f16 at {link['threshold_mbps']:.3g} Mbit/s or less"
+        lanes = ", ".join(f"{n} {wire}" for wire, n in sorted(link.get("lanes", {}).items()))
+        lines.append(line + f"; lanes: {lanes})")
     return "".join(lines)
 
 

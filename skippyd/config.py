@@ -146,9 +146,10 @@ class RuntimeSection:
     # kernel probes a link after a second of quiet, so this is at least 2
     peer_timeout: float = attrs.field(default=DEFAULT_PEER_TIMEOUT, validator=_at_least(2))
     direct_return: bool = True  # 3+ stages: predictions go from the final stage straight to the head
-    # how activations cross a stage link: f16 (half the bytes) when the stage at the other end offers it too,
-    # else f32; f32 here keeps this daemon's links at float32 both ways
-    activation_wire: str = attrs.field(default="f16", validator=_one_of(ACTIVATION_WIRES))
+    # how activations cross a stage link: auto: f32 (a split exact) unless the link, timed when it opens, is slow
+    # enough that f16 (half the bytes) saves a real share of the time (skippyd/stage/link_choice.py); f16: half
+    # floats wherever the other end takes them; f32: this daemon's links at float32 both ways
+    activation_wire: str = attrs.field(default="auto", validator=_one_of(ACTIVATION_WIRES))
     queue_timeout: float = attrs.field(default=30.0, validator=_at_least(0))  # the head: wait for a slot
     resume: bool = False  # the head: replay a generation a stage failure interrupted, once it is back
     resume_window: float = attrs.field(default=30.0, validator=_at_least(0))  # ... waiting this long

@@ -1,7 +1,8 @@
 """Activations on the wire as half floats: the codec, the native forward, the handshake's choice, the tokens.
 
-A lane carries f16 when both Hellos offer it (``runtime.activation_wire = "f16"``, the default) and f32
-otherwise; a frame with a value beyond half's range goes as f32 whatever the lane. The receiver widens
+With ``runtime.activation_wire = "f16"`` a lane carries f16 when both Hellos offer it and f32 otherwise
+(the default, "auto", times each link and keeps f32 unless it is slow: tests/test_link_choice.py); a frame
+with a value beyond half's range goes as f32 whatever the lane. The receiver widens
 half floats back to float32 before its layers, so a stage computes what it always did, on inputs rounded
 to half precision: greedy tokens then equal the f32 pipeline's except at a near-tie.
 """
@@ -161,7 +162,7 @@ def test_the_hello_carries_the_encodings_offered(formats):
     assert decode_hello(encode_hello(h)[PREFIX_SIZE:]) == h
 
 
-@pytest.mark.parametrize("byte", [0x00, 0x02, 0x04, 0x07])
+@pytest.mark.parametrize("byte", [0x00, 0x02, 0x04, 0x06, 0x08, 0x0F])
 def test_a_hello_without_float32_or_with_an_unknown_encoding_is_refused(byte):
     body = bytearray(encode_hello(hello())[PREFIX_SIZE:])
     body[7] = byte
@@ -278,7 +279,7 @@ async def test_the_handshake_picks_half_floats_only_when_both_offer_them(final_f
 
 
 def f32_and_f16(topology: Path, tmp_path_factory, tag: str):
-    """The split at `topology` started twice: activations as f32, and as f16 (the default); stopped after."""
+    """The split at `topology` started twice: activations as f32, and as f16 (forced); stopped after."""
     pipes = {}
     try:
         for wire in ("f32", "f16"):

@@ -40,6 +40,7 @@ from skippyd.runtime.gguf_info import (
     open_gguf,
 )
 from skippyd.runtime.slicing import RangeError, compute_costs, plan_ranges
+from skippyd.wire.messages import f16_threshold_Bps
 
 MIB = 1 << 20
 DEFAULT_MARGIN_BYTES = 64 * MIB
@@ -83,6 +84,7 @@ class ModelShape:
     kv_bytes_per_layer_token: int
     shared_bytes: int = 0
     carried_bytes: int = 0
+    n_embd: int = 0  # the hidden state's width (a stage before the final one keeps a row of it per position)
 
     def weight_bytes(self, start: int, end: int) -> int:
         """Tensor bytes a stage running layers [start, end) reads: its layers, plus the embedding on the
@@ -108,6 +110,12 @@ class ModelShape:
     def kv_bytes(self, start: int, end: int, *, ctx: int, lanes: int) -> int:
         """The KV cache of layers [start, end) for `lanes` sequences of `ctx` tokens each."""
         return self.kv_bytes_per_layer_token * (end - start) * ctx * lanes
+
+    def boundary_bytes(self, end: int, *, ctx: int, lanes: int) -> int:
+        """The boundary rows of a stage ending at layer `end` (skippyd/stage/boundary.py): the hidden state it
+        sent on for every position its `lanes` sequences of `ctx` tokens hold, float32; none on the final
+        stage."""
+        return 0 if end >= self.n_layer else 4 * self.n_embd * ctx * lanes
 
 
 def model_shape(path: str | os.PathLike[str]) -> ModelShape:
@@ -168,6 +176,7 @@ def model_shape(path: str | os.PathLike[str]) -> ModelShape:
         kv_bytes_per_layer_token=kv_per_layer_token,
         shared_bytes=shared,
         carried_bytes=carried,
+        n_embd=n_embd,
     )
 
 
@@ -217,6 +226,16 @@ class DeployPlan:
     model: str
     stages: tuple[StagePlacement, ...]
     ms_per_token: float
+    n_embd: int = 0  # the model's width: what each link's activation_wire threshold follows from
+
+    def f16_below_mbps(self, stage: StagePlacement) -> float | None:
+        """The rate at or below which the link from ``stage`` to the next takes f16 under runtime.activation_wire
+        "auto" (skippyd/stage/link_choice.py), from the stage's expected compute per token (a decode step's,
+        which a prompt row costs about as much as); None for the final stage, or no width known."""
+        if stage.index == len(self.stages) - 1 or not self.n_embd or stage.ms_per_token <= 0:
+            return None
+        threshold = f16_threshold_Bps(self.n_embd, stage.ms_per_token / 1e3)
+        return None if threshold is None else round(threshold * 8 / 1e6, 3)
 
     @property
     def ranges(self) -> list[tuple[int, int]]:
@@ -241,6 +260,7 @@ class DeployPlan:
                     "memory_mib": round(s.memory_bytes / MIB, 1),
                     "prefix_cache_bytes": s.prefix_cache_bytes,
                     "ms_per_token": s.ms_per_token,
+                    "f16_below_mbps": self.f16_below_mbps(s),
                 }
                 for s in self.stages
             ],
@@ -257,9 +277,11 @@ def stage_memory(
     margin_bytes: int = DEFAULT_MARGIN_BYTES,
     margin_fraction: float = DEFAULT_MARGIN_FRACTION,
 ) -> int:
-    """Bytes a stage running layers [start, end) needs: its weights and KV cache, a fraction more for what
-    grows with them, and a fixed margin for the runtime and llama.cpp's compute buffers."""
-    raw = shape.weight_bytes(start, end) + shape.kv_bytes(start, end, ctx=ctx, lanes=lanes)
+    """Bytes a stage running layers [start, end) needs: its weights, KV cache and (before the final stage)
+    boundary rows, a fraction more for what grows with them, and a fixed margin for the runtime and llama.cpp's
+    compute buffers."""
+    raw = (shape.weight_bytes(start, end) + shape.kv_bytes(start, end, ctx=ctx, lanes=lanes)
+           + shape.boundary_bytes(end, ctx=ctx, lanes=lanes))
     return margin_bytes + math.ceil(raw * (1 + margin_fraction))
 
 
@@ -432,7 +454,7 @@ def _plan(shape: ModelShape, hosts: Sequence[HostInfo], subset: tuple[int, ...],
         ))
         start = end
     total = sum(p.ms_per_token for p in placements) + hop_ms * (len(placements) - 1)
-    return DeployPlan(model=shape.name, stages=tuple(placements), ms_per_token=total)
+    return DeployPlan(model=shape.name, stages=tuple(placements), ms_per_token=total, n_embd=shape.n_embd)
 
 
 def _check_arguments(shape: ModelShape, hosts: Sequence[HostInfo], ctx: int, lanes: int, stages: int | None,

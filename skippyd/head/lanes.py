@@ -32,6 +32,7 @@ import attrs
 import trio
 
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
+from skippyd.stage.link_choice import WirePolicy, describe_links, untimed
 from skippyd.wire.messages import Hello
 from skippyd.wire.stream import DEFAULT_PEER_TIMEOUT
 
@@ -68,6 +69,7 @@ class Lane:
             "state": self.state,
             "session_id": self.session_id,
             "downstream": self.link.address if self.link else None,
+            "wire": self.link.describe_choice().name if self.link else None,
             "generations": self.generations,
         }
 
@@ -78,8 +80,10 @@ class LanePool:
     def __init__(self, host: str, port: int, hello: Hello, *, capacity: int = 4, credit_limit: int = 2,
                  connect_timeout: float = 5.0, reply_timeout: float = 30.0,
                  wrap: Callable[[trio.SocketStream, trio.Nursery | None], trio.abc.SendStream] | None = None,
-                 nursery: trio.Nursery | None = None, peer_timeout: float = DEFAULT_PEER_TIMEOUT):
+                 nursery: trio.Nursery | None = None, peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+                 policy: WirePolicy | None = None):
         self.host, self.port, self.hello = host, port, hello
+        self.policy = policy  # how each lane chooses its activations' encoding when it opens (see link_choice)
         self.peer_timeout = peer_timeout
         self.wrap = wrap
         self.nursery = nursery  # where the wrappers' tasks run
@@ -108,7 +112,7 @@ class LanePool:
                                                 connect_timeout=self.connect_timeout,
                                                 credit_limit=self.credit_limit, reply_timeout=self.reply_timeout,
                                                 wrap=self.wrap, nursery=self.nursery,
-                                                peer_timeout=self.peer_timeout)
+                                                peer_timeout=self.peer_timeout, policy=self.policy)
         except DownstreamError as exc:
             self.last_error = str(exc)
             if self.last_error != previous:
@@ -239,6 +243,11 @@ class LanePool:
     def describe(self) -> list[dict]:
         return [lane.describe() for lane in self.lanes.values()]
 
+    def describe_link(self) -> dict | None:
+        """What the lanes to stage 1 carry (see link_choice.describe_links); None: no lane is open."""
+        return describe_links((lane.link.describe_choice() for lane in list(self.lanes.values())
+                               if lane.link is not None), to=1)
+
     async def request_once(self, msg) -> tuple[object, int]:
         """Send ``msg`` to stage 1 on a connection opened for it (the lanes' address, Hello and timeouts; a lane
         is a generation's, and a query must not wait for one) and closed after it: (the reply, its wait in µs).
@@ -248,10 +257,11 @@ class LanePool:
         # nursery, not wrapped in an exception group
         async with trio.open_nursery() as nursery:
             try:
-                link = await DownstreamLink.connect(self.host, self.port, self.hello,
+                # (a query carries no activations: not timed, nor are the later links it opens)
+                link = await DownstreamLink.connect(self.host, self.port, untimed(self.hello),
                                                     connect_timeout=self.connect_timeout,
                                                     credit_limit=self.credit_limit, reply_timeout=self.reply_timeout,
-                                                    wrap=self.wrap, nursery=nursery)
+                                                    wrap=self.wrap, nursery=nursery, policy=self.policy)
                 try:
                     reply, _sent, _write_us, wait_us = await link.request(msg)
                 finally:

@@ -29,6 +29,7 @@ from skippyd.head.token_return import TokenReturnHub
 from skippyd.runtime import mtmd
 from skippyd.runtime.llama import Context, Model
 from skippyd.stage.access import UpstreamAllow
+from skippyd.stage.link_choice import WirePolicy, time_prompt_rows, untimed
 from skippyd.stage.prefix_cache import PrefixCache
 from skippyd.stage.prefix_disk import model_digest
 from skippyd.stage.server import StageConfig
@@ -102,10 +103,18 @@ class HeadNode:
                               layer_end=s0.layer_end, n_layer=topo.n_layer, n_embd=topo.n_embd, node="head",
                               auth=cfg.link_auth,  # the shared link secret, if any (stage/access.py)
                               wire_formats=wire_formats(cfg.activation_wire))
+                policy = WirePolicy(cfg.activation_wire, topo.n_embd)
+                if cfg.activation_wire == "auto":  # what the lanes' encoding is chosen against
+                    policy = WirePolicy(cfg.activation_wire, topo.n_embd,
+                                        await trio.to_thread.run_sync(time_prompt_rows, context))
+                    log.info("head: %.3f ms of compute per prompt row: links slower than %.1f Mbit/s carry f16 "
+                             "(runtime.activation_wire = auto)", policy.row_compute_s * 1e3,
+                             (policy.threshold_Bps or 0) * 8 / 1e6)
                 self.pool = LanePool(s1.host, s1.port, hello, capacity=cfg.lanes, credit_limit=cfg.credit_limit,
                                      connect_timeout=cfg.connect_timeout_s, reply_timeout=cfg.reply_timeout_s,
-                                     wrap=cfg.link_shape.wrap, peer_timeout=cfg.peer_timeout_s)
-                self.watch = StageWatch(s1.host, s1.port, hello, peer_timeout=cfg.peer_timeout_s)
+                                     wrap=cfg.link_shape.wrap, peer_timeout=cfg.peer_timeout_s, policy=policy)
+                # (its pings carry no activations: its link is not timed)
+                self.watch = StageWatch(s1.host, s1.port, untimed(hello), peer_timeout=cfg.peer_timeout_s)
                 if len(topo.stages) >= 3 and cfg.direct_return:
                     self.hub = TokenReturnHub(hello, handshake_timeout=cfg.handshake_timeout_s,
                                               allow=UpstreamAllow.for_stage(topo, 0, cfg.upstream_allow),
@@ -209,6 +218,9 @@ class HeadNode:
                     compute=self.config.describe_compute(self.engine.context if self.engine else None),
                     prefill=self.engine.chunker.describe() if self.engine and self.engine.pool else None,
                     token_return=self.engine.describe_token_return() if self.engine else None,
+                    link=self.pool.describe_link() if self.pool is not None else None,
+                    # the live sessions' boundary rows (skippyd/stage/boundary.py), beside the KV and prefix cache
+                    boundary_rows_bytes=sum(s.rows.nbytes for s in self.engine.sessions.live) if self.engine else 0,
                     lanes_task=None if self.pool is None else {"failures": self.lanes_task_failures,
                                                                "last_error": self.lanes_task_error},
                     prefix_cache=self.engine.prefix_cache.stats().to_json() if self.engine else None,

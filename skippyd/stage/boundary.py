@@ -9,7 +9,9 @@ those positions with the rows it recorded instead of computing them: only the
 stages that miss compute (skippyd/stage/handlers.py, skippyd/head/sequence.py).
 They cost ``4 * n_embd`` bytes a position, beside the KV of the stage's layers
 (for SmolLM2-135M, 2.3 KiB against 11.3 KiB of KV on each half of the model);
-the final stage records none.
+the final stage records none. A live session's rows count where the stage's
+memory is: the deploy planner's need of a stage (skippyd/deploy/planner.py,
+``boundary_bytes``) and its status (``boundary_rows_bytes``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ class BoundaryRows:
             self._rows = buf = grown
         buf[pos:end] = rows
         self.held = end
+
+    @property
+    def nbytes(self) -> int:
+        """The memory its buffer takes (it grows ahead of what is held)."""
+        return 0 if self._rows is None else self._rows.nbytes
 
     def trim(self, n: int) -> None:
         """Hold positions [0, n) at most (the sequence was trimmed)."""

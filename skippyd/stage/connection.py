@@ -62,6 +62,10 @@ class UpstreamConnection:
         self.gone_silent = False  # the upstream's host stopped answering (see keep_alive): the log says so
         self.down_dead: str | None = None  # why an idle connection was closed for its dead downstream link
         self._idle: WaitWatch | None = None  # the read loop's first-byte deadline (a socket stream's)
+        # a timed link (see skippyd/wire/handshake.py): what its dialer chose and measured (encoding, kbit/s),
+        # and the least rate a frame must keep arriving at, from that measure (None: the core's)
+        self.upstream_link: tuple | None = None
+        self.frame_min_rate: float | None = None
 
     async def serve(self) -> None:
         """Until the connection ends; then release every session it owned, and close it."""
@@ -104,7 +108,8 @@ class UpstreamConnection:
             dispatch = self.handlers.dispatch
             while True:
                 msg = await read_message(self.receive, limits, timeout=cfg.idle_timeout_s, watch=idle,
-                                         frame_timeout=cfg.frame_timeout_s, min_rate=core.frame_min_rate,
+                                         frame_timeout=cfg.frame_timeout_s,
+                                         min_rate=self.frame_min_rate or core.frame_min_rate,
                                          n_embd=n_embd)
                 await dispatch(msg)
         except ProtocolError as exc:

@@ -19,12 +19,13 @@ import trio
 
 from skippyd.runtime.llama import Context, Model
 from skippyd.stage.downstream import DownstreamLink
+from skippyd.stage.link_choice import WirePolicy
 from skippyd.stage.prefix_cache import PrefixCache, record_from
 from skippyd.stage.scheduler import Scheduler
 from skippyd.stage.sessions import SessionTable, StageSession
 from skippyd.stage.token_return import TokenReturnLink
 from skippyd.topology import StageSpec
-from skippyd.wire.messages import Hello
+from skippyd.wire.messages import Hello, WireFormat
 
 
 @attrs.define
@@ -71,6 +72,8 @@ class StageCore:
         self.counters = StageCounters()
         # the KV of this stage's layers for prompts it has computed (none: budget 0)
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0, stage_index=index)
+        # how its links to the next stage choose their activations' encoding (the server times the compute)
+        self.wire_policy = WirePolicy(config.activation_wire, hello.n_embd)
 
     async def release(self, session: StageSession) -> None:
         """Keep the session's KV in the prefix cache (if it wants it) and clear its KV sequence, then free its
@@ -92,15 +95,20 @@ class StageCore:
             finally:
                 self.sessions.forget(session)
 
-    async def open_downstream(self, nursery: trio.Nursery) -> DownstreamLink:
-        """Dial the next stage and handshake (its tasks run in ``nursery``). Raises DownstreamError."""
+    async def open_downstream(self, nursery: trio.Nursery, *, timed: bool = True) -> DownstreamLink:
+        """Dial the next stage and handshake (its tasks run in ``nursery``). ``timed``: the link may be timed
+        to choose its activations' encoding (runtime.activation_wire "auto"); not for an upstream that did
+        not time its own (a connection for a query, which carries no activations). Raises DownstreamError."""
         cfg = self.config
         nxt = self.next_stage
         # dialed inside an upstream's handshake: leave the upstream time to hear why, if we fail
         timeout = min(cfg.connect_timeout_s, 0.8 * cfg.handshake_timeout_s)
-        return await DownstreamLink.connect(nxt.host, nxt.port, self.hello, connect_timeout=timeout,
+        hello = self.hello if timed else attrs.evolve(self.hello, wire_formats=self.hello.wire_formats
+                                                      & ~WireFormat.TIMED)
+        return await DownstreamLink.connect(nxt.host, nxt.port, hello, connect_timeout=timeout,
                                             credit_limit=cfg.credit_limit, reply_timeout=cfg.reply_timeout_s,
-                                            write_timeout=cfg.write_timeout_s, wrap=self.wrap, nursery=nursery)
+                                            write_timeout=cfg.write_timeout_s, wrap=self.wrap, nursery=nursery,
+                                            policy=self.wire_policy)
 
     def no_direct_return(self) -> str:
         """Why this stage cannot return predictions straight to the head (while it cannot)."""

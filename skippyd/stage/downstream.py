@@ -26,9 +26,12 @@ next stage whose host vanished fails the socket within ``peer_timeout``
 when nothing of ours is in flight, and :meth:`DownstreamLink.looks_alive`
 says so before the link is used again.
 
-Activations go in the encoding both Hellos offer (``wire``: half floats unless
-either end keeps to float32, see WireFormat); the next stage widens them back
-to float32 before its layers.
+Activations go in the encoding chosen when the link opened (``wire``, and
+``choice`` says why; skippyd/stage/link_choice.py): with ``activation_wire =
+"auto"`` float32 unless the link, timed right after the handshake, is slow
+enough that half floats save a real share of the time; "f16" half floats
+wherever the next stage takes them. The next stage widens half floats back to
+float32 before its layers.
 
 What the link sends goes through ``out``: the stream itself, or a wrapper
 that whoever made the stream put around it (``wrap`` of :meth:`DownstreamLink.connect`);
@@ -44,9 +47,10 @@ from collections.abc import Callable
 
 import trio
 
+from skippyd.stage.link_choice import LinkChoice, WirePolicy
 from skippyd.wire.codec import decode_step_head
 from skippyd.wire.errors import PeerClosed, ProtocolError, WireError
-from skippyd.wire.handshake import handshake_client
+from skippyd.wire.handshake import handshake_client, report_link, time_link
 from skippyd.wire.messages import (
     NO_STATS,
     TRUSTED,
@@ -57,6 +61,7 @@ from skippyd.wire.messages import (
     Reply,
     StageStats,
     WireFormat,
+    link_timed,
     merge,
     negotiate_wire,
     with_stats,
@@ -82,6 +87,11 @@ def _activation_bytes(msg: Message) -> int:
     return 0 if act is None else act.nbytes
 
 
+def _mode(offered: WireFormat) -> str:
+    """The runtime.activation_wire a Hello's offer stands for."""
+    return "auto" if offered & WireFormat.TIMED else "f16" if offered & WireFormat.F16 else "f32"
+
+
 class DownstreamError(Exception):
     """The next stage is unreachable, refused us, or broke the protocol."""
 
@@ -97,7 +107,8 @@ class DownstreamLink:
                  out: trio.abc.SendStream | None = None, nursery: trio.Nursery | None = None,
                  wire: WireFormat = WireFormat.F32):
         self.stream = stream
-        self.wire = wire  # how activations travel on this link (negotiated in the handshake)
+        self.wire = wire  # how activations travel on this link (chosen when it opened)
+        self.choice: LinkChoice | None = None  # ... and why (connect sets it)
         self._out = out if out is not None else stream  # the send side: the stream, or a conditioned link over it
         self.peer = peer
         self.address = address
@@ -128,11 +139,14 @@ class DownstreamLink:
                       credit_limit: int = 2, reply_timeout: float = 30.0, write_timeout: float = 10.0,
                       wrap: Callable[[trio.SocketStream, trio.Nursery | None], trio.abc.SendStream] | None = None,
                       nursery: trio.Nursery | None = None,
-                      peer_timeout: float = DEFAULT_PEER_TIMEOUT) -> DownstreamLink:
+                      peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+                      policy: WirePolicy | None = None) -> DownstreamLink:
         """Dial and handshake. ``wrap(stream, nursery)``: what frames after the handshake are sent through
         (default: the stream). With a ``nursery``, the reply deadline is kept by a task there (see
         WaitWatch), not by a cancel scope per read. ``peer_timeout``: the kernel fails the connection once
-        the next stage's host has been silent this long (see keep_alive)."""
+        the next stage's host has been silent this long (see keep_alive). ``policy``: how the activations'
+        encoding is chosen (default: the mode ``hello`` offers, this stage's compute not timed); a link whose
+        ``hello`` says TIMED is timed through ``wrap`` after the handshake (skippyd/wire/handshake.py)."""
         address = f"{host}:{port}"
         try:
             with trio.fail_after(connect_timeout):
@@ -146,9 +160,28 @@ class DownstreamLink:
         except WireError as exc:
             await trio.aclose_forcefully(stream)
             raise DownstreamError(address, f"handshake failed: {exc}") from exc
-        return cls(stream, peer, address, receive, credit_limit=credit_limit, reply_timeout=reply_timeout,
-                   write_timeout=write_timeout, out=wrap(stream, nursery) if wrap is not None else stream,
-                   nursery=nursery, wire=negotiate_wire(hello, peer))
+        out = wrap(stream, nursery) if wrap is not None else stream
+        policy = policy if policy is not None else WirePolicy(_mode(hello.wire_formats), hello.n_embd)
+        if link_timed(hello, peer):
+            try:
+                timing = await time_link(out, receive, timeout=connect_timeout)
+                choice = policy.choose(timing)
+                await report_link(out, choice.wire, timing, timeout=connect_timeout)
+            except (WireError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                if out is not stream:
+                    await trio.aclose_forcefully(out)
+                await trio.aclose_forcefully(stream)
+                raise DownstreamError(address, f"timing the link failed: {exc}") from exc
+        else:
+            choice = policy.untimed(negotiate_wire(hello, peer))
+        link = cls(stream, peer, address, receive, credit_limit=credit_limit, reply_timeout=reply_timeout,
+                   write_timeout=write_timeout, out=out, nursery=nursery, wire=choice.wire)
+        link.choice = choice
+        return link
+
+    def describe_choice(self) -> LinkChoice:
+        """How this link's activations travel, and why."""
+        return self.choice if self.choice is not None else LinkChoice(self.wire, _mode(self.wire))
 
     def looks_alive(self) -> bool:
         """Non-blocking check between requests: False once the next stage closed or reset the connection.

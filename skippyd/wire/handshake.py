@@ -8,11 +8,25 @@ Sequence on every new connection (dialer = the side that connected)::
     dialer   checks the acceptor's Hello → HelloReply(accepted=1) or (0, reason)
 
 The acceptor never reveals its own Hello to a peer it refused. Both Hellos
-name the activation encodings their end offers; a lane's encoding follows from
-the two (``messages.negotiate_wire``: f16 if both offer it), so nothing more is
-exchanged and an end that offers only f32 is no refusal. The dialer may
-send its first message right after its accepting HelloReply; the acceptor
-reads it after the reply, through the same ReceiveBuffer.
+name the activation encodings their end offers; an end that offers only f32 is
+no refusal. Unless the dialer's Hello says TIMED, a lane's encoding follows from
+the two (``messages.negotiate_wire``: f16 if both offer it) and nothing more is
+exchanged. A *timed* link (``messages.link_timed``: the dialer says TIMED, the
+acceptor offers f16) is timed right after the accepting HelloReply::
+
+    dialer   → LinkProbe(padding=N)       (also opens TCP's window to N)
+    acceptor → LinkProbe()                once all N bytes are in
+    dialer   → LinkProbe(padding=0)       answered likewise; on a fast link, pairs of (0, N) follow
+    dialer   → LinkProbe(RESULT, wire, rate_kbps)   not answered
+
+(:func:`time_link` and :func:`report_link` on the dialer, :func:`serve_link_probes`
+on the acceptor, inside :func:`handshake_server`). The rate is N over the
+difference of the quickest answers to an N-byte and an empty probe, so the
+link's latency drops out; the dialer chooses the encoding from it
+(skippyd/stage/link_choice.py) and says which, with the rate, in its RESULT.
+The dialer may send its first message right after its accepting HelloReply
+(after its RESULT on a timed link); the acceptor reads it after that, through
+the same ReceiveBuffer.
 
 :func:`check_hello` is the pure validation both sides use. Each refusal
 reason starts with the name of the check that failed:
@@ -38,16 +52,36 @@ own connection to the next stage (see the ``admit`` hook of
 from __future__ import annotations
 
 import hmac
+import math
+import time
 from collections.abc import Awaitable, Callable
 
+import attrs
 import trio
 
-from skippyd.wire.codec import HANDSHAKE_KINDS
 from skippyd.wire.errors import HandshakeRefused, ProtocolError, WireError
-from skippyd.wire.messages import DEFAULT_LIMITS, HandshakeKind, Hello, HelloReply, Limits, Role
+from skippyd.wire.messages import (
+    DEFAULT_LIMITS,
+    ErrorCode,
+    HandshakeKind,
+    Hello,
+    HelloReply,
+    Limits,
+    LinkProbe,
+    ProbeStep,
+    Role,
+    WireFormat,
+    link_timed,
+)
 from skippyd.wire.stream import ReceiveBuffer, read_frame, write_frame
 
-__all__ = ["check_hello", "handshake_client", "handshake_server", "refuse_handshake"]
+__all__ = ["LinkTiming", "check_hello", "handshake_client", "handshake_server", "refuse_handshake", "report_link",
+           "serve_link_probes", "time_link"]
+
+PROBE_PADDING = 32 * 1024  # bytes of a timed probe: 0.26 s at 1 Mbit/s, microseconds on a LAN
+TIMED_BUDGET_S = 0.05  # a link whose full probe took this much longer than an empty one needs no second look
+TIMED_ROUNDS = 3  # ... else pairs of (empty, full) probes at most, the quickest of each taken (scheduling noise)
+MAX_PROBES = 2 + 2 * TIMED_ROUNDS  # what an acceptor answers at most before the RESULT
 
 _ROLE_NAMES = {Role.LANE: "lane", Role.TOKEN_RETURN: "token-return"}
 
@@ -161,7 +195,7 @@ async def handshake_client(
     """
     receive = receive if receive is not None else ReceiveBuffer(stream, read_size=0)
     await write_frame(stream, my_hello, timeout=timeout)
-    frame = await _read_peer_hello(stream, receive, limits, timeout, set(HANDSHAKE_KINDS))
+    frame = await _read_peer_hello(stream, receive, limits, timeout, {HandshakeKind.HELLO, HandshakeKind.HELLO_REPLY})
     if isinstance(frame, HelloReply):
         if frame.accepted:
             reason = "peer accepted without sending its hello"
@@ -183,6 +217,8 @@ async def handshake_server(
     receive: ReceiveBuffer | None = None,
     limits: Limits = DEFAULT_LIMITS,
     admit: Callable[[Hello], Awaitable[str | None]] | None = None,
+    probe_out: trio.abc.SendStream | None = None,
+    timed: Callable[[LinkProbe], None] | None = None,
 ) -> Hello:
     """Acceptor side: check the dialer's Hello, answer with ours, await its verdict.
 
@@ -195,6 +231,11 @@ async def handshake_server(
     middle stage uses it to open its own downstream connection first, so that
     an upstream is refused (with the reason) rather than accepted onto a lane
     that leads nowhere.
+
+    A timed link (see the module's docstring) is timed before this returns: the
+    answers to the dialer's probes go through ``probe_out`` (default: ``stream``;
+    a conditioned link's wrapper, so that its timing sees the conditioning), and
+    ``timed`` is called with the dialer's RESULT.
     """
     receive = receive if receive is not None else ReceiveBuffer(stream, read_size=0)
     peer = await _read_peer_hello(stream, receive, limits, timeout, {HandshakeKind.HELLO})
@@ -213,4 +254,81 @@ async def handshake_server(
     assert isinstance(verdict, HelloReply)
     if not verdict.accepted:
         raise HandshakeRefused(verdict.reason, by_peer=True)
+    if link_timed(peer, my_hello):
+        result = await serve_link_probes(probe_out if probe_out is not None else stream, receive, timeout=timeout,
+                                         limits=limits)
+        if timed is not None:
+            timed(result)
     return peer
+
+
+# ---------------------------------------------------------------------------------------------- timing a link
+
+
+@attrs.frozen
+class LinkTiming:
+    """What the dialer measured of a timed link: the quickest empty round trip (s), and the rate (bytes/s) at
+    which an N-byte probe arrived beyond it."""
+
+    rtt_s: float
+    rate_Bps: float
+    probes: int
+
+    @property
+    def rate_kbps(self) -> int:
+        """The rate as a RESULT carries it (kbit/s, at most u32)."""
+        return min(2**32 - 1, int(self.rate_Bps * 8 / 1e3))
+
+
+async def _probe(out: trio.abc.SendStream, receive: ReceiveBuffer, padding: int, timeout: float,
+                 limits: Limits) -> float:
+    """One probe and its answer: the seconds it took."""
+    started = time.perf_counter()
+    await write_frame(out, LinkProbe(padding=padding), timeout=timeout)
+    answer = await read_frame(receive, limits, timeout=timeout, accept={HandshakeKind.LINK_PROBE})
+    if answer.step != ProbeStep.PROBE or answer.padding:
+        raise ProtocolError(ErrorCode.BAD_VALUE, "link probe: the answer must be an empty probe")
+    return time.perf_counter() - started
+
+
+async def time_link(out: trio.abc.SendStream, receive: ReceiveBuffer, *, timeout: float,
+                    padding: int = PROBE_PADDING, limits: Limits = DEFAULT_LIMITS) -> LinkTiming:
+    """The dialer's side of a timed link, right after its accepting HelloReply (then :func:`report_link`).
+    ``out``: what the link's frames go through (a conditioned link's wrapper). Each probe's answer must come
+    within ``timeout``. Raises WireError.
+
+    A first full probe (it also opens TCP's window to its size) and an empty one: where the first took
+    TIMED_BUDGET_S longer than the empty one, the link is slow and that difference is the measure (the
+    probe's own transfer dwarfs the rest). Otherwise pairs of (empty, full) probes follow, the quickest of
+    each taken, so that scheduling noise on a fast link does not pass for a slow one."""
+    full = await _probe(out, receive, padding, timeout, limits)
+    empty = await _probe(out, receive, 0, timeout, limits)
+    probes = 2
+    if full - empty <= TIMED_BUDGET_S:
+        full = math.inf
+        started = time.perf_counter()
+        for _ in range(TIMED_ROUNDS):
+            empty = min(empty, await _probe(out, receive, 0, timeout, limits))
+            full = min(full, await _probe(out, receive, padding, timeout, limits))
+            probes += 2
+            if time.perf_counter() - started > TIMED_BUDGET_S:
+                break
+    # (a full probe answered as fast as an empty one: faster than the clock can tell, a microsecond taken)
+    return LinkTiming(rtt_s=empty, rate_Bps=padding / max(full - empty, 1e-6), probes=probes)
+
+
+async def report_link(out: trio.abc.SendStream, wire: WireFormat, timing: LinkTiming, *, timeout: float) -> None:
+    """The dialer's RESULT: the encoding it chose for the link's activations, and the rate it measured."""
+    await write_frame(out, LinkProbe(ProbeStep.RESULT, wire=wire, rate_kbps=timing.rate_kbps), timeout=timeout)
+
+
+async def serve_link_probes(out: trio.abc.SendStream, receive: ReceiveBuffer, *, timeout: float,
+                            limits: Limits = DEFAULT_LIMITS) -> LinkProbe:
+    """The acceptor's side of a timed link: answer each probe once it is all here, until the dialer's RESULT
+    (returned). More than MAX_PROBES probes, or anything else, is a protocol error."""
+    for _ in range(MAX_PROBES + 1):
+        probe = await read_frame(receive, limits, timeout=timeout, accept={HandshakeKind.LINK_PROBE})
+        if probe.step == ProbeStep.RESULT:
+            return probe
+        await write_frame(out, LinkProbe(), timeout=timeout)
+    raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, f"link probe: more than {MAX_PROBES} probes")
