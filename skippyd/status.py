@@ -140,6 +140,7 @@ class StatusReport:
                      "layers": [spec.layer_start, spec.layer_end], "local": spec.index in local}
             if spec.index in local:
                 entry.update(reachable=True, version=PROTOCOL_VERSION, node="this daemon")
+                entry["link"] = self._link(spec.index)  # its link to the next stage: encoding, measured rate
             elif spec.index == 0:  # the head dials out; it has no listener to probe
                 entry.update(reachable=None, version=None, node=None)
             else:
@@ -152,9 +153,18 @@ class StatusReport:
         return {"model": topo.model_name, "source_sha256": topo.source_sha256, "protocol_version": PROTOCOL_VERSION,
                 "stages": sorted(stages, key=lambda s: s["index"])}
 
+    def _link(self, index: int) -> dict | None:
+        """How a local stage's link to the next one carries activations (runtime.activation_wire; see
+        skippyd/stage/link_choice.py); None: the final stage, or no lane is open."""
+        d = self.daemon
+        if index == 0 and d.head is not None:
+            return d.head.pool.describe_link() if d.head.pool is not None else None
+        stage = next((s for s in d.stages if s.index == index), None)
+        return stage.describe_link() if stage is not None else None
+
     async def _probe(self, spec) -> dict:
         """Reachability and protocol version of a remote stage: a live lane's handshake, or a probe (cached)."""
-        d = self.daemon
+        d = self.node
         pool = d.head.pool if d.head is not None else None
         watch = d.head.watch if d.head is not None else None
         # down by the last liveness check: check again now rather than report a stale state (the head's first
