@@ -164,7 +164,7 @@ class StatusReport:
 
     async def _probe(self, spec) -> dict:
         """Reachability and protocol version of a remote stage: a live lane's handshake, or a probe (cached)."""
-        d = self.node
+        d = self.daemon
         pool = d.head.pool if d.head is not None else None
         watch = d.head.watch if d.head is not None else None
         # down by the last liveness check: check again now rather than report a stale state (the head's first
