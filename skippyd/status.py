@@ -5,29 +5,61 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Protocol
 
 import trio
 
-from skippyd.config import parse_hostport
+from skippyd.config import Settings, parse_hostport
 from skippyd.head.lanes import LaneState
 from skippyd.listening import is_loopback
+from skippyd.ports import NodeView
 from skippyd.wire.messages import PROTOCOL_VERSION
 
 PROBE_TTL_S = 1.0  # a stage's reachability is probed at most this often
 
 
-class StatusReport:
-    """The status of one daemon (anything with its ``head``, ``stages``, ``control``, ``openai``, ``topology``,
-    ``config``, ``settings``, ``link_auth``, ``started``, ``ready``, ``draining`` and ``describe_role()``)."""
+class Listener(Protocol):
+    @property
+    def host(self) -> str: ...
 
-    def __init__(self, daemon: Any):
-        self.daemon = daemon
+    @property
+    def port(self) -> int: ...
+
+
+class StatusSource(NodeView, Protocol):
+    """What the status report reads of a node besides its view: its start, its listeners, where its settings
+    came from, the settings its stages run with."""
+
+    @property
+    def started(self) -> float: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def settings(self) -> Settings | None: ...
+
+    @property
+    def link_auth(self) -> bytes: ...
+
+    @property
+    def control(self) -> Listener | None: ...
+
+    def warnings(self) -> list[str]: ...
+
+    def describe_settings(self) -> dict | None: ...
+
+
+class StatusReport:
+    """The status of one node."""
+
+    def __init__(self, node: StatusSource):
+        self.node = node
         self._probes: dict[int, tuple[float, dict]] = {}
 
     async def status(self) -> dict:
         """Role, model, local stages, the topology with each stage's reachability and version, uptime, load."""
-        d = self.daemon
+        d = self.node
         snap = self.snapshot()
         model = self._model()
         snap["model"] = None if model is None else {
@@ -48,12 +80,13 @@ class StatusReport:
         snap["warnings"] = self.warnings()
         snap["load"] = self.load()
         snap["topology"] = await self.topology() if d.topology is not None else None
+        snap["settings"] = d.describe_settings()
         return snap
 
     def snapshot(self) -> dict:
         from importlib.metadata import PackageNotFoundError, version
 
-        d = self.daemon
+        d = self.node
         try:
             ours = version("skippy")
         except PackageNotFoundError:
@@ -74,7 +107,7 @@ class StatusReport:
 
     def deployment(self) -> dict | None:
         """What `skippyctl deploy` gave this daemon (None: it runs what its command line gave it)."""
-        assignment = getattr(self.daemon, "assignment", None)
+        assignment = self.node.deployment
         if assignment is None or not assignment.accepts_stages:
             return None
         supervisor = assignment.supervisor
@@ -83,14 +116,14 @@ class StatusReport:
                 "supervised": supervisor.describe() if supervisor is not None else None}
 
     def _model(self):
-        d = self.daemon
+        d = self.node
         if d.head is not None and d.head.model is not None:
             return d.head.model
         return next((s.model for s in d.stages if s.model is not None), None)
 
     def listeners(self) -> list[dict]:
         """Every address this daemon listens on, and whether only this host can reach it (loopback)."""
-        d = self.daemon
+        d = self.node
         out = []
 
         def add(what: str, host: str | None, port: int | None) -> None:
@@ -113,11 +146,10 @@ class StatusReport:
 
     def warnings(self) -> list[str]:
         """What the operator should know: an OpenAI listener other hosts reach with no API key."""
-        openai = getattr(self.daemon, "openai", None)
-        return openai.warnings() if openai is not None else []
+        return self.node.warnings()
 
     def load(self) -> dict:
-        d = self.daemon
+        d = self.node
         engine = d.head.engine if d.head is not None else None
         pool = d.head.pool if d.head is not None else None
         schedulers = ([engine.scheduler] if engine else []) + [s.scheduler for s in d.stages if s.scheduler]
@@ -130,7 +162,7 @@ class StatusReport:
         }
 
     async def topology(self) -> dict:
-        d = self.daemon
+        d = self.node
         topo = d.topology
         local = {s.index for s in d.stages} | ({0} if d.head is not None else set())
         stages: list[dict] = []
@@ -156,7 +188,7 @@ class StatusReport:
     def _link(self, index: int) -> dict | None:
         """How a local stage's link to the next one carries activations (runtime.activation_wire; see
         skippyd/stage/link_choice.py); None: the final stage, or no lane is open."""
-        d = self.daemon
+        d = self.node
         if index == 0 and d.head is not None:
             return d.head.pool.describe_link() if d.head.pool is not None else None
         stage = next((s for s in d.stages if s.index == index), None)
@@ -164,7 +196,7 @@ class StatusReport:
 
     async def _probe(self, spec) -> dict:
         """Reachability and protocol version of a remote stage: a live lane's handshake, or a probe (cached)."""
-        d = self.daemon
+        d = self.node
         pool = d.head.pool if d.head is not None else None
         watch = d.head.watch if d.head is not None else None
         # down by the last liveness check: check again now rather than report a stale state (the head's first

@@ -39,8 +39,8 @@ def keyed_app(access: Access):
         return "ok", [7], "stop"
 
     app, _ = fake_app(behave, access=access)
-    app.daemon.head.model = None  # (no model to describe on the pipeline page)
-    app.mount(ConsoleRoutes(app.daemon, access).routes())
+    app.node.head.model = None  # (no model to describe on the pipeline page)
+    app.mount(ConsoleRoutes(app.node, access).routes())
     return app
 
 

@@ -14,6 +14,7 @@ from skippyd.console.pipeline import _mark_limiting
 from skippyd.head.lanes import LanePool
 from skippyd.head.load_report import load_report
 from skippyd.wire.messages import Hello
+from tests.fake_node import FakeNode
 from tests.openai_api import httpx2, wait_for_health
 from tests.procs import Pipeline, free_ports, split_for_test
 
@@ -51,7 +52,7 @@ async def test_the_feed_publishes_at_most_every_min_interval(autojump_clock):
             changing["n"] += 1  # every build differs: a session generating without pause
             return {"n": changing["n"]}
 
-    daemon = SimpleNamespace(head=None, draining=False, describe_role=lambda: "head")
+    daemon = FakeNode()
     feed = ConsoleFeed(daemon, Monitor())
     got = []
     async with trio.open_nursery() as nursery:

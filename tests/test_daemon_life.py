@@ -28,6 +28,7 @@ from skippyd.config import Config, ConfigError, Settings, find_config, load, wit
 from skippyd.control import messages as m
 from skippyd.daemon import JournalFormatter, notify
 from skippyd.head.engine import GenerationResult
+from skippyd.stage.prefix_cache import PrefixCache
 from tests.procs import REPO, Daemon, Pipeline, free_ports, split_for_test
 from tests.test_openai import FakeEngine
 
@@ -212,6 +213,7 @@ class SlowToAnswerEngine(FakeEngine):
         self.release = trio.Event()
         self.killed: str | None = None
         self.cleanup_s = cleanup_s  # once cancelled, it stays live this long (the real one's shielded cleanup)
+        self.prefix_cache = PrefixCache(0, stage_index=0)  # (a drain writes it to its disk tier: it has none)
 
     def kill(self, session_id: int, why: str) -> None:
         self.killed = why
@@ -245,7 +247,8 @@ async def test_a_shutdown_waits_until_every_reply_is_sent_not_until_the_engine_l
     grace = "5" if ends == "within-grace" else "0.2"
     daemon = SkippyDaemon(with_values(Config(), {"pipeline.model": Path("m.gguf"), "daemon.drain_grace": float(grace)}))
     engine = SlowToAnswerEngine(cleanup_s=2 * STOP_TIMEOUT_S - 0.3 if ends.endswith("slow-cleanup") else 0.0)
-    daemon.head = SimpleNamespace(engine=engine, pool=None)
+    node = daemon.node
+    node.head = SimpleNamespace(engine=engine, pool=None, vision=None, model_name="m")  # a stand-in head
     token = tmp_path / "token"
     token.write_text("the-token\n")
     got: list = []  # the generation's replies
@@ -271,13 +274,14 @@ async def test_a_shutdown_waits_until_every_reply_is_sent_not_until_the_engine_l
     async with trio.open_nursery() as clients:
         async with trio.open_nursery() as daemon_tasks:  # the daemon's own nursery
             if channel == "control":
-                daemon.control = await daemon_tasks.start(ControlServer(daemon, "127.0.0.1", 0, token_file=token).run)
-                clients.start_soon(ask_control, daemon.control.port)
-                clients.start_soon(stay_idle, daemon.control.port)
+                node.control = await daemon_tasks.start(ControlServer(node, "127.0.0.1", 0, token_file=token).run)
+                clients.start_soon(ask_control, node.control.port)
+                clients.start_soon(stay_idle, node.control.port)
             else:
-                daemon.openai = await daemon_tasks.start(OpenAIServer(daemon, "127.0.0.1", 0, model_id="m").run)
-                clients.start_soon(trio.to_thread.run_sync, ask_openai, daemon.openai.port)
-            while not engine.live or (daemon.control is not None and len(daemon.control._open) < 2):
+                node.openai = await daemon_tasks.start(OpenAIServer(node, "127.0.0.1", 0, model_id="m",
+                                                                    metrics=node.metrics).run)
+                clients.start_soon(trio.to_thread.run_sync, ask_openai, node.openai.port)
+            while not engine.live or (node.control is not None and len(node.control._open) < 2):
                 await trio.sleep(0.01)
             if ends == "within-grace":
                 engine.release.set()  # the generation ends while the drain runs

@@ -467,9 +467,9 @@ async def test_a_stop_that_raises_still_frees_the_session_everywhere(tiny_model_
     async with trio.open_nursery() as nursery:
         nursery.start_soon(daemon.run)
         with trio.fail_after(60):
-            while not daemon.ready:
+            while not daemon.node.ready:
                 await trio.sleep(0.01)
-        engine, stage1 = daemon.head.engine, daemon.stages[0]
+        engine, stage1 = daemon.node.engine, daemon.node.stages[0]
         with monkeypatch.context() as patched:
             patched.setattr(LaneClient, "stop", bug)
             for _ in range(3):  # more than the 2 slots

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from skippyd import telemetry
 from skippyd.head.engine import GenerationResult
 from skippyd.openai.metrics import Metrics
+from tests.fake_node import FakeNode
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
@@ -75,12 +76,14 @@ def fake_daemon():
     engine = SimpleNamespace(
         live=live, totals={"generations": 7, "prompt_tokens": 70, "completion_tokens": 30, "errors": 1},
         sessions=SimpleNamespace(live=[object(), object()], free_slots=2),
-        scheduler=SimpleNamespace(stats=SimpleNamespace(compute_s=1.5, batches=9, tokens=40)))
+        scheduler=SimpleNamespace(stats=SimpleNamespace(compute_s=1.5, batches=9, tokens=40)),
+        availability=None, speculation=None, prefix_cache=None)
     pool = SimpleNamespace(capacity=4, describe=lambda: [{"state": "busy"}, {"state": "busy"}, {"state": "idle"}])
     stage = SimpleNamespace(index=1, sessions=SimpleNamespace(live=[object()], free_slots=3),
                             scheduler=SimpleNamespace(stats=SimpleNamespace(compute_s=2.5, batches=11, tokens=44),
-                                                      threads=SimpleNamespace(current=1)))
-    return SimpleNamespace(head=SimpleNamespace(engine=engine, pool=pool), stages=[stage], draining=True)
+                                                      threads=SimpleNamespace(current=1)),
+                            core=SimpleNamespace(prefix_cache=None))
+    return FakeNode(head=SimpleNamespace(engine=engine, pool=pool), stages=[stage], draining=True)
 
 
 def test_daemon_state_is_read_at_scrape_time():
@@ -105,10 +108,10 @@ def test_daemon_state_is_read_at_scrape_time():
 
 
 def test_a_starting_or_stage_only_daemon_still_scrapes():
-    assert samples(Metrics(SimpleNamespace(head=None, stages=[], draining=False)))[("skippy_draining", ())] == 0
-    loading = SimpleNamespace(head=SimpleNamespace(engine=None, pool=None), stages=[], draining=False)
+    assert samples(Metrics(FakeNode()))[("skippy_draining", ())] == 0
+    loading = FakeNode(head=SimpleNamespace(engine=None, pool=None))
     assert ("skippy_draining", ()) in samples(Metrics(loading))
-    broken = SimpleNamespace(head=SimpleNamespace(engine=SimpleNamespace(live=None)), stages=[], draining=False)
+    broken = FakeNode(head=SimpleNamespace(engine=SimpleNamespace(live=None)))
     samples(Metrics(broken))  # a part in a strange state: the scrape still answers
 
 
@@ -155,7 +158,7 @@ def test_span_summary_counts_without_lines(spans):
             pass
     assert spans.getvalue() == ""
     assert telemetry.summary()["stage.compute"]["count"] == 3
-    s = samples(Metrics(SimpleNamespace(head=None, stages=[], draining=False)))
+    s = samples(Metrics(FakeNode()))
     assert s[("skippy_span_total", (("span", "stage.compute"),))] == 3
 
 
@@ -195,11 +198,11 @@ def cache_daemon(report=None):
     head_cache.note_restored(39)
     engine = SimpleNamespace(live={}, totals={}, sessions=SimpleNamespace(live=[], free_slots=1),
                              scheduler=SimpleNamespace(stats=SimpleNamespace(compute_s=0, batches=0, tokens=0)),
-                             prefix_cache=head_cache)
+                             prefix_cache=head_cache, availability=None, speculation=None)
     pool = SimpleNamespace(capacity=1, describe=lambda: [])
     stage = SimpleNamespace(index=2, sessions=None, scheduler=None, core=SimpleNamespace(prefix_cache=stage2_cache))
     head = SimpleNamespace(engine=engine, pool=pool, cache_report=report)
-    return SimpleNamespace(head=head, stages=[stage], draining=False)
+    return FakeNode(head=head, stages=[stage])
 
 
 async def test_prefix_caches_per_stage_local_and_from_the_heads_report():

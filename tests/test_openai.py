@@ -24,6 +24,7 @@ from skippyd.head.engine import GenerationError, GenerationResult
 from skippyd.head.sink import DISCARD
 from skippyd.openai.app import OpenAIApp
 from skippyd.runtime.llama import Model
+from tests.fake_node import FakeNode
 from tests.openai_api import httpx2, run, serving
 from tests.procs import Pipeline
 
@@ -377,9 +378,8 @@ class FakeEngine:
 
 def fake_app(behave, **kw) -> tuple[OpenAIApp, FakeEngine]:
     engine = FakeEngine(behave, slots=kw.pop("slots", 2), queue_timeout=kw.pop("queue_timeout_s", 30.0))
-    head = SimpleNamespace(engine=engine, pool=None, model_name="fake-model")
-    daemon = SimpleNamespace(head=head, draining=False, stages=[])
-    return OpenAIApp(daemon, **kw), engine
+    head = SimpleNamespace(engine=engine, pool=None, model_name="fake-model", vision=None)
+    return OpenAIApp(FakeNode(head=head), **kw), engine
 
 
 class Asgi:

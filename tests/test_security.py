@@ -28,6 +28,7 @@ from skippyd.wire.errors import HandshakeRefused
 from skippyd.wire.handshake import handshake_client, handshake_server, refuse_handshake
 from skippyd.wire.messages import Ack, Hello, HelloReply, Ping
 from skippyd.wire.stream import read_frame
+from tests.fake_node import FakeNode
 from tests.procs import Pipeline, split_for_test
 
 FP = bytes(range(32))
@@ -199,7 +200,7 @@ def test_control_token_check(tmp_path, header, ok):
 
     token = tmp_path / "t"
     token.write_text("the-token\n")
-    server = ControlServer(None, "127.0.0.1", 0, token_file=token)
+    server = ControlServer(FakeNode(), "127.0.0.1", 0, token_file=token)
     headers = [] if header is None else [(b"authorization", header)]
     assert server._authorized(FakeRequest(headers)) is ok
 

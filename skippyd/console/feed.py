@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 import trio
 
 from skippyd.console import views
 from skippyd.console.pipeline import PipelineMonitor
+from skippyd.ports import NodeView
 
 MIN_INTERVAL_S = 0.25  # at most 4 updates a second
 KEEPALIVE_S = 15.0  # a stream with nothing new sends a comment this often (proxies drop silent connections)
 
 
 class ConsoleFeed:
-    def __init__(self, daemon: Any, monitor: PipelineMonitor, *, warnings=lambda: []):
-        self.daemon = daemon
+    def __init__(self, node: NodeView, monitor: PipelineMonitor, *, warnings=lambda: []):
+        self.node = node
         self.monitor = monitor
         self.warnings = warnings  # what the operator should know (an exposed listener, say)
         self.seq = 0  # the snapshot's number: it grows by one per publication
@@ -34,11 +34,11 @@ class ConsoleFeed:
         self._watched = trio.Event()
 
     def build(self) -> dict:
-        d = self.daemon
-        head = getattr(d, "head", None)
-        return {"model": getattr(head, "model_name", None) if head is not None and head.model is not None else None,
-                "role": d.describe_role() if hasattr(d, "describe_role") else None,
-                "draining": bool(getattr(d, "draining", False)),
+        d = self.node
+        head = d.head
+        return {"model": head.model_name if head is not None and head.model is not None else None,
+                "role": d.describe_role(),
+                "draining": d.draining,
                 "sessions": views.sessions(d), "lanes": views.lanes(d), "pipeline": self.monitor.view(),
                 "warnings": list(self.warnings())}
 

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any
 
 import trio
+
+from skippyd.ports import NodeView
 
 SAMPLE_S = 1.0
 KEEP_S = 15 * 60
 
 
 class History:
-    def __init__(self, daemon: Any):
-        self.daemon = daemon
+    def __init__(self, node: NodeView):
+        self.node = node
         self.samples: collections.deque = collections.deque(maxlen=int(KEEP_S / SAMPLE_S))
         self._tokens: int | None = None  # the token count at the last sample
         self._at = time.time()
@@ -33,8 +34,7 @@ class History:
             self.sample()
 
     def sample(self) -> None:
-        head = getattr(self.daemon, "head", None)
-        engine = getattr(head, "engine", None)
+        engine = self.node.engine
         now = time.time()
         if engine is None:
             self._at = now

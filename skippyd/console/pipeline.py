@@ -12,11 +12,15 @@ import collections
 import logging
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import trio
 
 from skippyd.head.load_report import LoadReport, load_report
+from skippyd.ports import NodeView
+
+if TYPE_CHECKING:
+    from skippyd.head.node import HeadNode
 
 log = logging.getLogger("skippyd.console")
 
@@ -28,8 +32,8 @@ QUERY_TIMEOUT_S = 1.0
 class PipelineMonitor:
     """Polls the pipeline's load while :meth:`watching` is held, and describes it (:meth:`view`)."""
 
-    def __init__(self, daemon: Any):
-        self.daemon = daemon
+    def __init__(self, node: NodeView):
+        self.node = node
         self.report: LoadReport | None = None
         self.reported_at: float | None = None  # time.time() of the last report
         self._samples: dict[int, collections.deque] = {}  # stage → (clock_us, compute_us, batches) in the window
@@ -62,7 +66,7 @@ class PipelineMonitor:
             await trio.sleep(POLL_S)
 
     async def poll(self) -> None:
-        head = getattr(self.daemon, "head", None)
+        head = self.node.head
         if head is None:
             return
         try:
@@ -101,9 +105,8 @@ class PipelineMonitor:
 
     def view(self) -> dict:
         """The stages in order, each link between them, and the way predictions come back to the head."""
-        d = self.daemon
-        head = getattr(d, "head", None)
-        topology = getattr(d, "topology", None)
+        head = self.node.head
+        topology = self.node.topology
         report = self.report
         loads = {s.stage_index: s for s in report.stages} if report else {}
         specs = list(topology.stages) if topology is not None else []
@@ -121,7 +124,7 @@ class PipelineMonitor:
                 health, why = "down", report.failure or "no report"
             else:
                 health, why = "up", None
-            entry = {"index": spec.index, "address": getattr(spec, "address", None) or f"{spec.host}:{spec.port}",
+            entry = {"index": spec.index, "address": spec.address,
                      "layers": [spec.layer_start, spec.layer_end], "health": health, "error": why,
                      **self._window(spec.index)}
             if load is not None:
@@ -135,18 +138,18 @@ class PipelineMonitor:
             load = loads.get(a["index"])
             rtt = load.downstream_rtt_us / 1e3 if load is not None and b["health"] == "up" else None
             links.append({"from": a["index"], "to": b["index"], "rtt_ms": None if rtt is None else round(rtt, 3),
-                          "ms": None if rtt is None else round(rtt / 2, 3)})
+                          "ms": None if rtt is None else round(rtt / 2, 3), **_wire(self.node, a["index"])})
         return {"stages": stages, "links": links, "return_path": self._return_path(head, stages, links),
                 "failure": report.failure if report else None, "reported_at": self.reported_at,
                 "poll_s": POLL_S}
 
     @staticmethod
-    def _return_path(head: Any, stages: list[dict], links: list[dict]) -> dict | None:
+    def _return_path(head: HeadNode | None, stages: list[dict], links: list[dict]) -> dict | None:
         """How predictions reach the head: relayed back up every link, or (3+ stages) straight from the final
         stage. Its time is what the decode steps' network time (the head's measure of a step's round trip
         without the stages' compute) leaves once the forward halves of the links are taken out."""
-        engine = getattr(head, "engine", None)
-        if engine is None or getattr(head, "pool", None) is None:
+        engine = head.engine if head is not None else None
+        if engine is None or head.pool is None:
             return None
         token_return = engine.describe_token_return() or {}
         loop_us = engine.chunker.round_trip_us
@@ -159,6 +162,21 @@ class PipelineMonitor:
                 "loop_network_ms": round(loop_us / 1e3, 3) if loop_us > 0 else None,
                 "predictions_direct": token_return.get("direct", 0),
                 "predictions_relayed": token_return.get("relayed", 0)}
+
+
+def _wire(node: NodeView, index: int) -> dict:
+    """How the link from stage ``index`` carries activations (f32 or f16, runtime.activation_wire) and the rate
+    it measured when it opened (Mbit/s), where this daemon runs that stage; None where it does not."""
+    link = None
+    head = getattr(node, "head", None)
+    if index == 0 and head is not None and getattr(head, "pool", None) is not None:
+        link = head.pool.describe_link()
+    for stage in getattr(node, "stages", ()):
+        if stage.index == index:
+            link = stage.describe_link()
+    link = link or {}
+    return {"wire": link.get("wire"), "wire_mode": link.get("mode"), "rate_mbps": link.get("rate_mbps"),
+            "f16_below_mbps": link.get("threshold_mbps")}
 
 
 class _Spec:

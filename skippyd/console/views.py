@@ -7,14 +7,15 @@ numbers cannot spoil.
 from __future__ import annotations
 
 import time
-from typing import Any
+
+from skippyd.ports import NodeView
 
 ORIGINS = {"control": "CLI", "openai": "OpenAI"}
 
 
-def sessions(daemon: Any) -> list[dict]:
+def sessions(node: NodeView) -> list[dict]:
     """Every generation running on the head, oldest first."""
-    engine = _engine(daemon)
+    engine = node.engine
     if engine is None:
         return []
     out = []
@@ -33,19 +34,12 @@ def sessions(daemon: Any) -> list[dict]:
     return out
 
 
-def lanes(daemon: Any) -> dict:
+def lanes(node: NodeView) -> dict:
     """The head's lanes to stage 1 (none for a single stage) and whether they take new generations."""
-    head = getattr(daemon, "head", None)
-    pool = getattr(head, "pool", None)
+    pool = node.pool
     if pool is None:
-        return {"downstream": None, "draining": bool(getattr(daemon, "draining", False)), "capacity": 0,
-                "lanes": [], "last_error": None}
-    return {"downstream": pool.address, "draining": pool.draining or bool(getattr(daemon, "draining", False)),
+        return {"downstream": None, "draining": node.draining, "capacity": 0, "lanes": [], "last_error": None}
+    return {"downstream": pool.address, "draining": pool.draining or node.draining,
             "refusal": pool.refusal, "capacity": pool.capacity, "last_error": pool.last_error,
             "lanes": [{**lane, "session_id": None if lane["session_id"] is None else str(lane["session_id"]),
                        "state": str(lane["state"])} for lane in pool.describe()]}
-
-
-def _engine(daemon: Any):
-    head = getattr(daemon, "head", None)
-    return getattr(head, "engine", None)

@@ -41,6 +41,7 @@ from skippyd.head.cache_admin import CacheReportError, clear_local
 from skippyd.head.engine import GenerationError, GenerationRequest, ImageInput
 from skippyd.head.piece_relay import ClientStalled, PieceRelay
 from skippyd.listening import explain_bind_errors
+from skippyd.ports import DeploymentPort, NodeView
 from skippyd.sampling import InvalidSampling
 
 log = logging.getLogger("skippyd.control")
@@ -50,18 +51,16 @@ MESSAGE_TIMEOUT_S = DEFAULTS.control.message_timeout
 MESSAGE_BYTES = 1 << 20  # a request's largest JSON text, besides its images
 
 
-def max_message_bytes(daemon) -> int:
+def max_message_bytes(node: NodeView) -> int:
     """A head that takes images (or a daemon that waits for a deployment, which may make it one) takes a
     request carrying two images of the largest size it accepts (base64: 4 bytes for 3), or more smaller ones,
     besides its text; any other daemon a request's text alone. Only a client that presented the control token
     can send one."""
-    head = getattr(daemon, "head", None)
-    waiting = head is None and not getattr(daemon, "stages", None)
-    if not (waiting or getattr(head, "vision", None)):
+    head = node.head
+    waiting = head is None and not node.stages
+    if not (waiting or (head is not None and head.vision)):
         return MESSAGE_BYTES
-    config = getattr(daemon, "config", None)
-    image_bytes = (config.runtime.image_max_mb if config is not None else DEFAULTS.runtime.image_max_mb) << 20
-    return MESSAGE_BYTES + 2 * (4 * image_bytes // 3 + 4)
+    return MESSAGE_BYTES + 2 * (4 * (node.config.runtime.image_max_mb << 20) // 3 + 4)
 
 
 @attrs.define(eq=False)
@@ -112,13 +111,11 @@ def _remote(ws) -> str:
 
 
 class ControlServer:
-    def __init__(self, daemon, host: str, port: int, *, token_file: Path | None = None,
+    def __init__(self, node: NodeView, host: str, port: int, *, token_file: Path | None = None,
                  message_timeout: float | None = None):
-        self.daemon = daemon
-        if message_timeout is None:  # the daemon's setting (control.message_timeout), else the default
-            config = getattr(daemon, "config", None)
-            message_timeout = config.control.message_timeout if config is not None else MESSAGE_TIMEOUT_S
-        self.message_timeout = message_timeout
+        self.node = node
+        # the daemon's setting (control.message_timeout) unless told
+        self.message_timeout = node.config.control.message_timeout if message_timeout is None else message_timeout
         self.host, self.port = host, port
         self.token_file = token_file or default_token_file()
         self.token = load_or_create_token(self.token_file)
@@ -131,7 +128,7 @@ class ControlServer:
                                      "--control HOST:PORT (or --no-control)"):
                 server = await nursery.start(functools.partial(
                     serve_websocket, self._handle, self.host, self.port, None,
-                    max_message_size=max_message_bytes(self.daemon)))
+                    max_message_size=max_message_bytes(self.node)))
             self.port = server.port
             log.info("control channel on ws://%s:%d (token in %s)", self.host, self.port, self.token_file)
             task_status.started(self)
@@ -208,17 +205,18 @@ class ControlServer:
     # ---------------------------------------------------------------- operations
     @property
     def engine(self):
-        if self.daemon.head is None or self.daemon.head.engine is None:
+        engine = self.node.engine
+        if engine is None:
             raise _NotHead("this daemon runs no head (stage 0): send generation requests to the head")
-        return self.daemon.head.engine
+        return engine
 
     @property
     def pool(self):
         self.engine  # noqa: B018 - raises on a daemon without a head
-        return self.daemon.head.pool
+        return self.node.pool
 
     async def on_generate(self, req: m.Generate, send) -> None:
-        if self.daemon.draining:
+        if self.node.draining:
             raise GenerationError("the daemon is draining (shutting down): no new generations", retryable=True,
                                   status=503)
         try:
@@ -228,15 +226,13 @@ class ControlServer:
         greq = GenerationRequest(
             prompt=req.prompt, system=req.system, messages=tuple(req.messages), raw=req.raw,
             max_tokens=req.max_tokens, sampling=sampling, stop=tuple(req.stop), speculate=req.speculate,
-            images=_images(req.images))
+            ignore_eos=req.ignore_eos, images=_images(req.images))
 
         if req.stream:
             result = await self._generate_streamed(greq, req.id, send)
         else:
             result = await self.engine.generate(greq)
-        metrics = getattr(self.daemon, "metrics", None)
-        if metrics is not None:
-            metrics.record_generation(result, source="control")
+        self.node.metrics.record_generation(result, source="control")
         await send(m.Result(req.id, result.to_json()))
 
     async def _generate_streamed(self, greq: GenerationRequest, request_id: str, send: _Connection):
@@ -254,7 +250,7 @@ class ControlServer:
                 send.nursery.cancel_scope.cancel()
 
     async def on_sessions_list(self, req: m.SessionsList, send) -> None:
-        if self.daemon.head is None or self.daemon.head.engine is None:
+        if self.node.engine is None:
             await send(m.Data(req.id, self._stage_sessions()))
             return
         await send(m.Data(req.id, [self._describe(g) for g in self.engine.live.values()]))
@@ -262,7 +258,7 @@ class ControlServer:
     def _describe(self, live) -> dict:
         """A head session, with its sequence on every stage this daemon also runs (--stage all)."""
         d = live.describe()
-        for stage in self.daemon.stages:
+        for stage in self.node.stages:
             held = next((s for s in stage.sessions.snapshot()["sessions"] if s["session_id"] == live.session_id),
                         None)
             d["stages"][str(stage.index)] = {"seq": held["seq"], "position": held["position"]} if held else None
@@ -271,7 +267,7 @@ class ControlServer:
     def _stage_sessions(self) -> list[dict]:
         """Sessions held by this daemon's stages (a daemon without the head)."""
         out = []
-        for stage in sorted(self.daemon.stages, key=lambda s: s.index):
+        for stage in sorted(self.node.stages, key=lambda s: s.index):
             for s in stage.sessions.snapshot()["sessions"]:
                 out.append({"session_id": s["session_id"], "request_id": s["request_id"], "state": s["state"],
                             "prompt_tokens": None, "generated": s["generated"], "position": s["position"],
@@ -286,7 +282,7 @@ class ControlServer:
         return live
 
     async def on_session_show(self, req: m.SessionShow, send) -> None:
-        if self.daemon.head is None or self.daemon.head.engine is None:
+        if self.node.engine is None:
             found = [s for s in self._stage_sessions() if s["session_id"] == req.session_id]
             if not found:
                 raise _NotFound(f"unknown session {req.session_id} (finished, or never started here)")
@@ -313,7 +309,7 @@ class ControlServer:
     def _lanes(self) -> dict:
         pool = self.pool
         if pool is None:
-            return {"draining": self.daemon.draining, "downstream": None, "lanes": []}
+            return {"draining": self.node.draining, "downstream": None, "lanes": []}
         return {"draining": pool.draining, "downstream": pool.address, "capacity": pool.capacity,
                 "lanes": pool.describe(), "last_error": pool.last_error}
 
@@ -333,11 +329,11 @@ class ControlServer:
 
     async def _cache_stats(self, clear: bool = False, disk: bool = False) -> list:
         """Every stage's CacheStats: the whole pipeline's through the head, else this daemon's own stages."""
-        head = self.daemon.head
+        head = self.node.head
         if head is not None:
             return await head.cache_report(clear=clear, disk=disk)
         out = []
-        for stage in sorted(self.daemon.stages, key=lambda s: s.index):
+        for stage in sorted(self.node.stages, key=lambda s: s.index):
             if clear:
                 clear_local(stage.core.prefix_cache, stage.index, disk)
             out.append(stage.core.prefix_cache.stats())
@@ -365,12 +361,12 @@ class ControlServer:
         await send(m.Data(req.id, out))
 
     async def on_status(self, req: m.Status, send) -> None:
-        await send(m.Data(req.id, await self.daemon.status()))
+        await send(m.Data(req.id, await self.node.status()))
 
     # ---------------------------------------------------------------- deployment (skippyd.deploy)
     @property
-    def assignment(self):
-        assignment = getattr(self.daemon, "assignment", None)
+    def assignment(self) -> DeploymentPort:
+        assignment = self.node.deployment
         if assignment is None:
             raise m.RequestFailed("this daemon takes no deployments (it runs without a slices directory)")
         return assignment
@@ -399,7 +395,7 @@ class ControlServer:
         await send(m.Data(req.id, await self.assignment.calibrate(req.sha256, req.fresh)))
 
     async def on_stage_assign(self, req: m.StageAssign, send) -> None:
-        if self.daemon.draining:
+        if self.node.draining:
             raise m.RequestFailed("the daemon is draining (shutting down)", "unavailable", retryable=True)
         await send(m.Data(req.id, await self.assignment.assign(req.topology, req.stage)))
 

@@ -2,36 +2,52 @@
 
 A daemon started with neither a topology nor a model waits: its control
 channel answers ``host`` (what it offers), receives slices, times a
-calibration slice, and takes ``stage_assign``. :class:`Assignment` then runs
-that stage exactly as ``skippyd --topology … --stage K`` would (the same
-StageServer or HeadNode, its settings made by the same planning code) in a
-cancel scope of its own; ``stage_release`` (or the next assignment) cancels
-it, which releases every session through the same cleanup path as a drain's
-end, and the daemon goes back to waiting. A stage that fails after it started
-is logged and dropped; the daemon keeps serving its control channel.
+calibration slice, and takes ``stage_assign``. :class:`Assignment` then has
+the node (skippyd/node.py) run that stage exactly as ``skippyd --topology …
+--stage K`` would: the same :meth:`~skippyd.node.Node.start`, its settings made
+by the same planning code, the head's OpenAI API with the daemon's API key and
+metrics access. ``stage_release`` (or the next assignment) has the node
+release it, which releases every session through the same cleanup path as a
+drain's end, and the daemon goes back to waiting. A stage that fails after it
+started is logged and dropped; the daemon keeps serving its control channel.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 import trio
 
-from skippyd.config import parse_hostport
+from skippyd.config import Config
 from skippyd.control.messages import RequestFailed
 from skippyd.deploy.calibrate import calibrate
 from skippyd.deploy.resources import anon_rss, host_report
 from skippyd.deploy.slices import SliceStore, SliceStoreError
-from skippyd.deploy.supervisor import Supervisor
-from skippyd.plan import head_options, stage_config, stages_on_this_host
+from skippyd.deploy.supervisor import SupervisedNode, Supervisor
+from skippyd.plan import Plan
 from skippyd.stage.threads import usable_cores
 from skippyd.topology import Topology, TopologyError
 
 log = logging.getLogger("skippyd.deploy")
 
 TOPOLOGY_NAME = "deployed-topology.toml"
-KILL_WAIT_S = 5.0  # a released head's generations get this long to end through their cleanup
+RELEASED = "the deployment running this generation was released (skippyctl undeploy, or a new deploy)"
+
+
+class StagePort(SupervisedNode, Protocol):
+    """What an assignment needs of its node: its settings, and the one way to start and release a stage."""
+
+    @property
+    def config(self) -> Config: ...
+
+    def plan_stage(self, topology: Topology, index: int) -> Plan: ...
+
+    async def start(self, plan: Plan, *, on_stop: Callable[[str | None], None] | None = None) -> None: ...
+
+    async def release(self, why: str) -> bool: ...
 
 
 class AssignError(RequestFailed):
@@ -39,19 +55,16 @@ class AssignError(RequestFailed):
 
 
 class Assignment:
-    """Runs the stage assigned to this daemon (at most one at a time) in the daemon's nursery."""
+    """Has the node run the stage assigned to this daemon (at most one at a time); supervises from `nursery`."""
 
-    def __init__(self, daemon, slices: SliceStore, *, accepts_stages: bool = True):
-        self.daemon = daemon
+    def __init__(self, node: StagePort, slices: SliceStore, nursery: trio.Nursery, *, accepts_stages: bool = True):
+        self.node = node
         self.slices = slices
         self.accepts_stages = accepts_stages  # False: the daemon runs what its command line gave it
-        self.nursery: trio.Nursery | None = None
+        self.nursery = nursery
         self.index: int | None = None
-        self.topology: Topology | None = None
         self.since: float | None = None
         self.failure: str | None = None  # why the last assigned stage stopped on its own
-        self._scope: trio.CancelScope | None = None
-        self._done: trio.Event | None = None
         self._lock = trio.Lock()  # one assignment or release at a time
         self._calibrations: dict[str, dict] = {}  # slice sha256 → its timing here
         self._text: str | None = None  # the running assignment's topology, as sent
@@ -60,7 +73,7 @@ class Assignment:
 
     # ---------------------------------------------------------------- what the host offers
     def host(self) -> dict:
-        runtime = self.daemon.config.runtime
+        runtime = self.node.config.runtime
         held = max(0, anon_rss() - self._baseline_rss) if self.index is not None else 0
         report = host_report(runtime.memory_limit_mb, self.slices, held)
         report.update(assigned=self.describe(), accepts_stages=self.accepts_stages, ctx=runtime.ctx,
@@ -76,14 +89,19 @@ class Assignment:
             raise SliceStoreError(f"slice {sha256[:12]} is not held here: send it first", "not_found")
         if not fresh and sha256 in self._calibrations:
             return {**self._calibrations[sha256], "remembered": True}
-        threads = self.daemon.config.runtime.threads or usable_cores()
+        threads = self.node.config.runtime.threads or usable_cores()
         async with self._lock:  # not while a stage loads here (it would time the load, not the host)
             result = await trio.to_thread.run_sync(calibrate, path, threads)
         self._calibrations[sha256] = result
         return {**result, "remembered": False}
 
+    @property
+    def topology(self) -> Topology | None:
+        """The running assignment's topology, as the node serves it now (a supervisor's re-plan moves it)."""
+        return self.node.topology if self.index is not None else None
+
     def describe(self) -> dict | None:
-        if self.index is None:
+        if self.index is None or self.topology is None:
             return None
         spec = self.topology.stage(self.index)
         return {"stage": self.index, "stages": len(self.topology.stages), "model": self.topology.model_name,
@@ -120,8 +138,11 @@ class Assignment:
         if spec.plan_hosts()[0] not in {h.name for h in spec.hosts}:
             raise AssignError("the plan's head is not among the hosts")
         model = await trio.to_thread.run_sync(self._model_copy, spec.model_sha256, spec.model_name)
+        try:
+            supervisor = Supervisor(self.node, spec, model, self.node.config.deploy.rejoin_grace_s)
+        except ValueError as exc:
+            raise AssignError(str(exc)) from None
         await self._end_supervision()
-        supervisor = Supervisor(self.daemon, spec, model, self.daemon.config.deploy.rejoin_grace_s)
         await self.nursery.start(supervisor.run)
         self.supervisor = supervisor
         return supervisor.describe()
@@ -190,91 +211,30 @@ class Assignment:
         return Topology.load(path)
 
     async def _start(self, topology: Topology, index: int) -> None:
-        from skippyd.head.node import HeadNode
-        from skippyd.stage.server import StageServer
-
-        daemon, config = self.daemon, self.daemon.config
-        machines = daemon.machines
-        n_local = stages_on_this_host(topology, index, machines)
-        groups = config.runtime.decode_groups or machines.count([s.host for s in topology.stages])
-        cfg = stage_config(config, n_local, groups, daemon.link_auth)
-        if index == 0:
-            runner = HeadNode(cfg, topology=topology, **head_options(config).kwargs())
-        else:
-            runner = StageServer(topology, index, cfg)
-        scope, done = trio.CancelScope(), trio.Event()
         spec = topology.stage(index)
         log.info("deploy: starting stage %d of %s (layers %d-%d)", index, topology.model_name, spec.layer_start,
                  spec.layer_end)
         try:
-            await self.nursery.start(self._run, runner, scope, done, index)
+            await self.node.start(self.node.plan_stage(topology, index), on_stop=self._stopped)
         except Exception as exc:
             raise AssignError(f"stage {index} did not start: {_why(exc)}", "failed") from None
-        self._scope, self._done = scope, done
-        self.topology, self.index, self.since, self.failure = topology, index, time.time(), None
-        daemon.topology = topology
-        if index == 0:
-            daemon.head = runner
-        else:
-            daemon.stages.append(runner)
+        self.index, self.since, self.failure = index, time.time(), None
 
-    async def _run(self, runner, scope: trio.CancelScope, done: trio.Event, index: int,
-                   task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """The stage (and, on the head, the OpenAI API if the daemon serves it) until cancelled or failed."""
-        config = self.daemon.config
-        started = False
-        try:
-            with scope:
-                async with trio.open_nursery() as inner:
-                    await inner.start(runner.run)
-                    if index == 0 and config.openai.listen:
-                        from skippyd.openai.server import OpenAIServer
-
-                        self.daemon.head = runner  # the API reads the head from the daemon
-                        self.daemon.openai = await inner.start(OpenAIServer(
-                            self.daemon, *parse_hostport(config.openai.listen), model_id=config.openai.model_id).run)
-                    started = True
-                    task_status.started()
-        except Exception as exc:
-            if not started:
-                if self.daemon.head is runner:
-                    self.daemon.head = None
-                raise
-            log.error("deploy: stage %d stopped: %s; waiting for a new assignment", index, exc)
-            self.failure = f"stage {index} stopped: {exc}"
-        finally:
-            if started:
-                self._forget(runner)
-            done.set()
-
-    def _forget(self, runner) -> None:
+    def _stopped(self, why: str | None) -> None:
+        """The node's stages ended: released (`why` None), or failed on their own."""
         self._stop_supervisor()
-        daemon = self.daemon
-        if daemon.head is runner:
-            daemon.head = None
-            daemon.openai = None
-        if runner in daemon.stages:
-            daemon.stages.remove(runner)
-        if not daemon.stages and daemon.head is None:
-            daemon.topology = None
-        self.index = self.topology = self.since = None
-        self._scope = self._text = None
+        if why is not None:
+            log.error("deploy: stage %d stopped: %s; waiting for a new assignment", self.index, why)
+            self.failure = f"stage {self.index} stopped: {why}"
+        self.index = self.since = self._text = None
 
     async def _release(self) -> None:
         await self._end_supervision()
-        if self._scope is None:
+        if self.index is None:
             return
         log.info("deploy: releasing stage %d", self.index)
-        engine = self.daemon.head.engine if self.daemon.head is not None else None
-        if engine is not None:  # the head's generations end first, each client told why, through their cleanup
-            for session_id in list(engine.live):
-                engine.kill(session_id, "the deployment running this generation was released (skippyctl "
-                                        "undeploy, or a new deploy)")
-            with trio.move_on_after(KILL_WAIT_S):
-                while engine.live:
-                    await trio.sleep(0.02)
-        self._scope.cancel()
-        await self._done.wait()
+        # the head's generations end first, each client told why, through their cleanup
+        await self.node.release(RELEASED)
 
 
 def _why(exc: BaseException) -> str:

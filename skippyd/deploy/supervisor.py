@@ -36,20 +36,23 @@ back no sooner than ``REFUSED_BACKOFF_S`` later.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 import trio
 
 from skippyd.control import messages as m
+from skippyd.deploy import transfer
 from skippyd.deploy.planner import DeployPlan, HostInfo, PlanError, PlanRefused, model_shape, plan_tail
 from skippyd.deploy.remote import RemoteError, call, send_slice
 from skippyd.head.availability import RECOVERING, SERVING, SHORT
+from skippyd.head.engine import HeadEngine
 from skippyd.head.states import GenerationState
-from skippyd.runtime.slicing import split_model, write_middle_slice
-from skippyd.stage.access import UpstreamAllow
 from skippyd.topology import Topology, format_address, parse_address
 
 log = logging.getLogger("skippyd.deploy")
@@ -61,15 +64,58 @@ RECOVER_BUDGET_S = 120.0  # a re-plan (cut, ship, start) gets this long on top o
 SWITCH_GAIN = 0.10  # a plan this much faster (by the planner's estimate) is worth a switch
 DRAIN_S = 30.0  # a switch waits this long for running generations to end; the rest are replayed
 ASSIGN_TIMEOUT_S = 120.0
-CALIBRATION_LAYERS = 4
 
-IN_PLAN, WAITING, UNREACHABLE, DROPPED = "in plan", "waiting", "unreachable", "dropped"
-LOST_DURING_TRANSFER, LOST_DURING_SWITCH = "lost_during_transfer", "lost_during_switch"
+
+
+class HostPhase(enum.StrEnum):
+    """Where a host stands in the deployment (status shows the value)."""
+
+    IN_PLAN = "in plan"  # runs a stage of the plan served
+    WAITING = "waiting"  # answers, runs none: planned with at the next change
+    UNREACHABLE = "unreachable"  # of the plan, silent within its grace
+    DROPPED = "dropped"  # silent past its grace, lost during a change, or refusing the token
+
+
+class Step(enum.StrEnum):
+    """The step a change is at (status: supervised.change.step)."""
+
+    DRAINING = "draining"  # a switch waits for running generations at a request boundary
+    CUTTING = "cutting"
+    SHIPPING = "shipping"
+    STARTING = "starting"
+
+
+class Cause(enum.StrEnum):
+    """Why the deployment moved to a new plan (skippy_deploy_replans_total's cause)."""
+
+    DROPPED = "dropped"
+    RETURNED = "returned"
+    ADDED = "added"
+    RESTARTED = "restarted"
+    LOST_DURING_TRANSFER = "lost_during_transfer"
+    LOST_DURING_SWITCH = "lost_during_switch"
+
+
+IN_PLAN, WAITING, UNREACHABLE, DROPPED = HostPhase
 RELEASE_TIMEOUT_S = 10.0  # an abandoned change's stages are released within this (a host that does not answer
 # is left as it is: the next plan assigns or releases it)
 
 
 REFUSED_BACKOFF_S = 60.0  # a host that answered a change with an error is taken back no sooner than this
+
+
+class SupervisedNode(Protocol):
+    """What the supervisor reads of the head's node, and the only ways it moves it (skippyd/node.py)."""
+
+    @property
+    def engine(self) -> HeadEngine | None: ...
+
+    @property
+    def topology(self) -> Topology | None: ...
+
+    async def retarget(self, topology: Topology) -> None: ...
+
+    def take_token_return_from(self, topology: Topology) -> Callable[[], None]: ...
 
 
 class HostLost(Exception):
@@ -88,7 +134,7 @@ class HostState:
     ms_per_layer: float | None  # None: not timed yet (added, not calibrated)
     memory_bytes: int = 0
     prefix_cache_bytes: int = 0  # its prefix cache's budget, which its stage needs beside the slice
-    state: str = WAITING
+    state: HostPhase = WAITING
     since: float = attrs.field(factory=time.time)  # when it entered its state (wall clock)
     reason: str | None = None  # why it is unreachable or dropped
     failing_since: float | None = None  # trio time of the first unanswered probe in a row
@@ -101,22 +147,71 @@ class HostState:
     def host(self) -> str:
         return parse_address(self.name)[0]
 
-    def move(self, state: str, reason: str | None = None) -> None:
+    def move(self, state: HostPhase, reason: str | None = None) -> None:
         if state != self.state:
             self.since = time.time()
         self.state, self.reason = state, reason
 
     def describe(self) -> dict:
-        return {"name": self.name, "state": self.state, "since": round(self.since, 3), "reason": self.reason,
+        return {"name": self.name, "state": str(self.state), "since": round(self.since, 3), "reason": self.reason,
                 "memory_bytes": self.memory_bytes, "ms_per_layer": self.ms_per_layer}
+
+
+@attrs.frozen
+class ServedPlan:
+    """The plan the deployment serves: its hosts in pipeline order (the head's first), where the head's layers
+    end, one token's expected time, and its form in status (as deploy sent it, or as the switch to it made it)."""
+
+    hosts: tuple[str, ...]
+    head_end: int
+    ms_per_token: float
+    shown: dict = attrs.field(eq=False, repr=False)
+
+    @classmethod
+    def deployed(cls, data: dict) -> ServedPlan:
+        """The plan deploy sent (`skippyctl plan --json`'s form); ValueError if it is not one."""
+        try:
+            stages = data["stages"]
+            return cls(tuple(s["host"] for s in stages), int(stages[0]["layers"][1]), float(data["ms_per_token"]),
+                       data)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ValueError(f"the plan is not one `skippyctl plan --json` prints (no {exc})") from None
+
+    @classmethod
+    def switched(cls, plan: DeployPlan) -> ServedPlan:
+        return cls(tuple(plan.hosts), plan.ranges[0][1], plan.ms_per_token,
+                   {**plan.as_dict(), "ranges": plan.ranges})
+
+    @property
+    def tail(self) -> tuple[str, ...]:
+        """The hosts of the stages after the head."""
+        return self.hosts[1:]
+
+    def as_dict(self) -> dict:
+        return self.shown
+
+
+@attrs.define
+class Change:
+    """The change under way (status: supervised.change)."""
+
+    step: Step
+    cause: str
+    hosts: list[str]
+    shipping: list[str] = attrs.field(factory=list)  # the hosts being sent a slice
+    since: float = attrs.field(factory=lambda: round(time.time(), 3))
+
+    def describe(self) -> dict:
+        return {"step": str(self.step), "cause": self.cause, "hosts": list(self.hosts),
+                "shipping": list(self.shipping), "since": self.since}
 
 
 class Supervisor:
     """Runs in the head daemon's nursery while its deployment lasts (a new `supervise`, or the head's release,
     ends it)."""
 
-    def __init__(self, daemon, spec: m.Supervise, model: Path, grace_s: float):
-        self.daemon = daemon
+    def __init__(self, node: SupervisedNode, spec: m.Supervise, model: Path, grace_s: float):
+        self.node = node
         self.spec = spec
         self.model = model  # the copy in this host's slice store, under the name deploy gave it
         self.grace_s = grace_s
@@ -128,14 +223,13 @@ class Supervisor:
             self.hosts[name].move(IN_PLAN)
         self.added: set[str] = set()  # hosts offered with `deploy --add`: a switch to them must be worth it
         self.generation = 1
-        self.plan: dict = spec.plan
+        self.plan = ServedPlan.deployed(spec.plan)
         self.shape = None
-        self.replans = {"dropped": 0, "returned": 0, "added": 0, "restarted": 0, LOST_DURING_TRANSFER: 0,
-                        LOST_DURING_SWITCH: 0}
+        self.replans = dict.fromkeys(Cause, 0)
         self.last_change: dict | None = None
-        self.change: dict | None = None  # the change under way (its step, cause, hosts), for status
+        self.change: Change | None = None  # the change under way, for status
         self._started: list[str] = []  # the hosts the change under way has started a stage on
-        self._broken: tuple[str, str, float] | None = None  # (kind, cause, start) of a change abandoned: plan again
+        self._broken: tuple[Cause, str, float] | None = None  # (kind, cause, start) of a change abandoned: plan again
         self._wake = trio.Event()
         self.running = False  # started, not yet stopped
         self.done = trio.Event()
@@ -143,21 +237,22 @@ class Supervisor:
         self._changing = False  # the stages are moving: what a host reports meanwhile is not news
         self._epoch = 0  # one more at each change of plan: a probe asked before it says nothing of the new one
         self._nursery: trio.Nursery | None = None
+        self._undo_token_return: Callable[[], None] | None = None  # puts the head's token-return rule back
         self.scope = trio.CancelScope()
 
     # ---------------------------------------------------------------- status
     def describe(self) -> dict:
         engine = self._engine()
         availability = engine.availability if engine is not None else None
-        return {"generation": self.generation, "plan": self.plan,
+        return {"generation": self.generation, "plan": self.plan.as_dict(),
                 "state": availability.state if availability is not None else None,
                 "why": availability.why if availability is not None else None,
                 "rejoin_grace_s": self.grace_s, "hosts": [h.describe() for h in self.hosts.values()],
-                "replans": dict(self.replans), "last_change": self.last_change, "change": self.change}
+                "replans": {str(cause): n for cause, n in self.replans.items()}, "last_change": self.last_change,
+                "change": self.change.describe() if self.change is not None else None}
 
-    def _engine(self):
-        head = self.daemon.head
-        return head.engine if head is not None else None
+    def _engine(self) -> HeadEngine | None:
+        return self.node.engine
 
     # ---------------------------------------------------------------- the tasks
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -260,7 +355,7 @@ class Supervisor:
             self._wake.set()
 
     def _in_plan(self, host: HostState) -> bool:
-        return host.name in [s["host"] for s in self.plan["stages"]]
+        return host.name in self.plan.hosts
 
     def _runs_its_stage(self, host: HostState) -> bool:
         """False once the host answers running nothing (it restarted). A host running another stage than
@@ -299,10 +394,9 @@ class Supervisor:
                     h.move(DROPPED, h.reason)
             await self._replan(cause, kind, switch=False, started=started)
             return
-        plan_hosts = [s["host"] for s in self.plan["stages"]]
-        lost = [self.hosts[n] for n in plan_hosts[1:] if self.hosts[n].state == DROPPED
+        lost = [self.hosts[n] for n in self.plan.tail if self.hosts[n].state == DROPPED
                 or (self.hosts[n].state == IN_PLAN and not self._runs_its_stage(self.hosts[n]))]
-        if any(self.hosts[n].state == UNREACHABLE for n in plan_hosts[1:]):
+        if any(self.hosts[n].state == UNREACHABLE for n in self.plan.tail):
             return  # within its grace: no plan yet
         engine = self._engine()
         short = engine is not None and engine.availability.state == SHORT
@@ -316,8 +410,8 @@ class Supervisor:
                     h.move(WAITING, "it restarted (it ran no stage)")
             cause = (f"{', '.join(h.name for h in lost)} dropped ({'; '.join(h.reason or '' for h in lost)})"
                      if lost else f"{', '.join(h.name for h in returned) or 'a host'} back")
-            kind = "restarted" if lost and all(h.state == WAITING for h in lost) else \
-                "dropped" if lost else "returned"
+            kind = Cause.RESTARTED if lost and all(h.state == WAITING for h in lost) else \
+                Cause.DROPPED if lost else Cause.RETURNED
             await self._replan(cause, kind, switch=False)
         elif returned:
             await self._consider(returned)
@@ -328,7 +422,7 @@ class Supervisor:
 
     def _plan_over(self, hosts: list[HostState]) -> DeployPlan:
         head = self.hosts[self.head_name]
-        head_end = self.plan["stages"][0]["layers"][1]
+        head_end = self.plan.head_end
         stages = self.spec.stages - 1 if self.spec.stages else None
         tail = [HostInfo(h.name, h.memory_bytes, h.ms_per_layer, prefix_cache_bytes=h.prefix_cache_bytes)
                 for h in hosts]
@@ -336,7 +430,7 @@ class Supervisor:
                          head_end, tail,
                          ctx=self.spec.ctx, lanes=self.spec.lanes, stages=stages, hop_ms=self.spec.hop_ms)
 
-    async def _replan(self, cause: str, kind: str, *, switch: bool, started: float | None = None) -> None:
+    async def _replan(self, cause: str, kind: Cause, *, switch: bool, started: float | None = None) -> None:
         started = trio.current_time() if started is None else started
         candidates = self._candidates()
         over = frozenset((h.name, h.memory_bytes >> 26) for h in candidates)  # memory to 64 MiB: it moves
@@ -360,31 +454,29 @@ class Supervisor:
         except PlanError:
             return
         restores = [h for h in returned if h.name in plan.hosts and h.name not in self.added]
-        faster = plan.ms_per_token <= (1 - SWITCH_GAIN) * self.plan["ms_per_token"]
+        faster = plan.ms_per_token <= (1 - SWITCH_GAIN) * self.plan.ms_per_token
         for h in returned:
             h.returned = False
         if not (restores or faster):
             log.info("deploy: %s answers; the plan over it is not %.0f%% faster (%.2f against %.2f ms per token): "
                      "kept", ", ".join(h.name for h in returned), SWITCH_GAIN * 100, plan.ms_per_token,
-                     self.plan["ms_per_token"])
+                     self.plan.ms_per_token)
             return
         cause = (f"{', '.join(h.name for h in restores)} back" if restores else
                  f"{', '.join(h.name for h in returned)} joined: {plan.ms_per_token:.2f} ms per token against "
-                 f"{self.plan['ms_per_token']:.2f}")
-        await self._apply(plan, cause, "returned" if restores else "added", trio.current_time(), drain=True)
+                 f"{self.plan.ms_per_token:.2f}")
+        await self._apply(plan, cause, Cause.RETURNED if restores else Cause.ADDED, trio.current_time(), drain=True)
 
-    async def _apply(self, plan: DeployPlan, cause: str, kind: str, started: float, *, drain: bool) -> None:
+    async def _apply(self, plan: DeployPlan, cause: str, kind: Cause, started: float, *, drain: bool) -> None:
         self._epoch += 1
         self._started = []
-        head = self.daemon.head
-        allow = head.hub.allow if head.hub is not None else None
-        self.change = {"step": "draining" if drain else "cutting", "cause": cause,
-                       "hosts": list(plan.hosts), "shipping": [], "since": round(time.time(), 3)}
+        self._undo_token_return = None
+        self.change = Change(Step.DRAINING if drain else Step.CUTTING, cause, list(plan.hosts))
         try:
             await self._guarded(plan, drain, lambda: self._switch(plan, cause, kind, started, drain=drain))
         except HostLost as exc:
-            if head.hub is not None:
-                head.hub.allow = allow
+            if self._undo_token_return is not None:
+                self._undo_token_return()
             await self._abandon(exc, plan, cause, started, drain=drain)
         finally:
             self._changing = False
@@ -397,7 +489,7 @@ class Supervisor:
         does. It needs the new plan's hosts, and while draining those of the plan that serves."""
         watched = set(plan.hosts[1:])
         if drain:
-            watched |= {s["host"] for s in self.plan["stages"][1:] if self.hosts[s["host"]].state == IN_PLAN}
+            watched |= {name for name in self.plan.tail if self.hosts[name].state == IN_PLAN}
         lost: list[HostLost] = []
 
         async def watch(scope: trio.CancelScope) -> None:
@@ -424,8 +516,8 @@ class Supervisor:
     async def _abandon(self, exc: HostLost, plan: DeployPlan, cause: str, started: float, *, drain: bool) -> None:
         """A host was lost mid-change: drop it, release what the change started, and serve on the old plan when
         the change touched none of its stages, else plan again at once (the next round of decisions)."""
-        kind = LOST_DURING_SWITCH if drain else LOST_DURING_TRANSFER
-        step = self.change["step"] if self.change else "change"
+        kind = Cause.LOST_DURING_SWITCH if drain else Cause.LOST_DURING_TRANSFER
+        step = self.change.step if self.change else "change"
         lost = self.hosts[exc.host]
         lost.move(DROPPED, f"lost while {step} ({exc.why})")
         lost.returned = False
@@ -449,7 +541,7 @@ class Supervisor:
                     nursery.start_soon(release, self.hosts[name])
         took = trio.current_time() - started
         what = f"{lost.name} lost while {step} ({exc.why})"
-        old = [self.hosts[s["host"]] for s in self.plan["stages"][1:]]
+        old = [self.hosts[name] for name in self.plan.tail]
         if drain and not started_on and all(h.state == IN_PLAN and self._runs_its_stage(h) for h in old):
             self.replans[kind] += 1
             self.last_change = {"generation": self.generation, "cause": f"{what}; switch abandoned ({cause})",
@@ -464,16 +556,16 @@ class Supervisor:
                     "that answer", what, ", ".join(plan.hosts), cause, took)
         self._wake.set()
 
-    async def _switch(self, plan: DeployPlan, cause: str, kind: str, started: float, *, drain: bool) -> None:
+    async def _switch(self, plan: DeployPlan, cause: str, kind: Cause, started: float, *, drain: bool) -> None:
         engine = self._engine()
         if drain:  # a request boundary: new generations wait, running ones finish (or are replayed after)
             self._set(RECOVERING, f"switching: {cause}")
             with trio.move_on_after(DRAIN_S):
                 while any(live.state != GenerationState.QUEUED for live in list(engine.live.values())):
                     await trio.sleep(0.05)
-        self.change["step"] = "cutting"
+        self.change.step = Step.CUTTING
         topology, files = await trio.to_thread.run_sync(self._cut, plan)
-        self.change["step"] = "shipping"
+        self.change.step = Step.SHIPPING
         shipped = 0
         failed: list[HostLost] = []
 
@@ -483,7 +575,7 @@ class Supervisor:
             spec = topology.stage(k)
             try:
                 shipped += await send_slice(host.url, host.name, self.token, files[k], spec.sha256,
-                                            on_start=lambda: self.change["shipping"].append(host.name))
+                                            on_start=lambda: self.change.shipping.append(host.name))
             except RemoteError as exc:
                 failed.append(HostLost(host.name, str(exc), exc.code))
                 scope.cancel()
@@ -493,12 +585,11 @@ class Supervisor:
                 nursery.start_soon(ship, k, nursery.cancel_scope)
         if failed:
             raise failed[0]
-        self.change["step"] = "starting"
+        self.change.step = Step.STARTING
         self._changing = True
-        text = _wire(topology)
-        head = self.daemon.head
-        if head.hub is not None and len(topology.stages) >= 3:  # the new final stage returns tokens from its host
-            head.hub.allow = UpstreamAllow.for_stage(topology, 0, head.config.upstream_allow)
+        text = transfer.wire_topology(topology)
+        # the new final stage returns tokens from its host
+        self._undo_token_return = self.node.take_token_return_from(topology)
         for k in reversed(range(1, len(plan.stages))):
             host = self.hosts[plan.stages[k].host]
             self._started.append(host.name)  # (a failed assignment may leave a stage half started)
@@ -521,12 +612,12 @@ class Supervisor:
                 h.move(IN_PLAN if h.name in placed else WAITING)
                 if h.name in placed:  # (one back while the change ran and left out: considered next)
                     h.returned = False
-        await self._point_head(topology, text)
-        self.plan = {**plan.as_dict(), "ranges": plan.ranges}
+        await self.node.retarget(topology)  # the head's lanes and watch to the new stage 1
+        self.plan = ServedPlan.switched(plan)
         self.generation += 1
         self._set(SERVING)
         took = trio.current_time() - started
-        self.replans[kind] = self.replans.get(kind, 0) + 1
+        self.replans[kind] += 1
         self.last_change = {"generation": self.generation, "cause": cause, "took_s": round(took, 2),
                             "bytes_shipped": shipped, "at": round(time.time(), 3)}
         log.info("deploy: generation %d: %s; now %s (%s shipped); serving after %.2f s", self.generation, cause,
@@ -534,52 +625,18 @@ class Supervisor:
                  f"{shipped / (1 << 20):.1f} MiB" if shipped else "nothing", took)
 
     def _cut(self, plan: DeployPlan) -> tuple[Topology, list[Path]]:
-        """The plan's stage files, cut from the model copy once per ranges (kept beside it)."""
+        """The plan's stage files, cut from the model copy once per ranges (kept beside it); the topology's head
+        the one serving now."""
         addresses = [format_address(self.hosts[s.host].host, self.spec.stage_port + s.index) for s in plan.stages]
-        key = "_".join(f"{a}-{b}" for a, b in plan.ranges)
-        folder = self.model.parent / "cuts" / key
-        try:
-            cached = Topology.load(folder / "topology.toml")
-            if cached.ranges == plan.ranges and all(s.file.exists() for s in cached.stages):
-                topology = cached
-            else:
-                raise FileNotFoundError
-        except (OSError, ValueError):
-            topology = split_model(self.model, plan.ranges, folder, hosts=addresses)
+        topology = transfer.cut_slices(self.model, plan.ranges, self.model.parent / "cuts", addresses)
         files = [s.file for s in topology.stages]
-        stages = [attrs.evolve(s, host=host, port=port)
-                  for s, (host, port) in zip(topology.stages, map(parse_address, addresses))]
-        head = self.daemon.topology.stage(0) if self.daemon.topology is not None else stages[0]
-        return attrs.evolve(topology, stages=[head, *stages[1:]]), files
-
-    async def _point_head(self, topology: Topology, text: str) -> None:
-        """The head's lanes and liveness watch go to the new stage 1; status shows the new topology."""
-        head = self.daemon.head
-        s1 = topology.stage(1)
-        if head.pool is not None:
-            await head.pool.retarget(s1.host, s1.port)
-        if head.watch is not None:
-            await head.watch.retarget(s1.host, s1.port)
-        head.topology = topology
-        self.daemon.topology = topology
-        assignment = self.daemon.assignment
-        if assignment is not None and assignment.index == 0:
-            assignment.topology = topology
-        with trio.move_on_after(30):
-            while not (head.watch is None or await head.watch.check()):
-                await trio.sleep(0.1)
+        head = self.node.topology.stage(0) if self.node.topology is not None else topology.stages[0]
+        return attrs.evolve(topology, stages=[head, *topology.stages[1:]]), files
 
     async def _calibrate(self, host: HostState) -> None:
         """Time a host that joined on a few of the model's layers (as deploy does)."""
-        n = self.shape.n_layer
-        start, end = 1, min(n - 1, 1 + CALIBRATION_LAYERS)
-        path = self.model.parent / "cuts" / f"calibration-{start}-{end}.gguf"
-        record = path.with_suffix(".sha256")
-        if not record.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            sha = await trio.to_thread.run_sync(write_middle_slice, self.model, start, end, path)
-            record.write_text(sha + "\n")
-        sha = record.read_text().strip()
+        path, sha = await trio.to_thread.run_sync(transfer.calibration_slice, self.model, self.shape.n_layer,
+                                                  self.model.parent / "cuts")
         try:
             await send_slice(host.url, host.name, self.token, path, sha)
             timing = await call(host.url, host.name, self.token, lambda i: m.Calibrate(id=i, sha256=sha),
@@ -590,11 +647,3 @@ class Supervisor:
         host.ms_per_layer = timing["ms_per_layer"]
         log.info("deploy: %s joins: %.3f ms per layer", host.name, host.ms_per_layer)
 
-
-def _wire(topology: Topology) -> str:
-    """The topology the hosts get: stage files named by their sha256, as the hosts keep them."""
-    def named(s):
-        mmproj = None if s.mmproj is None else Path(f"{s.mmproj_sha256}.gguf")
-        return attrs.evolve(s, file=Path(f"{s.sha256}.gguf"), mmproj=mmproj)
-
-    return attrs.evolve(topology, stages=[named(s) for s in topology.stages]).to_toml()

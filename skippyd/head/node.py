@@ -203,6 +203,30 @@ class HeadNode:
                 self.lanes_task_error = f"{type(exc).__name__}: {exc}"
             backoff = 1.0 if pool.last_error is None else min(backoff * 2, 10.0)
 
+    async def retarget(self, topology: Topology) -> None:
+        """A re-planned pipeline (skippyd/deploy/supervisor.py): the lanes and the liveness watch go to its
+        stage 1, and the head serves that topology from now on."""
+        s1 = topology.stage(1)
+        if self.pool is not None:
+            await self.pool.retarget(s1.host, s1.port)
+        if self.watch is not None:
+            await self.watch.retarget(s1.host, s1.port)
+        self.topology = topology
+
+    def take_token_return_from(self, topology: Topology):
+        """Take the token-return connection from the final stage of `topology` (3 stages or more, with a
+        token-return listener); returns what puts the rule before back."""
+        hub = self.hub
+        if hub is None or len(topology.stages) < 3:
+            return lambda: None
+        before = hub.allow
+        hub.allow = UpstreamAllow.for_stage(topology, 0, self.config.upstream_allow)
+
+        def undo() -> None:
+            hub.allow = before
+
+        return undo
+
     async def cache_report(self, clear: bool = False, disk: bool = False) -> list[CacheStats]:
         """Every stage's prefix cache, stage 0 first (with ``clear``: each emptied first, with ``disk`` its disk
         tier too); see skippyd/head/cache_admin.py. Raises CacheReportError naming a stage that did not

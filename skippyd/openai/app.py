@@ -54,6 +54,7 @@ from skippyd.openai import schemas, tools
 from skippyd.openai.auth import Access, Need, Refused
 from skippyd.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from skippyd.openai.metrics import Metrics
+from skippyd.ports import NodeView
 from skippyd.runtime.llama import LlamaError
 from skippyd.telemetry import span
 
@@ -281,23 +282,30 @@ class _Completion(_Chat):
 
 def usage(result: GenerationResult) -> dict:
     completion = len(result.tokens)
-    # cached_tokens: prompt tokens the stages' prefix caches restored rather than computed
+    # cached_tokens: prompt tokens no stage computed (every stage held them in its prefix cache); prefix_cache:
+    # per stage, the prompt tokens it held rather than computed
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
             "total_tokens": result.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+            "prefix_cache": result.prefix_cache,
             **({} if result.speculation is None else {"speculation": result.speculation})}
+
+
+async def _run(off_loop: bool, fn: Callable, *args):
+    """``fn(*args)``, in a worker thread if ``off_loop``."""
+    return await trio.to_thread.run_sync(fn, *args) if off_loop else fn(*args)
 
 
 # ---------------------------------------------------------------- the application
 class OpenAIApp:
-    """ASGI 3 application over a daemon's head (``daemon.head.engine``, ``daemon.draining``)."""
+    """ASGI 3 application over a node's head (its engine; whether the node drains)."""
 
-    def __init__(self, daemon: Any, *, model_id: str | None = None, metrics: Metrics | None = None,
+    def __init__(self, node: NodeView, *, model_id: str | None = None, metrics: Metrics | None = None,
                  access: Access | None = None):
-        self.daemon = daemon
+        self.node = node
         self.access = access if access is not None else Access()
         self._model_id = model_id
-        self.metrics = metrics if metrics is not None else Metrics(daemon)
+        self.metrics = metrics if metrics is not None else Metrics(node)
         self.created = int(time.time())
         self.answering = 0  # generation requests whose response has not ended yet (a drain waits for them)
         self.routes: dict[tuple[str, str], Callable[[Exchange], Awaitable[None]]] = {
@@ -312,16 +320,20 @@ class OpenAIApp:
     # ------------------------------------------------------------ state
     @property
     def engine(self):
-        head = getattr(self.daemon, "head", None)
-        return getattr(head, "engine", None)
+        return self.node.engine
 
     @property
     def model_id(self) -> str:
-        return self._model_id or self.daemon.head.model_name
+        return self._model_id or self.node.head.model_name
 
     def _draining(self) -> bool:
-        pool = getattr(self.daemon.head, "pool", None)
-        return bool(getattr(self.daemon, "draining", False) or (pool is not None and pool.draining))
+        pool = self.node.pool
+        return self.node.draining or (pool is not None and pool.draining)
+
+    @property
+    def _vision(self) -> dict | None:
+        head = self.node.head
+        return head.vision if head is not None else None
 
     def _ready_engine(self):
         engine = self.engine
@@ -427,7 +439,7 @@ class OpenAIApp:
     # ------------------------------------------------------------ endpoints
     def _model_object(self) -> dict:
         # what it takes: text, and images when the head has a projector (its type, an image's tokens)
-        vision = getattr(self.daemon.head, "vision", None)
+        vision = self._vision
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "skippy",
                 "input_modalities": ["text", "image"] if vision else ["text"],
                 **({"vision": vision} if vision else {})}
@@ -436,11 +448,9 @@ class OpenAIApp:
     def body_limit(self) -> int:
         """A request body's largest size: for a head that takes images, two images of its largest (as base64), or
         more smaller ones, besides the rest of the request."""
-        if not getattr(self.daemon.head, "vision", None):
+        if not self._vision:
             return MAX_BODY_BYTES
-        config = getattr(self.daemon, "config", None)
-        image_mb = config.runtime.image_max_mb if config is not None else 20
-        return MAX_BODY_BYTES + 2 * (4 * (image_mb << 20) // 3 + 4)
+        return MAX_BODY_BYTES + 2 * (4 * (self.node.config.runtime.image_max_mb << 20) // 3 + 4)
 
     async def list_models(self, ex: Exchange) -> None:
         data = [self._model_object()] if self.engine is not None else []

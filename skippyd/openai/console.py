@@ -32,6 +32,7 @@ from skippyd.console.history import History
 from skippyd.console.pipeline import POLL_S, PipelineMonitor
 from skippyd.openai.app import ApiError
 from skippyd.openai.auth import Access, Need
+from skippyd.ports import NodeView
 
 log = logging.getLogger("skippyd.openai")
 
@@ -61,15 +62,15 @@ def _static(name: str) -> bytes:
 
 
 class ConsoleRoutes:
-    """The console's handlers over one daemon; :meth:`routes` for the app, :meth:`serve` for the tasks that
+    """The console's handlers over one node; :meth:`routes` for the app, :meth:`serve` for the tasks that
     keep its figures (the pipeline's polling, the history, the feed)."""
 
-    def __init__(self, daemon: Any, access: Access, *, warnings=lambda: []):
-        self.daemon = daemon
+    def __init__(self, node: NodeView, access: Access, *, warnings=lambda: []):
+        self.node = node
         self.access = access
-        self.monitor = PipelineMonitor(daemon)
-        self.history = History(daemon)
-        self.feed = ConsoleFeed(daemon, self.monitor, warnings=warnings)
+        self.monitor = PipelineMonitor(node)
+        self.history = History(node)
+        self.feed = ConsoleFeed(node, self.monitor, warnings=warnings)
         self.files = {name: _static(name) for name in ("index.html", "console.js", "console.css")}
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -148,8 +149,7 @@ class ConsoleRoutes:
                                     f"not {host!r}", code="forbidden")
 
     def _engine(self):
-        head = getattr(self.daemon, "head", None)
-        engine = getattr(head, "engine", None)
+        engine = self.node.engine
         if engine is None:
             raise ApiError(503, "the model is loading", code="loading")
         return engine
@@ -175,7 +175,7 @@ class ConsoleRoutes:
 
     async def drain(self, ex) -> None:
         self._check_action(ex)
-        pool = getattr(self.daemon.head, "pool", None)
+        pool = self.node.pool
         if pool is not None:
             await pool.drain("the head's lanes are drained (from the web console): no new generations until "
                              "they are undrained")
@@ -185,7 +185,7 @@ class ConsoleRoutes:
 
     async def undrain(self, ex) -> None:
         self._check_action(ex)
-        pool = getattr(self.daemon.head, "pool", None)
+        pool = self.node.pool
         if pool is not None:
             pool.undrain()
         log.info("console: lanes undrained")

@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector
 from skippyd import telemetry
 from skippyd.head.lanes import LaneState
 from skippyd.head.states import GenerationState
+from skippyd.ports import NodeView
 
 log = logging.getLogger("skippyd.metrics")
 
@@ -48,7 +49,7 @@ CACHE_REPORT_TIMEOUT_S = 1.0  # a scrape waits this long for it, then reports th
 
 
 class Metrics:
-    def __init__(self, daemon: Any = None):
+    def __init__(self, daemon: NodeView | None = None):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("skippy_http_requests", "HTTP requests by endpoint and status "
@@ -96,8 +97,8 @@ class Metrics:
     async def refresh_caches(self) -> None:
         """Fetch the head's report of every stage's prefix cache, unless one is fresh (CACHE_REPORT_TTL_S);
         waits at most CACHE_REPORT_TIMEOUT_S. On a failure or a timeout the remote stages are left out."""
-        head = getattr(self.daemon, "head", None)
-        if head is None or getattr(head, "engine", None) is None or getattr(head, "pool", None) is None:
+        head = self.daemon.head if self.daemon is not None else None
+        if head is None or head.engine is None or head.pool is None:
             self.remote_caches = {}  # no pipeline beyond this daemon's own stages
             return
         async with self._refreshing:
@@ -146,7 +147,7 @@ class Metrics:
 class _DaemonCollector(Collector):
     """The daemon's state at scrape time. Never raises: a scrape must not fail because a part is starting."""
 
-    def __init__(self, daemon: Any, metrics: Metrics):
+    def __init__(self, daemon: NodeView, metrics: Metrics):
         self.daemon = daemon
         self.metrics = metrics
 
@@ -161,10 +162,9 @@ class _DaemonCollector(Collector):
 
     def _collect(self) -> Iterable:
         daemon = self.daemon
-        head = getattr(daemon, "head", None)
-        engine = getattr(head, "engine", None)
+        head, engine = daemon.head, daemon.engine
         yield GaugeMetricFamily("skippy_draining", "1 while the daemon drains (no new generations)",
-                                value=float(bool(getattr(daemon, "draining", False))))
+                                value=float(daemon.draining))
         if engine is not None:
             states = dict.fromkeys((GenerationState.QUEUED, GenerationState.PREFILL, GenerationState.DECODE), 0)
             for live in list(engine.live.values()):
@@ -176,19 +176,19 @@ class _DaemonCollector(Collector):
             yield g
             yield GaugeMetricFamily("skippy_queue_depth", "Generations waiting for a lane or a slot",
                                     value=states[GenerationState.QUEUED])
-            totals = getattr(engine, "totals", {})
+            totals = engine.totals
             c = CounterMetricFamily("skippy_head_generations", "Generations the head engine ran, all sources "
                                     "(errors included)", labels=["outcome"])
             c.add_metric(["all"], totals.get("generations", 0))
             c.add_metric(["error"], totals.get("errors", 0))
             yield c
             yield self._head_tokens(totals)
-            availability = getattr(engine, "availability", None)
+            availability = engine.availability
             if availability is not None:
                 yield CounterMetricFamily("skippy_requests_resumed", "Generations replayed after a stage was lost "
                                           "(the same stage back, or a re-planned pipeline)",
                                           value=availability.resumed)
-        supervisor = getattr(getattr(daemon, "assignment", None), "supervisor", None)
+        supervisor = daemon.deployment.supervisor if daemon.deployment is not None else None
         if supervisor is not None:
             c = CounterMetricFamily("skippy_deploy_replans", "Times the supervising head moved its deployment to a "
                                     "new plan, by cause", labels=["cause"])
@@ -197,7 +197,7 @@ class _DaemonCollector(Collector):
             yield c
             yield GaugeMetricFamily("skippy_deploy_generation", "The deployment plan's generation (1: as deployed)",
                                     value=supervisor.generation)
-        pool = getattr(head, "pool", None)
+        pool = daemon.pool
         if pool is not None:
             lanes = dict.fromkeys((LaneState.IDLE, LaneState.BUSY), 0)
             for lane in pool.describe():
@@ -232,8 +232,8 @@ class _DaemonCollector(Collector):
         tables = []  # (stage index, SessionTable, Scheduler)
         if engine is not None:
             tables.append((0, engine.sessions, engine.scheduler))
-        for stage in list(getattr(self.daemon, "stages", [])):
-            tables.append((stage.index, getattr(stage, "sessions", None), getattr(stage, "scheduler", None)))
+        for stage in list(self.daemon.stages):
+            tables.append((stage.index, stage.sessions, stage.scheduler))
         if not tables:
             return
         live = GaugeMetricFamily("skippy_stage_sessions", "Live sessions (KV sequences) per local stage",
@@ -263,7 +263,7 @@ class _DaemonCollector(Collector):
 
     @staticmethod
     def _speculation(engine: Any) -> Iterable:
-        totals = getattr(engine, "speculation", None)
+        totals = engine.speculation if engine is not None else None
         if totals is None:
             return
         for name, attr, doc in (
@@ -283,9 +283,8 @@ class _DaemonCollector(Collector):
     def _prefix_caches(self, engine: Any) -> Iterable:
         """Every stage's prefix cache: the local stages' now, the others' from the last report."""
         caches = dict(self.metrics.remote_caches)
-        local = [(0, getattr(engine, "prefix_cache", None))]
-        local += [(stage.index, getattr(getattr(stage, "core", None), "prefix_cache", None))
-                  for stage in list(getattr(self.daemon, "stages", []))]
+        local = [(0, engine.prefix_cache if engine is not None else None)]
+        local += [(stage.index, stage.core.prefix_cache) for stage in list(self.daemon.stages)]
         for index, cache in local:
             if cache is not None:
                 caches[index] = cache.stats()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import trio
 from hypercorn.config import Config
@@ -14,6 +13,7 @@ from skippyd.openai.app import OpenAIApp
 from skippyd.openai.auth import Access, ApiKey
 from skippyd.openai.console import ConsoleRoutes
 from skippyd.openai.metrics import Metrics
+from skippyd.ports import NodeView
 
 log = logging.getLogger("skippyd.openai")
 
@@ -25,27 +25,20 @@ def _not_hypercorns_banner(record: logging.LogRecord) -> bool:
 
 
 class OpenAIServer:
-    """``await nursery.start(OpenAIServer(daemon, host, port).run)``: returns once it accepts connections.
+    """``await nursery.start(OpenAIServer(node, host, port).run)``: returns once it accepts connections.
 
-    The daemon's ``metrics`` (a :class:`Metrics`) is used when it has one, else
-    one is made and set on the daemon, so that other parts can record into it.
+    It counts into `metrics`, the node's registry (one of its own if none is given).
     """
 
-    def __init__(self, daemon: Any, host: str, port: int, *, model_id: str | None = None,
-                 graceful_timeout_s: float = 5.0, api_key: ApiKey | None = None, public_metrics: bool = False):
-        self.daemon = daemon
+    def __init__(self, node: NodeView, host: str, port: int, *, model_id: str | None = None,
+                 graceful_timeout_s: float = 5.0, api_key: ApiKey | None = None, public_metrics: bool = False,
+                 metrics: Metrics | None = None):
+        self.node = node
         self.host, self.port = host, port
-        metrics = getattr(daemon, "metrics", None)
-        if not isinstance(metrics, Metrics):
-            metrics = Metrics(daemon)
-            try:
-                daemon.metrics = metrics
-            except AttributeError:
-                pass
-        self.metrics = metrics
+        self.metrics = metrics if metrics is not None else Metrics(node)
         self.access = Access(api_key, loopback=is_loopback(host), public_metrics=public_metrics)
-        self.app = OpenAIApp(daemon, model_id=model_id, metrics=metrics, access=self.access)
-        self.console = ConsoleRoutes(daemon, self.access, warnings=self.warnings)
+        self.app = OpenAIApp(node, model_id=model_id, metrics=self.metrics, access=self.access)
+        self.console = ConsoleRoutes(node, self.access, warnings=self.warnings)
         self.app.mount(self.console.routes())
         self.graceful_timeout_s = graceful_timeout_s
         self._shutdown = trio.Event()
