@@ -183,6 +183,12 @@ class StageServer:
                                  f"the topology says [{self.spec.layer_start},{self.spec.layer_end})")
             core.context = await trio.to_thread.run_sync(Context, model, cfg.context_params())
             core.scheduler = cfg.scheduler(core.context)
+            if not core.is_final and cfg.activation_wire == "auto":  # what its links' encoding is chosen against
+                core.wire_policy = attrs.evolve(core.wire_policy, row_compute_s=await trio.to_thread.run_sync(
+                    time_prompt_rows, core.context))
+                log.info("stage %d: %.3f ms of compute per prompt row: links slower than %.1f Mbit/s carry f16 "
+                         "(runtime.activation_wire = auto)", self.index, core.wire_policy.row_compute_s * 1e3,
+                         (core.wire_policy.threshold_Bps or 0) * 8 / 1e6)
             spec = self.spec
             core.prefix_cache.disk = await trio.to_thread.run_sync(
                 cfg.open_disk_tier, self.index, model_digest(spec.sha256, self.model_path),
