@@ -100,7 +100,9 @@ function renderPipeline(p) {
       const link = p.links[i - 1] || {};
       parts.push(`<div class="link" data-from="${link.from}" data-to="${link.to}"><span class="arrow">→</span>` +
         `<span>${link.ms === null || link.ms === undefined ? "-" : fmt(link.ms, 2) + " ms"}</span>` +
-        `<span class="muted">rtt ${link.rtt_ms === null || link.rtt_ms === undefined ? "-" : fmt(link.rtt_ms, 2) + " ms"}</span></div>`);
+        `<span class="muted">rtt ${link.rtt_ms === null || link.rtt_ms === undefined ? "-" : fmt(link.rtt_ms, 2) + " ms"}</span>` +
+        (link.wire ? `<span class="muted">${esc(link.wire)}${link.rate_mbps === null || link.rate_mbps === undefined ? "" : " @ " + fmt(link.rate_mbps, 1) + " Mbit/s"}</span>` : "") +
+        `</div>`);
     }
     const busy = st.busy_share;
     parts.push(`<div class="stage${st.limiting ? " limiting" : ""}" data-index="${st.index}" data-health="${esc(st.health)}">` +
