@@ -479,7 +479,7 @@ def encode_hello(hello: Hello) -> bytes:
         4  u16  version        (offsets 0-5 are the same in every version)
         6  u8   role           (Role)
         7  u8   wire_formats   (WireFormat: the activation encodings offered; F32 always; reserved = 0
-                                before version 8)
+                                before version 9)
         8  32s  model fingerprint (sha256)
        40  u32  stage_index
        44  u32  layer_start
