@@ -179,3 +179,6 @@ int skippy_fill_embd_batch(struct llama_batch * b, const float * embd, int32_t n
                            const llama_pos * pos, const llama_seq_id * seq, const int8_t * out);
 int skippy_sample_rows(struct llama_context * ctx, struct llama_sampler ** samplers, const int32_t * rows,
                        int32_t n, llama_token * out_tokens);
+int64_t skippy_vocab_pieces(const struct llama_vocab * vocab, int32_t n_vocab, char * buf, int64_t cap,
+                            int64_t * offsets, uint8_t * control);
+int32_t skippy_vocab_eog(const struct llama_vocab * vocab, int32_t n_vocab, llama_token * out);

@@ -367,3 +367,35 @@ void skippy_warm_free(struct skippy_warm * w) {
     pthread_mutex_destroy(&w->mu);
     free(w);
 }
+
+/* The whole vocabulary's pieces in one call (llguidance's view of it, made once per model): token t's bytes
+ * (special tokens shown) at buf[offsets[t] .. offsets[t + 1]), and control[t] = 1 for a token that shows
+ * only as special (empty otherwise). Returns the bytes all pieces take: more than cap means buf was too
+ * small (call again with that much room). */
+int64_t skippy_vocab_pieces(const struct llama_vocab * vocab, int32_t n_vocab, char * buf, int64_t cap,
+                            int64_t * offsets, uint8_t * control) {
+    char probe[256];
+    int64_t pos = 0;
+    for (int32_t t = 0; t < n_vocab; ++t) {
+        offsets[t] = pos;
+        int64_t room = cap - pos;
+        int32_t n = room > 0 ? llama_token_to_piece(vocab, t, buf + pos, room > INT32_MAX ? INT32_MAX : (int32_t) room,
+                                                    0, true)
+                             : llama_token_to_piece(vocab, t, probe, 0, 0, true);
+        if (n < 0) n = -n;  /* it does not fit: counted, not written */
+        int32_t plain = n == 0 ? 0 : llama_token_to_piece(vocab, t, probe, (int32_t) sizeof probe, 0, false);
+        control[t] = (uint8_t) (n > 0 && plain == 0);
+        pos += n;
+    }
+    offsets[n_vocab] = pos;
+    return pos;
+}
+
+/* The end-of-generation tokens of the vocabulary into out (room for n_vocab); returns how many. */
+int32_t skippy_vocab_eog(const struct llama_vocab * vocab, int32_t n_vocab, llama_token * out) {
+    int32_t k = 0;
+    for (int32_t t = 0; t < n_vocab; ++t) {
+        if (llama_vocab_is_eog(vocab, t)) out[k++] = t;
+    }
+    return k;
+}

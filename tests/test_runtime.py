@@ -613,3 +613,27 @@ def test_keep_warm_spins_at_idle_class_after_each_compute(default_model_path):
     with LocalPipeline([default_model_path], PARAMS) as ref, LocalPipeline([default_model_path], pooled) as pipe:
         prompt = ref.head.tokenize("The capital of France is")
         assert pipe.generate(prompt, 16, stop_at_eog=False) == ref.generate(prompt, 16, stop_at_eog=False)
+
+
+@pytest.mark.parametrize("which", ["default", "gemma3"])
+def test_vocabulary_in_one_call_is_every_token_piece(which, request):
+    """The vocabulary llguidance reads, made natively in one call, is token for token what token_piece gives
+    (special tokens shown), its control tokens are those that show only as special, and the end-of-generation
+    tokens are those libllama calls so: for SmolLM2's 49k tokens and Gemma 3's 262k."""
+    path = request.getfixturevalue("default_model_path" if which == "default" else "gemma3_path")
+    model = Model(path, vocab_only=True)
+    try:
+        tokens, control = model.vocabulary()
+        assert len(tokens) == model.n_vocab
+        assert tokens == [model.token_piece(t, special=True) for t in range(model.n_vocab)]
+        assert control == [t for t in range(model.n_vocab) if tokens[t] and not model.token_piece(t)]
+        assert control and model.bos in control
+        eog = model.eog_tokens().tolist()
+        assert eog == [t for t in range(model.n_vocab) if model.is_eog(t)] and model.eos in eog
+        model.prepare()
+        tokenizer = model.lltokenizer()
+        assert tokenizer is model.lltokenizer() and tokenizer.vocab_size == model.n_vocab
+        assert sorted(tokenizer.eos_tokens) == eog
+        assert all(tokenizer.is_special_token(t) for t in control[:50])
+    finally:
+        model.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -54,6 +55,9 @@ class Model(NativeObject):
         self._ptr = ffi.NULL
         self._contexts = weakref.WeakSet()  # its contexts (context.py adds each): closed before the model
         self._piece_cache: dict[int, bytes] = {}
+        self._eog_tokens: np.ndarray | None = None
+        self._lltokenizer = None  # llguidance's LLTokenizer, made on first use or by prepare()
+        self._lltokenizer_lock = threading.Lock()
         self.path = Path(path)
         _check_gguf_file(self.path)
         backend_init()
@@ -152,48 +156,70 @@ class Model(NativeObject):
         return bool(lib.llama_vocab_is_eog(self._live("is_eog") and self._vocab, int(token)))
 
     def eog_tokens(self) -> np.ndarray:
-        """The vocabulary's end-of-generation tokens (the EOS at least), found once per model."""
-        eog = getattr(self, "_eog_tokens", None)
+        """The vocabulary's end-of-generation tokens (the EOS at least), found once per model (in one C call)."""
+        eog = self._eog_tokens
         if eog is None:
             vocab = self._live("eog tokens") and self._vocab
-            found = [t for t in range(self.n_vocab) if lib.llama_vocab_is_eog(vocab, t)] or [self.eos]
-            eog = self._eog_tokens = np.array(found, dtype=np.int32)
+            out = np.empty(self.n_vocab, dtype=np.int32)
+            n = lib.skippy_vocab_eog(vocab, self.n_vocab, ffi.from_buffer("llama_token[]", out))
+            eog = self._eog_tokens = out[:n].copy() if n else np.array([self.eos], dtype=np.int32)
         return eog
+
+    def vocabulary(self) -> tuple[list[bytes], list[int]]:
+        """Every token's bytes (special tokens shown) and the ids of the control tokens (those whose text shows
+        only as special), read in one C call, which runs without the GIL."""
+        vocab = self._live("read the vocabulary") and self._vocab
+        n_vocab = self.n_vocab
+        offsets = np.empty(n_vocab + 1, dtype=np.int64)
+        control = np.empty(n_vocab, dtype=np.uint8)
+        cap = 16 * n_vocab
+        while True:
+            buf = bytearray(cap)
+            need = lib.skippy_vocab_pieces(vocab, n_vocab, ffi.from_buffer(buf), cap,
+                                           ffi.from_buffer("int64_t[]", offsets), ffi.from_buffer("uint8_t[]", control))
+            if need <= cap:
+                break
+            cap = need
+        data, bounds = bytes(memoryview(buf)[:need]), offsets.tolist()
+        return [data[a:b] for a, b in zip(bounds, bounds[1:])], np.flatnonzero(control).tolist()
 
     def lltokenizer(self):
         """llguidance's view of this model's vocabulary (each token's bytes, the special tokens, the
-        end-of-generation tokens), made once per model (~0.1 s) and shared by its matchers."""
-        tokenizer = getattr(self, "_lltokenizer", None)
-        if tokenizer is None:
-            import llguidance
+        end-of-generation tokens), made once per model and shared by its matchers. Making it holds the GIL
+        in llguidance's Rust for a while (~0.2 s for a 49k vocabulary, over 1 s for 262k), which would stall
+        the event loop of whoever waits: a stage that samples makes it while it loads (:meth:`prepare`)."""
+        with self._lltokenizer_lock:
+            if self._lltokenizer is None:
+                self._lltokenizer = self._make_lltokenizer()
+            return self._lltokenizer
 
-            self._live("constraint tokenizer")
-            tokens, special = [], []
-            for t in range(self.n_vocab):
-                shown = self.token_piece(t, special=True)
-                if shown and not self.token_piece(t):  # a control token: its text only when special
-                    special.append(t)
-                tokens.append(shown)
-            eog = self.eog_tokens().tolist()
-            model = self
+    def prepare(self) -> None:
+        """Make now, in the calling thread, what a constrained generation needs of the vocabulary (the stage
+        that samples calls it while it loads, before it serves)."""
+        self.eog_tokens()
+        self.lltokenizer()
 
-            class _Vocab:  # what llguidance's TokenizerWrapper reads
-                eos_token_id = eog[0]
-                bos_token_id = self.bos if self.bos >= 0 else None
-                special_token_ids = special
+    def _make_lltokenizer(self):
+        import llguidance
 
-                def __init__(self):
-                    self.tokens = tokens
+        tokens, special = self.vocabulary()
+        eog = self.eog_tokens().tolist()
+        model = self
 
-                def __call__(self, text):
-                    if isinstance(text, bytes):
-                        text = text.decode("utf-8", "replace")
-                    return model.tokenize(text, add_special=False, parse_special=False).tolist()
+        class _Vocab:  # what llguidance's TokenizerWrapper reads
+            eos_token_id = eog[0]
+            bos_token_id = self.bos if self.bos >= 0 else None
+            special_token_ids = special
 
-            tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab()), n_vocab=self.n_vocab,
-                                               eos_token=eog)
-            self._lltokenizer = tokenizer
-        return tokenizer
+            def __init__(self):
+                self.tokens = tokens
+
+            def __call__(self, text):
+                if isinstance(text, bytes):
+                    text = text.decode("utf-8", "replace")
+                return model.tokenize(text, add_special=False, parse_special=False).tolist()
+
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab()), n_vocab=self.n_vocab, eos_token=eog)
 
     def _check_token(self, token: int, op: str) -> None:
         self._live(op)
