@@ -126,6 +126,18 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def preload() -> None:
+    """Import what checking and compiling a constraint takes (jsonschema, llguidance: a fifth of a second),
+    so that the first constrained request does not wait for the imports on the event loop. Blocking: a head
+    calls it in a worker thread while it loads."""
+    import llguidance  # noqa: F401
+
+    try:
+        import jsonschema  # noqa: F401
+    except ImportError:  # pragma: no cover - a dependency
+        pass
+
+
 def _check_schema(text: str) -> None:
     """A schema that is not one by JSON Schema's meta-schema (what the draft it names, or 2020-12, allows)."""
     try:

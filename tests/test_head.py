@@ -210,9 +210,9 @@ def _scheduler_without_a_model():
 
 
 def test_decode_steps_of_a_bigger_model_compute_inline_and_slower_ones_in_a_worker_thread():
-    """A 463 MB model's ~40 ms decode step computes on the event loop's thread (the worker-thread round trip
-    costs ~1 ms per step); a step slower than INLINE_MAX_US, a prefill chunk, or a batch not measured yet
-    goes to the worker thread, so that the loop answers pings meanwhile."""
+    """A small model's ~10 ms decode step computes on the event loop's thread (the worker-thread round trip
+    costs ~1 ms per step); a step slower than INLINE_MAX_US (a 463 MB model's ~40 ms), a prefill chunk, or a
+    batch not measured yet goes to the worker thread, so that the loop answers pings meanwhile."""
     from types import SimpleNamespace
 
     from skippyd.head.liveness import PING_TIMEOUT_S
@@ -221,7 +221,7 @@ def test_decode_steps_of_a_bigger_model_compute_inline_and_slower_ones_in_a_work
     execution = _scheduler_without_a_model().execution
     step, chunk = [SimpleNamespace(n=1, window=False, solo=False)], [SimpleNamespace(n=32, window=False, solo=False)]
     assert not execution.inline_turn(step)  # nothing decoded yet
-    execution.decode_native_us = 40_000
+    execution.decode_native_us = 10_000
     assert execution.inline_turn(step) and not execution.inline_turn(chunk)
     execution.decode_native_us = INLINE_MAX_US
     assert not execution.inline_turn(step)

@@ -9,6 +9,8 @@ computes, and is not mistaken for a hung one.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import signal
 import time
@@ -255,3 +257,70 @@ async def test_idle_lanes_of_a_dead_final_stage_are_replaced(splits, tmp_path):
         await pipe.wait_all_released()
     finally:
         await trio.to_thread.run_sync(pipe.stop)
+
+
+# ---------------------------------------------------------------------------- the ping's deadline (no daemon)
+_N_EMBD = 8
+
+
+async def _answering_stage(delays: list, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """A stage 1 in this process that answers each Ping after the next of ``delays`` seconds (at once when
+    there is none; None: never)."""
+    from skippyd.wire.handshake import handshake_server
+    from skippyd.wire.messages import Ack, Hello
+    from skippyd.wire.stream import ReceiveBuffer, read_message, write_frame
+
+    theirs = Hello(fingerprint=bytes(32), stage_index=1, layer_start=2, layer_end=4, n_layer=4, n_embd=_N_EMBD)
+
+    async def answer(stream: trio.SocketStream) -> None:
+        receive = ReceiveBuffer(stream)
+        await handshake_server(stream, theirs, timeout=10, receive=receive)
+        while True:
+            ping = await read_message(receive, timeout=math.inf, n_embd=_N_EMBD)
+            delay = delays.pop(0) if delays else 0.0
+            if delay is None:
+                await trio.sleep_forever()
+            await trio.sleep(delay)
+            await write_frame(stream, Ack(ping.request_id, 0))
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(functools.partial(_closing, answer), listeners)
+
+
+async def _closing(handler, stream: trio.SocketStream) -> None:
+    async with stream:
+        with contextlib.suppress(Exception):
+            await handler(stream)
+
+
+async def test_a_stage_that_answers_late_is_given_longer_and_one_that_stops_is_found_within_seconds():
+    """The watch's deadline is no constant: a floor of PING_TIMEOUT_S while stage 1 answers at once (so a stage
+    that then stops is found as fast as ever), longer once it has been answering late (alive, busy: a loaded
+    host), so that an answer later than any fixed 1 s deadline still counts; at most PING_TIMEOUT_MAX_S."""
+    from skippyd.head.liveness import PING_TIMEOUT_MAX_S, PING_TIMEOUT_S, StageWatch
+    from skippyd.wire.messages import Hello
+
+    ours = Hello(fingerprint=bytes(32), stage_index=0, layer_start=0, layer_end=2, n_layer=4, n_embd=_N_EMBD)
+    delays: list = []
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_answering_stage, delays)
+        watch = StageWatch("127.0.0.1", port, ours)
+        for _ in range(3):
+            assert await watch.check(), watch.last_error
+        assert watch.ping_timeout == PING_TIMEOUT_S and watch.describe()["ping_timeout_s"] == PING_TIMEOUT_S
+        delays.extend([0.8] * 4)
+        for _ in range(4):
+            assert await watch.check(), watch.last_error
+        assert 1.6 <= watch.ping_timeout < 1.8, watch.ping_timeout
+        delays.append(1.3)  # later than a fixed 1 s deadline: alive all the same
+        assert await watch.check(), watch.last_error
+        assert watch.failures == 0 and watch.up
+        delays.append(None)  # and now it stops answering
+        started = trio.current_time()
+        assert not await watch.check()
+        took = trio.current_time() - started
+        assert 2.5 <= took <= PING_TIMEOUT_MAX_S + 0.2, took
+        assert watch.down and "no answer to a liveness ping within 2." in watch.last_error, watch.last_error
+        await watch._drop()
+        nursery.cancel_scope.cancel()

@@ -61,6 +61,14 @@ __all__ = ["Draining", "FinishReason", "GenerationError", "GenerationRequest", "
            "HeadEngine", "ImageInput", "ImageRefused", "LiveGeneration", "PromptTooLong", "QueueTimeout", "Receipt"]
 
 log = logging.getLogger("skippyd.head")
+# a prompt of this many characters or more is rendered and tokenized in a worker thread (~1,000 tokens, ~5 ms)
+LONG_PROMPT_CHARS = 4096
+
+
+def _text_size(req: GenerationRequest) -> int:
+    """About how many characters the request's prompt has (its messages' contents, or the raw prompt)."""
+    return len(req.prompt or "") + len(req.system or "") + sum(
+        len(c) if isinstance(c := m.get("content"), str) else len(str(c)) for m in req.messages)
 
 
 @attrs.frozen
@@ -221,6 +229,13 @@ class HeadEngine:
     def _tokenize(self, req: GenerationRequest) -> np.ndarray:
         if req.prompt_tokens is not None:
             return np.asarray(req.prompt_tokens, dtype=np.int32)
+    async def tokenize_prompt(self, req: GenerationRequest) -> np.ndarray:
+        """:meth:`prompt_tokens`, in a worker thread for a long prompt: rendering and tokenizing take some
+        5 µs a token, which the event loop (and every ping it answers) would otherwise wait out."""
+        if _text_size(req) < LONG_PROMPT_CHARS:
+            return self.prompt_tokens(req)
+        return await trio.to_thread.run_sync(self.prompt_tokens, req)
+
         if req.raw:
             return self.model.tokenize(req.prompt or "", add_special=True, parse_special=False)
         return self.model.tokenize(self._chat_text(req), add_special=False, parse_special=True)
@@ -246,7 +261,7 @@ class HeadEngine:
         if req.prepared is not None:
             return req.prepared
         if not req.images:
-            return Prompt.of_tokens(self.prompt_tokens(req))
+            return Prompt.of_tokens(await self.tokenize_prompt(req))
         if self.projector is None:
             raise ImageRefused("this model takes no images: start the head with --mmproj", source=req.images[0].source)
         for image in req.images:

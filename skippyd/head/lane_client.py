@@ -15,8 +15,9 @@ on the lane (:meth:`LaneClient.configure`):
 
 Liveness (``watch``, a :class:`~skippyd.head.liveness.StageWatch`): every
 wait on the pipeline is watched, so a stage that stops answering pings
-fails the wait within INTERVAL_S + PING_TIMEOUT_S (1.3 s), whatever the
-reply deadline. Any lane
+fails the wait within INTERVAL_S plus the ping's deadline (1.3 s for a stage
+that was answering at once, at most INTERVAL_S + PING_TIMEOUT_MAX_S for one
+that was answering late), whatever the reply deadline. Any lane
 failure becomes a retryable :class:`GenerationError` (a stage failure), and
 a lane that cannot be trusted any more is marked ``dirty`` (closed on
 return, which makes stage 1 release the session).

@@ -21,11 +21,21 @@ at once (:meth:`check`) instead of waiting for the next try; whichever check
 finds it up again, the task watches the requests from then on (not once its
 backoff is over), so a fault soon after a recovery is found as fast as any.
 
+``ping_timeout`` is not a constant: it is PING_TIMEOUT_S while stage 1
+answers at once, and grows with a high percentile of its recent round trips
+and with the head's own recent loop lag (:class:`~skippyd.stage.loop_lag.PingDeadline`),
+up to PING_TIMEOUT_MAX_S: a stage that is alive but slow to answer (a loaded
+host) or a head that was itself held up is not taken for a dead stage, while
+a stage that stops answering after answering at once is found as fast as
+ever.
+
 The watch connection is a lane like any other, so it leads through the
 whole pipeline, and a middle stage relays a Ping with a shorter deadline
-than its upstream's (``on_ping`` in skippyd/stage/connection.py): a hung
+than its upstream's (``MiddleStage.on_ping`` in skippyd/stage/roles.py): a hung
 stage further down is named by the stage before it, in a DOWNSTREAM_FAILED
-reply ("stage 2 failed: ..."), and ``down_stage`` says which stage it was.
+reply ("stage 2 failed: ..."), and ``down_stage`` says which stage it was
+(a relaying stage's deadline is its own estimate of the same kind, scaled
+below its upstream's).
 
 The same holds across a network: a link cut (or losing packets one way)
 leaves the ping unanswered, so the generation fails within
@@ -47,6 +57,7 @@ from collections.abc import Callable
 import trio
 
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
+from skippyd.stage.loop_lag import PING_CEILING_S, PING_FLOOR_S, PingDeadline
 from skippyd.wire.errors import HandshakeRefused
 from skippyd.wire.messages import Ack, ErrorReply, Hello, Ping
 from skippyd.wire.stream import DEFAULT_PEER_TIMEOUT
@@ -54,7 +65,11 @@ from skippyd.wire.stream import DEFAULT_PEER_TIMEOUT
 log = logging.getLogger("skippyd.head")
 
 INTERVAL_S = 0.3  # a request waiting longer than this gets stage 1 pinged (one small frame: cheap)
-PING_TIMEOUT_S = 1.0  # no answer within this: stage 1 is down (detection within INTERVAL_S + PING_TIMEOUT_S)
+# no answer within the ping's deadline: stage 1 is down. The deadline is PING_TIMEOUT_S while stage 1 answers at
+# once (detection within INTERVAL_S + PING_TIMEOUT_S), longer while it has been answering late or the head's own
+# loop has been held (see PingDeadline), never longer than PING_TIMEOUT_MAX_S
+PING_TIMEOUT_S = PING_FLOOR_S
+PING_TIMEOUT_MAX_S = PING_CEILING_S
 BACKOFF_MIN_S = 0.25  # while down: first re-check after this, doubling ...
 BACKOFF_MAX_S = 2.0  # ... up to this
 
@@ -118,12 +133,13 @@ class _Waiter:
 
 class StageWatch:
     def __init__(self, host: str, port: int, hello: Hello, *, stage_index: int = 1, interval: float = INTERVAL_S,
-                 ping_timeout: float = PING_TIMEOUT_S, peer_timeout: float = DEFAULT_PEER_TIMEOUT):
+                 ping_timeout: float = PING_TIMEOUT_S, ping_timeout_max: float = PING_TIMEOUT_MAX_S,
+                 peer_timeout: float = DEFAULT_PEER_TIMEOUT):
         self.host, self.port, self.hello = host, port, hello
         self.peer_timeout = peer_timeout
         self.stage_index = stage_index
         self.interval = interval
-        self.ping_timeout = ping_timeout
+        self.deadline = PingDeadline(ping_timeout, max(ping_timeout, ping_timeout_max))
         self.up: bool | None = None  # None: not checked yet
         self.down_stage = stage_index  # while down: the stage that did not answer (a later one may be named)
         self.changed_at = time.time()
@@ -140,6 +156,11 @@ class StageWatch:
         self._lock = trio.Lock()  # one ping at a time on the watch connection
         self._suspected = False
         self._ids = itertools.count(1)
+
+    @property
+    def ping_timeout(self) -> float:
+        """How long the next ping waits for its answer (seconds)."""
+        return self.deadline.timeout()
 
     @property
     def address(self) -> str:
@@ -261,30 +282,33 @@ class StageWatch:
         stale (the stage restarted, or closed an idle connection) is replaced once."""
         for attempt in (1, 2):
             fresh = self._link is None
+            timeout = self.ping_timeout
             try:
                 if self._link is not None and not self._link.looks_alive():
                     await self._drop()
                     fresh = True
                 if self._link is None:
-                    with trio.fail_after(self.ping_timeout):
+                    with trio.fail_after(timeout):
                         self._link = await DownstreamLink.connect(
-                            self.host, self.port, self.hello, connect_timeout=self.ping_timeout, credit_limit=0,
-                            reply_timeout=self.ping_timeout + 1, write_timeout=self.ping_timeout + 1,
+                            self.host, self.port, self.hello, connect_timeout=timeout, credit_limit=0,
+                            reply_timeout=self.deadline.ceiling + 1, write_timeout=self.deadline.ceiling + 1,
                             peer_timeout=self.peer_timeout)
                 sent = time.perf_counter()
-                with trio.fail_after(self.ping_timeout):
+                with trio.fail_after(timeout):
                     reply, *_ = await self._link.request(Ping(next(self._ids)))
+                rtt = time.perf_counter() - sent
                 self.pings += 1
-                self.last_rtt_ms = round((time.perf_counter() - sent) * 1e3, 3)
+                self.last_rtt_ms = round(rtt * 1e3, 3)
                 if not isinstance(reply, Ack):
                     await self._drop()
                     if isinstance(reply, ErrorReply):
                         return reply.message  # "stage K failed: ...": the stage before it names it
                     return f"it answered a ping with {type(reply).__name__}"
+                self.deadline.observe(rtt)
                 return None
             except trio.TooSlowError:
                 await self._drop()
-                return f"no answer to a liveness ping within {self.ping_timeout:g} s"
+                return f"no answer to a liveness ping within {timeout:.3g} s"
             except DownstreamError as exc:
                 await self._drop()
                 if isinstance(exc.__cause__, HandshakeRefused):
@@ -318,4 +342,5 @@ class StageWatch:
         return {"stage": self.down_stage if self.down else self.stage_index, "address": self.address,
                 "state": {None: "unknown", True: "up", False: "down"}[self.up],
                 "since": round(self.changed_at, 3), "error": self.last_error, "pings": self.pings,
-                "failed_checks": self.failures, "last_rtt_ms": self.last_rtt_ms}
+                "failed_checks": self.failures, "last_rtt_ms": self.last_rtt_ms,
+                "ping_timeout_s": round(self.ping_timeout, 3)}

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import trio
 
+from skippyd import sampling
 from skippyd.head import cache_admin
 from skippyd.head.engine import HeadEngine
 from skippyd.head.images import ImageLimits
@@ -30,6 +31,7 @@ from skippyd.runtime import mtmd
 from skippyd.runtime.llama import Context, Model
 from skippyd.stage.access import UpstreamAllow
 from skippyd.stage.link_choice import WirePolicy, time_prompt_rows, untimed
+from skippyd.stage.loop_lag import LoopLag
 from skippyd.stage.prefix_cache import PrefixCache
 from skippyd.stage.prefix_disk import model_digest
 from skippyd.stage.server import StageConfig
@@ -69,6 +71,7 @@ class HeadNode:
         # the lanes task's unexpected errors (bugs): logged, and shown in status (head.lanes_task)
         self.lanes_task_failures = 0
         self.lanes_task_error: str | None = None
+        self.loop_lag = LoopLag("0")  # how late the head's event loop runs (its pings' deadlines count it)
 
     @property
     def model_name(self) -> str:
@@ -90,7 +93,11 @@ class HeadNode:
                 raise ValueError(f"{self.model_path} is a non-final slice: give the whole model or a topology")
             if self.mmproj is not None:
                 self.projector, self.vision = await trio.to_thread.run_sync(self._load_projector)
-            context = await trio.to_thread.run_sync(Context, self.model, cfg.context_params())
+            async with trio.open_nursery() as loading:
+                loading.start_soon(trio.to_thread.run_sync, sampling.preload)  # requests' constraints are checked here
+                if self.model.stage.is_last:  # what a constraint needs of the vocabulary, made before serving
+                    loading.start_soon(trio.to_thread.run_sync, self.model.prepare)
+                context = await trio.to_thread.run_sync(Context, self.model, cfg.context_params())
             scheduler = cfg.scheduler(context)
             stage = self.model.stage
             sha256 = self.topology.stage(0).sha256 if self.topology is not None else None
@@ -129,6 +136,7 @@ class HeadNode:
                                      image_limits=self.image_limits)
             try:
                 async with trio.open_nursery() as nursery:
+                    await nursery.start(self.loop_lag.serve)
                     await nursery.start(scheduler.serve)
                     if self.hub is not None:
                         await self._listen_for_token_return(nursery)
@@ -248,7 +256,7 @@ class HeadNode:
                     lanes_task=None if self.pool is None else {"failures": self.lanes_task_failures,
                                                                "last_error": self.lanes_task_error},
                     prefix_cache=self.engine.prefix_cache.stats().to_json() if self.engine else None,
-                    speculation=self._speculation(), vision=self.vision)
+                    speculation=self._speculation(), vision=self.vision, loop_lag=self.loop_lag.describe())
         return snap
 
     def _speculation(self) -> dict | None:

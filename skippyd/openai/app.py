@@ -61,6 +61,7 @@ from skippyd.telemetry import span
 log = logging.getLogger("skippyd.openai")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+INLINE_BODY_BYTES = 256 * 1024  # a body this large or larger is parsed in a worker thread
 RETRY_AFTER_S = 1
 JSON = b"application/json"
 
@@ -291,6 +292,11 @@ def usage(result: GenerationResult) -> dict:
 
 # ---------------------------------------------------------------- the application
 class OpenAIApp:
+async def _run(off_loop: bool, fn: Callable, *args):
+    """``fn(*args)``, in a worker thread if ``off_loop``."""
+    return await trio.to_thread.run_sync(fn, *args) if off_loop else fn(*args)
+
+
     """ASGI 3 application over a node's head (its engine; whether the node drains)."""
 
     def __init__(self, node: NodeView, *, model_id: str | None = None, metrics: Metrics | None = None,
@@ -493,10 +499,14 @@ class OpenAIApp:
         """The request, checked, as a generation with its prompt tokenized, and the shape of its answer:
         anything wrong is a 400 naming the field (or a 404, a 503) before any stage is touched."""
         try:
-            req = schemas.parse(await ex.body(self.body_limit), body_type)
+            body = await ex.body(self.body_limit)
+            # a large body (a long chat, images in base64) is parsed, its images' bytes decoded, in a worker
+            # thread: the event loop goes on answering meanwhile
+            off_loop = len(body) >= INLINE_BODY_BYTES
+            req = await _run(off_loop, schemas.parse, body, body_type)
             self._check_model(req.model)
             engine = self._ready_engine()
-            greq = req.to_generation(engine.model.n_vocab, engine.context.n_ctx_seq)
+            greq = await _run(off_loop, req.to_generation, engine.model.n_vocab, engine.context.n_ctx_seq)
             plan = None
             if isinstance(req, schemas.ChatCompletionRequest):  # its tools and tool history
                 greq, plan = tools.prepare(req, greq, engine.model)
@@ -514,7 +524,7 @@ class OpenAIApp:
         try:
             if greq.images:
                 return attrs.evolve(greq, prepared=await engine.prepare(greq))
-            tokens = engine.prompt_tokens(greq)
+            tokens = await engine.tokenize_prompt(greq)
         except LlamaError as exc:  # e.g. a model without a chat template
             raise ApiError(400, str(exc), code="invalid_value") from exc
         except PromptTooLong as exc:
@@ -525,7 +535,7 @@ class OpenAIApp:
             raise ApiError.from_generation(exc) from exc
         except GenerationError as exc:
             raise ApiError(400, str(exc), param=param, code="invalid_value") from exc
-        return attrs.evolve(greq, prompt_tokens=tuple(int(t) for t in tokens), origin="openai")
+        return attrs.evolve(greq, prompt_tokens=tuple(tokens.tolist()), origin="openai")
 
     async def _generate(self, ex: Exchange, engine, greq: GenerationRequest,
                         stream: EventStream | None) -> GenerationResult:

@@ -35,6 +35,7 @@ from skippyd import telemetry
 from skippyd.head.lanes import LaneState
 from skippyd.head.states import GenerationState
 from skippyd.ports import NodeView
+from skippyd.stage.loop_lag import LoopLagCollector
 
 log = logging.getLogger("skippyd.metrics")
 
@@ -93,6 +94,7 @@ class Metrics:
         self._refreshing = trio.Lock()
         if daemon is not None:
             r.register(_DaemonCollector(daemon, self))
+            r.register(LoopLagCollector())  # skippy_event_loop_lag_seconds of this daemon's stages
 
     async def refresh_caches(self) -> None:
         """Fetch the head's report of every stage's prefix cache, unless one is fresh (CACHE_REPORT_TTL_S);

@@ -35,10 +35,11 @@ from skippyd.telemetry import span
 from skippyd.wire.stream import PreparedFrame
 
 # Decode batches up to this many sessions compute on the event loop's thread, while the last such batch's
-# compute took less than INLINE_MAX_US: a tenth of the liveness ping's 1 s timeout keeps pings answered in
-# time (a very big model's decode step still stays off the loop).
+# compute took less than INLINE_MAX_US: short enough that a ping, or an HTTP request (which takes the loop
+# several turns, each of which may wait for one inline compute), is answered within a fraction of a second
+# while steps come back to back; a bigger model's decode step (tens of milliseconds) stays off the loop.
 INLINE_MAX_SEQS = 8
-INLINE_MAX_US = 100_000
+INLINE_MAX_US = 20_000
 
 T = TypeVar("T")
 

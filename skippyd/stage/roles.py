@@ -23,6 +23,7 @@ from skippyd.runtime import llama
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.stage.execution import Job
 from skippyd.stage.handlers import AnswerPath, ReplyError, StageHandlers, returns_only
+from skippyd.stage.loop_lag import PingDeadline
 from skippyd.stage.sessions import StageSession
 from skippyd.stage.token_return import TokenReturnLost
 from skippyd.telemetry import span
@@ -56,8 +57,9 @@ from skippyd.wire.stream import PreparedFrame
 
 log = logging.getLogger("skippyd.stage")
 
-# A middle stage k relays a Ping and waits PING_RELAY_S ** k for the answer of the stages after it: less
-# than whoever pinged it waits (the head: 1 s), so the stage before a hung one is the one that names it.
+# A middle stage k relays a Ping and waits PING_RELAY_S ** k times what the head would (1 s for an answer that
+# comes at once, see PingDeadline) for the answer of the stages after it: less than whoever pinged it waits, so
+# the stage before a hung one is the one that names it.
 PING_RELAY_S = 0.8
 _NO_TOKENS = np.empty(0, dtype=np.int32)  # a dropped window's answer
 
@@ -244,6 +246,7 @@ class MiddleStage(StageHandlers):
 
     async def on_configure(self, msg: ConfigureGeneration) -> None:
         await self._ensure_downstream()
+        self.ping_deadline = PingDeadline(scale=PING_RELAY_S ** core.index)  # below what its upstream waits
         session = self._session(msg, create=True)
         session.request_id = msg.request_id
         self._deferred.pop(msg.session_id, None)
@@ -256,7 +259,8 @@ class MiddleStage(StageHandlers):
         thread, so a busy one answers at once; one that does not answer in time is named in a
         DOWNSTREAM_FAILED reply (by dispatch), and this connection ends (a reply is owed on its link)."""
         await self._ensure_downstream()  # the next stage restarted since the last ping: reconnect first
-        wait = PING_RELAY_S ** self.core.index
+        wait = self.ping_deadline.timeout()
+        sent = trio.current_time()
         with trio.move_on_after(wait):
             await self._relay(msg, None)
             return
@@ -267,6 +271,7 @@ class MiddleStage(StageHandlers):
         """Every stage restores what it holds of the tokens, whatever this one holds: the reply going up is the
         smaller hit, where the prefill starts; a stage that holds more answers those positions from what it
         recorded (see StageHandlers._prefill), so only the stages that miss compute them."""
+            self.ping_deadline.observe(trio.current_time() - sent)
         if self.down is None:
             await self.reply(PrefixRestored(msg.request_id, msg.session_id, 0, stats=self._own_stats()))
             return

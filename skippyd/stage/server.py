@@ -32,6 +32,7 @@ from skippyd.stage.core import StageCore
 from skippyd.stage.downstream import DownstreamError, DownstreamLink
 from skippyd.stage.host_lock import HostComputeLock
 from skippyd.stage.link_choice import describe_links, describe_upstream, time_prompt_rows
+from skippyd.stage.loop_lag import LoopLag
 from skippyd.stage.prefix_cache import PrefixCache
 from skippyd.stage.prefix_disk import model_digest, open_disk_tier
 from skippyd.stage.scheduler import Scheduler
@@ -146,6 +147,7 @@ class StageServer:
         )
         self.upstream_allow = UpstreamAllow.for_stage(topology, index, config.upstream_allow) if index else None
         self._drop_logged = (-math.inf, 0)  # when the last "dropped" line was logged, and the count then
+        self.loop_lag = LoopLag(str(index))  # how late this stage's event loop runs
         # link conditioning (tests, benchmarks): put around every stage link this stage makes, where it makes it
         self._shape = config.link_shape
         n_stages = len(topology.stages)
@@ -181,7 +183,10 @@ class StageServer:
             if (stage.layer_start, stage.layer_end) != (self.spec.layer_start, self.spec.layer_end):
                 raise ValueError(f"{self.model_path} holds layers [{stage.layer_start},{stage.layer_end}), "
                                  f"the topology says [{self.spec.layer_start},{self.spec.layer_end})")
-            core.context = await trio.to_thread.run_sync(Context, model, cfg.context_params())
+            async with trio.open_nursery() as loading:
+                if stage.is_last:  # what a constraint needs of the vocabulary, made before serving (Model.prepare)
+                    loading.start_soon(trio.to_thread.run_sync, model.prepare)
+                core.context = await trio.to_thread.run_sync(Context, model, cfg.context_params())
             core.scheduler = cfg.scheduler(core.context)
             if not core.is_final and cfg.activation_wire == "auto":  # what its links' encoding is chosen against
                 core.wire_policy = attrs.evolve(core.wire_policy, row_compute_s=await trio.to_thread.run_sync(
@@ -194,6 +199,7 @@ class StageServer:
                 cfg.open_disk_tier, self.index, model_digest(spec.sha256, self.model_path),
                 (spec.layer_start, spec.layer_end), core.context)
             async with trio.open_nursery() as nursery:
+                await nursery.start(self.loop_lag.serve)
                 await nursery.start(core.scheduler.serve)
                 if core.token_return is not None:
                     await nursery.start(core.token_return.run)
