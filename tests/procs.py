@@ -427,7 +427,7 @@ class Stage0Driver:
 
     async def generate(self, link, session_id: int, prompt, n: int, *, chunk: int = 16) -> list[int]:
         """A whole greedy generation of `n` tokens over `link` (no EOG check), then Stop."""
-        from skippyd.wire.messages import Ack, PredictedToken
+        from skippyd.wire.messages import Ack, PredictedToken, Stopped
 
         assert isinstance(await self.configure(link, session_id), Ack)
         reply = await self.send_prefill(link, session_id, prompt, chunk=chunk)
@@ -439,5 +439,5 @@ class Stage0Driver:
             assert isinstance(reply, PredictedToken), reply
             out.append(reply.token)
             pos += 1
-        assert isinstance(await self.stop(link, session_id), Ack)
+        assert isinstance(await self.stop(link, session_id), Stopped)
         return out

@@ -305,6 +305,8 @@ def _messages(n_embd: int) -> list[bytes]:
         # answer a PredictedTokens), one past the session's positions
         VerifyWindow(12, 77, 0, tokens, hidden),
         VerifyWindow(13, 77, 2, tokens, hidden),
+        # a prompt's first chunk with its prefix cache lookup (a restore block)
+        PrefillChunk(14, 81, 0, tokens, hidden, restore=np.arange(40, dtype=np.int32)),
     )]
 
 

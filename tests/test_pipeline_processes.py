@@ -26,7 +26,7 @@ from skippyd.control import messages as m
 from skippyd.runtime.llama import ContextParams
 from skippyd.wire.codec import frame_bytes
 from skippyd.wire.errors import WireError
-from skippyd.wire.messages import Ack, ErrorCode, ErrorReply, PredictedToken, PrefillChunk
+from skippyd.wire.messages import Ack, ErrorCode, ErrorReply, PredictedToken, PrefillChunk, Stopped
 from skippyd.wire.stream import read_reply
 from tests.local_pipeline import LocalPipeline
 from tests.procs import Pipeline, Stage0Driver, retarget, split_for_test
@@ -246,9 +246,9 @@ async def test_stop_twice(tiny3, driver, tiny_model_path):
         reply = await driver.send_prefill(link, 11, prompt, chunk=CHUNK)
         reply = await driver.request(link, driver.decode_msg(11, reply.token, len(prompt)))
         assert isinstance(reply, PredictedToken)
-        assert isinstance(await driver.stop(link, 11), Ack)
-        assert isinstance(await driver.stop(link, 11), Ack)  # stopping twice is not an error
-        assert isinstance(await driver.stop(link, 12345), Ack)  # nor is stopping a session never seen
+        assert isinstance(await driver.stop(link, 11), Stopped)
+        assert isinstance(await driver.stop(link, 11), Stopped)  # stopping twice is not an error
+        assert isinstance(await driver.stop(link, 12345), Stopped)  # nor is stopping a session never seen
         await tiny3.wait_all_released(RELEASE_S)
         # the lane stays usable: a new generation on the same connection is exact
         got = await driver.generate(link, 11, prompt, 12, chunk=CHUNK)
@@ -290,7 +290,7 @@ async def test_malformed_frame_closes_only_that_connection(tiny3, driver, tiny_m
             tokens.append(reply.token)
             pos += 1
         assert tokens == reference(tiny_model_path, PROMPTS[1], 5, CHUNK)[:5]
-        assert isinstance(await driver.stop(good, 21), Ack)
+        assert isinstance(await driver.stop(good, 21), Stopped)
     finally:
         await good.aclose()
         await bad.aclose()

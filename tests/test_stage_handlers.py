@@ -36,6 +36,7 @@ from skippyd.wire.messages import (
     SamplingParams,
     StageStats,
     Stop,
+    Stopped,
     TrimSession,
 )
 from skippyd.wire.stream import ReceiveBuffer, read_reply, write_frame
@@ -144,6 +145,8 @@ class FakeDownstream:
         self.sent.append(("request", msg))
         if isinstance(msg, (DecodeStep, PrefillChunk)):
             reply = PredictedToken(msg.request_id, msg.session_id, 7, StageStats.single(2, compute_us=5))
+        elif isinstance(msg, Stop):  # the final stage held 2 positions of the prompt
+            reply = Stopped(msg.request_id, msg.session_id, (2,), StageStats.single(2))
         else:
             reply = Ack(msg.request_id, getattr(msg, "session_id", 0), StageStats.single(2))
         return reply, 100, 1, 2
@@ -240,7 +243,8 @@ async def test_final_stage_configures_prefills_decodes_and_stops_a_session():
     assert core.scheduler.notes == 1  # the decode step's hot-path timing
 
     await h.dispatch(Stop(4, 5))
-    assert isinstance(await up.reply(), Ack)
+    reply = await up.reply()
+    assert isinstance(reply, Stopped) and reply.cached == (0,)  # it computed the whole prompt
     assert core.released == [5] and core.sessions.live == [] and core.context.cleared == [session.seq]
 
 
@@ -252,7 +256,8 @@ async def test_unknown_session_is_answered_and_the_connection_goes_on():
     await h.dispatch(Ping(2))
     assert isinstance(await up.reply(), Ack)
     await h.dispatch(Stop(3, 9))  # stopping an unknown session is no error
-    assert isinstance(await up.reply(), Ack) and core.released == []
+    reply = await up.reply()
+    assert isinstance(reply, Stopped) and reply.cached == (0,) and core.released == []
 
 
 async def test_a_stage_ahead_trims_and_a_gap_is_refused():
@@ -349,7 +354,9 @@ async def test_middle_stage_relays_each_message_with_its_hidden_states():
     assert np.array_equal(forwarded.activation, step * 2) and forwarded.pos_start == 4
 
     await h.dispatch(Stop(5, 5))
-    assert isinstance(await up.reply(), Ack)
+    reply = await up.reply()
+    assert isinstance(reply, Stopped) and reply.cached == (0, 2)  # this stage's count, then the next one's
+    assert reply.stats.stage_count == 2
     assert down.sent[-1] == ("request", Stop(5, 5)) and core.released == [5]
 
 

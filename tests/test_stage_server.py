@@ -36,6 +36,7 @@ from skippyd.wire.messages import (
     PrefillChunk,
     SamplingParams,
     Stop,
+    Stopped,
 )
 from skippyd.wire.stream import KEEPALIVE_IDLE_S, ReceiveBuffer, read_frame, read_message, write_frame
 from tests.procs import split_for_test
@@ -232,7 +233,7 @@ async def test_stop_releases_and_stop_again_is_harmless(final_stage):
     assert final_stage.snapshot()["sessions"][0]["position"] == 6
     for _ in range(2):
         reply, *_ = await link.request(Stop(4, 9))
-        assert isinstance(reply, Ack) and released(final_stage)
+        assert isinstance(reply, Stopped) and released(final_stage)
     reply, *_ = await link.request(DecodeStep(5, 9, 6, [token], activation(1, n_embd, 1)))
     assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.UNKNOWN_SESSION
     await link.aclose()
@@ -253,7 +254,7 @@ async def test_upstream_close_releases_every_session_it_owned(final_stage):
             await trio.sleep(0.01)
     assert [s["connection"] for s in final_stage.snapshot()["sessions"]] == [conn_b] != [conn_a]
     reply, *_ = await b.request(Stop(4, 1))
-    assert isinstance(reply, Ack) and released(final_stage)
+    assert isinstance(reply, Stopped) and released(final_stage)
     await b.aclose()
 
 
@@ -273,7 +274,7 @@ async def test_exception_in_a_handler_costs_one_connection(final_stage, monkeypa
         while final_stage.snapshot()["live_sessions"] != 1:
             await trio.sleep(0.01)
     reply, *_ = await other.request(Stop(3, 2))  # the other connection did not notice
-    assert isinstance(reply, Ack) and released(final_stage)
+    assert isinstance(reply, Stopped) and released(final_stage)
     await link.aclose()
     await other.aclose()
 
@@ -424,7 +425,7 @@ async def test_failed_chunk_acked_before_compute_is_reported_on_the_next_reply(f
     assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.POSITION_GAP, reply
     assert "holds 0 positions, message starts at 4" in reply.message
     reply, *_ = await link.request(Stop(4, 3))
-    assert isinstance(reply, Ack) and released(final_stage)
+    assert isinstance(reply, Stopped) and released(final_stage)
     assert await open_session(link, 4, n_embd) >= 0  # the lane still works
     await link.aclose()
     await wait_released(final_stage)
@@ -441,7 +442,7 @@ async def test_draining_stage_refuses_new_sessions_only(final_stage):
     reply, *_ = await link.request(DecodeStep(4, 1, 5, [token], activation(1, n_embd)))
     assert isinstance(reply, PredictedToken)  # the running one goes on
     reply, *_ = await link.request(Stop(5, 1))
-    assert isinstance(reply, Ack) and released(final_stage)
+    assert isinstance(reply, Stopped) and released(final_stage)
     await link.aclose()
 
 
@@ -495,7 +496,7 @@ async def test_final_stage_sends_no_lane_reply_for_a_direct_return_decode_step(f
     token = await open_session(link, 1, n_embd)
     await link.send(DecodeStep(3, 1, 5, [token], activation(1, n_embd), direct_return=True))
     reply, *_ = await link.request(Stop(4, 1))
-    assert isinstance(reply, Ack) and reply.request_id == 4, reply
+    assert isinstance(reply, Stopped) and reply.request_id == 4, reply
     assert final_stage.snapshot()["returns_only"]["answered"] == 0  # it failed: not answered with a token
     await wait_released(final_stage)
     await link.aclose()

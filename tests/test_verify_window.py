@@ -44,6 +44,7 @@ from skippyd.wire.messages import (
     PrefillChunk,
     SamplingParams,
     Stop,
+    Stopped,
     VerifyWindow,
 )
 from tests.procs import Pipeline, split_for_test
@@ -158,7 +159,7 @@ class Head:
             reply = await self.request(link, self.step(sid, out[-1], len(prompt) + len(out) - 1))
             assert isinstance(reply, PredictedToken), reply
             out.append(reply.token)
-        assert isinstance(await self.request(link, Stop(next(self.ids), sid)), Ack)
+        assert isinstance(await self.request(link, Stop(next(self.ids), sid)), Stopped)
         return out
 
 
@@ -224,7 +225,7 @@ async def speculate(head: Head, link, sid: int, prompt, ref: list[int], stages: 
     assert out == ref
     for server in stages:
         assert position(server, sid) == p + len(ref) - 1
-    assert isinstance(await head.request(link, Stop(next(head.ids), sid)), Ack)
+    assert isinstance(await head.request(link, Stop(next(head.ids), sid)), Stopped)
 
 
 # ---------------------------------------------------------------------------- the runtime
@@ -385,7 +386,7 @@ async def test_three_stages_direct_return_windows(head3, split3, nursery, refere
     assert hub.stats.tokens == 4
     # only the decode step went the path that owes no lane reply; the windows were acked on the lane
     assert final.snapshot()["returns_only"]["answered"] == 1
-    assert isinstance(await head3.request(link, Stop(2, sid)), Ack)
+    assert isinstance(await head3.request(link, Stop(2, sid)), Stopped)
     await link.aclose()
 
 
@@ -667,7 +668,7 @@ async def test_windows_behind_a_rejection_are_dropped_unsampled_and_the_next_ste
     got = window_tokens(await head2.request(link, head2.window(sid, ref[accepted:accepted + 4], confirmed)))
     assert got == ref[accepted + 1:accepted + 5]
     assert position(final2, sid) == confirmed + 4
-    assert isinstance(await head2.request(link, Stop(next(head2.ids), sid)), Ack)
+    assert isinstance(await head2.request(link, Stop(next(head2.ids), sid)), Stopped)
     await link.aclose()
 
 
@@ -685,7 +686,7 @@ async def test_chained_windows_that_follow_are_computed_as_if_sent_after_the_ans
     # a chained window at another position than the answer's end is dropped too, even with the right token
     assert await send_behind(head2, link, sid, [([ref[10], ref[11]], p + 9, True)]) == [[]]
     assert position(final2, sid) == p + 10
-    assert isinstance(await head2.request(link, Stop(next(head2.ids), sid)), Ack)
+    assert isinstance(await head2.request(link, Stop(next(head2.ids), sid)), Stopped)
     await link.aclose()
 
 
@@ -703,5 +704,5 @@ async def test_three_stages_the_middle_stage_computes_chained_windows_and_the_fi
     got = window_tokens(await head3.request(link, head3.window(sid, ref[2:5], p + 2)))
     assert got == ref[3:6]
     assert position(middle, sid) == position(final, sid) == p + 5
-    assert isinstance(await head3.request(link, Stop(next(head3.ids), sid)), Ack)
+    assert isinstance(await head3.request(link, Stop(next(head3.ids), sid)), Stopped)
     await link.aclose()

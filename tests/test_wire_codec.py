@@ -69,6 +69,7 @@ from skippyd.wire.messages import (
     StageStats,
     StatsTotal,
     Stop,
+    Stopped,
     TrimSession,
     VerifyWindow,
     merge,
@@ -148,10 +149,20 @@ def media_chunks(draw, n_embd: int):
     return PrefillChunk(draw(ids), draw(ids), start, [NO_TOKEN] * n, act, final=draw(st.booleans()), media=media)
 
 
+@st.composite
+def restore_chunks(draw, n_embd: int):
+    """A prompt's first chunk (position 0, text) carrying a restore block: the keys to look up first."""
+    tokens = draw(token_arrays(1, 16))
+    act = draw(st.none() | activations(len(tokens), n_embd))
+    restore = draw(hnp.arrays(np.int32, st.integers(1, 40), elements=st.integers(-2**31, 2**31 - 1)))
+    return PrefillChunk(draw(ids), draw(ids), 0, tokens, act, final=draw(st.booleans()), restore=restore)
+
+
 def messages(n_embd: int):
     return st.one_of(
         token_messages(n_embd),
         media_chunks(n_embd),
+        restore_chunks(n_embd),
         st.builds(ConfigureGeneration, ids, ids, sampling_params, st.booleans()),
         st.builds(TrimSession, ids, ids, positions),
         st.builds(Stop, ids, ids),
@@ -182,6 +193,7 @@ replies = st.one_of(
     st.builds(PrefixRestored, ids, ids, st.integers(0, 2**32 - 1), stage_stats),
     st.builds(CacheReport, ids, ids, st.lists(cache_stats, max_size=6), stage_stats),
     st.builds(StageReport, ids, ids, st.lists(stage_loads, max_size=6), stage_stats),
+    st.builds(Stopped, ids, ids, st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=6), stage_stats),
 )
 
 hellos = st.builds(
@@ -490,7 +502,7 @@ def test_trusted_builders_make_what_the_constructors_make(stats, token, first, s
     cases = [(StageStats, attrs.astuple(stats)), (Ack, (first, second, stats)),
              (PredictedToken, (first, second, token, stats)),
              (DecodeStep, (first, second, pos, tokens, act, data.draw(st.booleans()))),
-             (PrefillChunk, (first, second, pos, tokens, act, True, None)),
+             (PrefillChunk, (first, second, pos, tokens, act, True, None, None)),
              (VerifyWindow, (first, second, pos, tokens, act, True))]
     assert {cls for cls, _ in cases} == set(codec.TRUSTED)
     for cls, values in cases:
@@ -642,7 +654,8 @@ def test_malformed_messages(wire, code):
         # CLEAR on another kind, another flag on a cache query
         (prefix(MessageKind.PING, 32, flags=Flags.CLEAR) + header(session_id=0, n_tokens=0), ErrorCode.BAD_FLAGS),
         (prefix(MessageKind.RESTORE_PREFIX, 36, flags=Flags.CLEAR) + header() + b"\0" * 4, ErrorCode.BAD_FLAGS),
-        (prefix(MessageKind.PREFILL, 36, flags=Flags.CLEAR) + header() + b"\0" * 4, ErrorCode.BAD_FLAGS),
+        # (CLEAR's bit is RESTORE on a PrefillChunk: a restore block of no keys)
+        (prefix(MessageKind.PREFILL, 36, flags=Flags.CLEAR) + header() + b"\0" * 4, ErrorCode.BAD_VALUE),
         (prefix(MessageKind.CACHE_QUERY, 32, flags=Flags.FINAL) + header(session_id=0, n_tokens=0),
          ErrorCode.BAD_FLAGS),
         (prefix(MessageKind.CACHE_QUERY, 32, flags=0x10) + header(session_id=0, n_tokens=0), ErrorCode.BAD_FLAGS),

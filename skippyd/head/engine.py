@@ -104,7 +104,9 @@ class GenerationResult:
     elapsed_ms: float
     stage_stats: dict = attrs.field(factory=dict)
     error: str | None = None
-    cached_tokens: int = 0  # prompt tokens restored from the stages' prefix caches, not computed
+    cached_tokens: int = 0  # prompt tokens no stage computed: every stage held them in its prefix cache
+    # per stage, {"stage", "cached_tokens"}: the prompt tokens that stage held rather than computed
+    prefix_cache: list[dict] = attrs.field(factory=list)
     image_encode_ms: float = 0.0  # the projector's time on the prompt's images
     # with sampling.logprobs: one TokenLogprobs per token of ``tokens`` (the final stage's, from the distribution
     # it sampled from); None without
@@ -120,6 +122,7 @@ class GenerationResult:
             "finish_reason": str(self.finish_reason),
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
                       "total_tokens": self.prompt_tokens + len(self.tokens), "cached_tokens": self.cached_tokens,
+                      "prefix_cache": self.prefix_cache,
                       **({} if self.speculation is None else {"speculation": self.speculation})},
             "timings": {"ttft_ms": round(self.ttft_ms, 3), "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
                         "elapsed_ms": round(self.elapsed_ms, 3), "image_encode_ms": round(self.image_encode_ms, 3),
@@ -418,6 +421,7 @@ class HeadEngine:
             ttft_ms=reply.ttft_ms,
             decode_tokens_per_s=live.decode_rate() or 0.0, elapsed_ms=run.elapsed_ms(),
             stage_stats=attrs.asdict(run.stats), error=run.error, cached_tokens=run.cached_tokens,
+            prefix_cache=run.prefix_cache(),
             logprobs=None if reply.logprobs is None else list(reply.logprobs),
             speculation=None if run.speculation is None else run.speculation.describe(),
             image_encode_ms=run.prompt.encode_ms)

@@ -46,7 +46,6 @@ from skippyd.stage.downstream import DownstreamError
 from skippyd.telemetry import span
 from skippyd.wire.messages import (
     TRUSTED,
-    Ack,
     ConfigureGeneration,
     DecodeStep,
     ErrorCode,
@@ -58,6 +57,7 @@ from skippyd.wire.messages import (
     RestorePrefix,
     StatsTotal,
     Stop,
+    Stopped,
 )
 from skippyd.wire.stream import PreparedFrame
 
@@ -157,6 +157,8 @@ class LaneClient:
         self.acked_steps = acked_steps
         self.n_embd = services.n_embd  # a decode step's activation's width
         self.closed = False  # the generation left the lane
+        # the Stop's answer: per stage from stage 1 on, the leading prompt positions it held rather than computed
+        self.stages_cached: tuple[int, ...] = ()
         self._sending = _PipelineFailures(self, None)
         self._lane_watched: _PipelineFailures | None = None  # see _watched
 
@@ -269,7 +271,8 @@ class LaneClient:
 
     async def stop(self) -> bool:
         """Finish the request a cancellation interrupted, then Stop the session; True once stage 1
-        acknowledged the Stop (its relay means every later stage did too)."""
+        acknowledged the Stop (its relay means every later stage did too), with each stage's prompt positions
+        held rather than computed (``stages_cached``)."""
         lane, link = self.lane, self.link
         if lane.dirty or link is None or link.broken:
             return False  # known to be wedged or gone: a Stop would only wait for it
@@ -281,9 +284,10 @@ class LaneClient:
             log.warning("head: stop for session %d failed: %s", self.session_id, exc)
             return False
         self.stats.add(reply.stats)  # with the reports of the decode steps that owed no ack
-        if not isinstance(reply, Ack):
+        if not isinstance(reply, Stopped):
             log.warning("head: stop for session %d answered with %s", self.session_id, reply)
             return False
+        self.stages_cached = reply.cached
         return True
 
     # ------------------------------------------------------------ liveness

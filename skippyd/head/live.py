@@ -31,7 +31,7 @@ class LiveGeneration:
     speculation: object | None = None  # its drafting state (head.speculation.Speculation), once it drafts
     origin: str = "control"  # who asked: "control" (skippyctl, the control channel) or "openai"
     ttft_ms: float | None = None  # from the request to the first token (None before it)
-    cached_tokens: int = 0  # prompt positions restored from the prefix caches, not computed
+    cached_tokens: int = 0  # prompt tokens (and image rows) no stage computed: every stage's prefix cache held them
 
     def describe(self) -> dict:
         return {"session_id": self.session_id, "request_id": self.request_id, "state": self.state,

@@ -116,7 +116,7 @@ class PipelineLane:
             self._prompt_us += sequence.clock.native_us - native_before
             self._prompt_tokens += len(part.tokens)
         msg = PrefillChunk(self.wire_request_id, self.session_id, part.pos_start, part.tokens, hidden, final=final,
-                           media=part.media)
+                           media=part.media, restore=sequence.take_restore_block(part))
         if not final:
             await client.send_chunk(msg)  # its ack may come later (up to the link's credit)
             return None
@@ -207,6 +207,7 @@ class PipelineLane:
         try:
             with trio.move_on_after(STOP_TIMEOUT_S) as bounded:
                 stopped = await client.stop()
+            self.sequence.stages_cached = client.stages_cached
             if bounded.cancelled_caught:
                 log.warning("head: stop for session %d not acknowledged within %g s: closing lane %d",
                             self.session_id, STOP_TIMEOUT_S, client.lane.lane_id)

@@ -67,7 +67,8 @@ class GenerationRun:
         self.reply = Reply(head.token_piece, head.is_eog, stops, sink, max_tokens=max_tokens, ignore_eos=ignore_eos,
                            logprobs=sampling.logprobs is not None)
         self.error: str | None = None
-        self.cached_tokens = 0  # prompt tokens (and image rows) restored from the prefix caches, not computed
+        # prompt tokens (and image rows) that no stage computed: restored from every stage's prefix cache
+        self.cached_tokens = 0
         self.clock = StepClock(head.compute.scheduler.hot_path)
         self.resume = ResumePolicy(head.resume_window, head.watch, head.availability)
         self._stats = StatsTotal()  # every stage's reports for this generation, merged as they come
@@ -79,6 +80,16 @@ class GenerationRun:
         self.max_draft = max_draft if sampling.logprobs is None else 0
         self.speculation: Speculation | None = None  # its state, from the first decode on
         self.sequence: HeadSequence | None = None  # from the start of execute
+
+    def prefix_cache(self) -> list[dict]:
+        """Per stage, the prompt's tokens (and image rows) it held from its prefix cache rather than computed:
+        the head's own, then each later stage's as its Stop's answer said (a stage whose answer did not come
+        is left out)."""
+        sequence = self.sequence
+        if sequence is None:
+            return []
+        counts = [sequence.prompt_cached or 0, *sequence.stages_cached]
+        return [{"stage": k, "cached_tokens": self.prompt.rows_before(n)} for k, n in enumerate(counts)]
 
     @property
     def stats(self) -> StageStats:

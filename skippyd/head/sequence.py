@@ -69,6 +69,13 @@ class HeadSequence:
         self.position = 0  # positions the sequence holds
         self.batched = False  # the last compute was one llama_decode with other sessions' steps
         self.sharing = 1  # the sessions in that llama_decode, this one's included
+        # the leading positions of the prompt the head held (restored) rather than computed: where its first
+        # compute of the prompt began (None: not yet); and each later stage's, from its Stop's answer
+        self.prompt_cached: int | None = None
+        self.stages_cached: tuple[int, ...] = ()
+        # the keys the later stages look their prefixes up by, for the prompt's first chunk to carry (a head
+        # that holds none of the prompt: see restore); None: they were asked already, or are not to be
+        self.restore_block: np.ndarray | None = None
 
     async def compute(self, tokens: np.ndarray, pos: int, *, want_token: bool, sampler=None,
                       out: PreparedFrame | None = None, window: bool = False):
@@ -87,6 +94,8 @@ class HeadSequence:
         rows = self.rows.view(part.pos_start, part.pos_start + held).copy() if held else None
         if held and held == len(part.tokens):  # held already (restored past where the prefill starts): the
             return rows                         # hidden states recorded for them
+        if self.prompt_cached is None:
+            self.prompt_cached = part.pos_start + held
         await self.keep(part.pos_start + held)  # what it holds past them is computed again (an image's rows)
         if held:
             rest = await self.compute(part.tokens[held:], part.pos_start + held, want_token=False)
@@ -162,6 +171,7 @@ class HeadSequence:
         context, seq = self.head.context, self.seq
         await self.scheduler.run_kv(lambda: context.kv_clear_seq(seq))
         self.live.position = self.position = 0
+        self.prompt_cached = None
         if self.rows is not None:
             self.rows.trim(0)
 
@@ -172,8 +182,14 @@ class HeadSequence:
         Returns where the prefill starts: the least of those (0: the whole prompt is computed). A stage that
         holds more answers the positions it holds with the hidden states it recorded for them and computes
         only the rest (on a pipeline; see skippyd/stage/boundary.py); without them it trims itself when the
-        prefill comes (positions are authoritative)."""
+        prefill comes (positions are authoritative).
+
+        A head that holds no prefix of the prompt worth restoring starts the prefill at 0 whatever the later
+        stages hold: it does not ask them, and the prompt's first chunk carries the keys instead
+        (``restore_block``), so that each of them restores what it holds as that chunk comes, with no trip of
+        its own through the stages."""
         cache, prompt = self.head.prefix_cache, self.prompt
+        self.restore_block = None
         keys = prompt.keys
         # the prompt's last position is always computed: its logits give the first generated token (and a
         # restore never ends inside an image: its rows are computed together); MAX_TOKENS: one RestorePrefix
@@ -183,6 +199,9 @@ class HeadSequence:
         hit = await cache.lookup_tiers(keys, limit)
         own = prompt.resume_point(hit.length) if hit is not None else 0
         if self.rows is None and own < cache.min_hit:  # a single stage, or no boundary: a miss here is all
+            return 0
+        if own < cache.min_hit:
+            self.restore_block = keys[:limit]
             return 0
         start = prompt.resume_point(min(own, await held_downstream(keys[:limit])))
         if start < cache.min_hit:
@@ -199,6 +218,13 @@ class HeadSequence:
         if self.rows is not None:
             self.rows.load(hit.entry.boundary, own)
         return start
+
+    def take_restore_block(self, part: PromptPart) -> np.ndarray | None:
+        """The restore block for ``part``, the prompt's first (once: None after): the keys of restore, if the
+        part is text (a prompt that begins with an image is computed from 0 on every stage: its rows are never
+        held past where a prefill starts)."""
+        block, self.restore_block = self.restore_block, None
+        return block if block is not None and part.pos_start == 0 and part.media is None else None
 
     async def record(self, generated: Sequence[int] = (), *, clear: bool = False) -> None:
         """Keep what the sequence holds (the prompt, then ``generated``) in the head's prefix cache, if the

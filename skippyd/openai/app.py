@@ -283,10 +283,12 @@ class _Completion(_Chat):
 
 def usage(result: GenerationResult) -> dict:
     completion = len(result.tokens)
-    # cached_tokens: prompt tokens the stages' prefix caches restored rather than computed
+    # cached_tokens: prompt tokens no stage computed (every stage held them in its prefix cache); prefix_cache:
+    # per stage, the prompt tokens it held rather than computed
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
             "total_tokens": result.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+            "prefix_cache": result.prefix_cache,
             **({} if result.speculation is None else {"speculation": result.speculation})}
 
 

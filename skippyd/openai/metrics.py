@@ -304,8 +304,8 @@ class _DaemonCollector(Collector):
                           "budget, per stage"),
         }
         gauges = {
-            "bytes_held": ("skippy_prefix_cache_bytes", "Bytes the prefix cache holds (KV state and token ids), "
-                           "per stage"),
+            "bytes_held": ("skippy_prefix_cache_bytes", "Bytes the prefix cache holds (KV state, token ids and, "
+                           "before the final stage, the hidden states recorded), per stage"),
             "entries": ("skippy_prefix_cache_entries", "Prefixes the prefix cache holds, per stage"),
             "tokens_held": ("skippy_prefix_cache_tokens", "Tokens of the prefixes the prefix cache holds, per stage"),
             "budget_bytes": ("skippy_prefix_cache_budget_bytes", "The most bytes the prefix cache may hold "

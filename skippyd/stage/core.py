@@ -39,6 +39,9 @@ class StageCounters:
     # token-return connection only, and taken by a middle stage without a reply on its lane
     returns_only: dict[str, int] = attrs.field(factory=lambda: {"forwarded": 0, "answered": 0, "unacked": 0})
     windows_dropped: int = 0  # the final stage: chained verify windows dropped, unsampled (a draft before failed)
+    # prefix cache lookups asked of this stage: by a RestorePrefix (a trip of its own through the stages), and
+    # by the restore block of a prompt's first prefill chunk
+    restores: dict[str, int] = attrs.field(factory=lambda: {"queries": 0, "with_prefill": 0})
 
 
 class StageCore:

@@ -176,6 +176,8 @@ class StageHandlers:
         try:
             session = self._session(msg, create=True)
             session.state = SessionState.PREFILL
+            if msg.restore is not None:
+                await self._restore_with_prefill(session, msg)
             job = await self._prefill(session, msg, want_token=False)
             await self._pass_on_chunk(msg, job)
         except ReplyError as exc:
@@ -184,6 +186,8 @@ class StageHandlers:
     async def _on_final_prefill(self, msg: PrefillChunk) -> None:
         self._take_deferred(msg.session_id)
         session = self._session(msg, create=True)
+        if msg.restore is not None:
+            await self._restore_with_prefill(session, msg)
         job = await self._prefill(session, msg, want_token=self.want_token)
         session.state = SessionState.DECODE
         await session.answer.send(session, msg, job)
@@ -227,8 +231,10 @@ class StageHandlers:
 
     async def on_restore_prefix(self, msg: RestorePrefix) -> None:
         """Restore the longest prefix of the message's tokens this stage has cached (see _restore), then let
-        the role answer with the chain's hit."""
+        the role answer with the chain's hit. (A prompt's first chunk may carry the same lookup: its restore
+        block, handled in on_prefill.)"""
         session = self._session(msg, create=True)
+        self.core.counters.restores["queries"] += 1
         await self._pass_restore(msg, await self._restore(session, msg.tokens))
 
     async def on_cache_query(self, msg: CacheQuery) -> None:
@@ -244,14 +250,17 @@ class StageHandlers:
         await self._pass_down(msg)
 
     async def on_stop(self, msg: Stop) -> None:
-        """End the session (idempotent: stopping an unknown session is not an error)."""
+        """End the session (idempotent: stopping an unknown session is not an error); the answer says how
+        much of its prompt each stage held rather than computed."""
         self._deferred.pop(msg.session_id, None)
         session = self.core.sessions.get(self.conn_id, msg.session_id)
         unreported = NO_STATS
+        cached = 0
         if session is not None:
             unreported = session.unreported.total()
+            cached = session.prompt_cached or 0
             await self.core.release(session)
-        await self._pass_down(msg, unreported)
+        await self._pass_stop(msg, cached, unreported)
 
     # ------------------------------------------------------------------ what the roles do
     async def _pass_restore(self, msg: RestorePrefix, restored: int) -> None:
@@ -262,7 +271,11 @@ class StageHandlers:
         """After a non-final prefill chunk's compute (acked already)."""
 
     async def _pass_down(self, msg, unreported: StageStats = NO_STATS) -> None:
-        """Answer a message this stage has done its part of (a trim, a stop)."""
+        """Answer a message this stage has done its part of (a trim)."""
+        raise NotImplementedError
+
+    async def _pass_stop(self, msg: Stop, cached: int, unreported: StageStats) -> None:
+        """Answer a Stop this stage has done its part of: a Stopped with ``cached`` (this stage's count) first."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ sessions and compute
@@ -344,6 +357,8 @@ class StageHandlers:
         held = self._held_part(session, msg)
         if not held:
             await self._align(session, msg.pos_start)
+            if session.prompt_cached is None:
+                session.prompt_cached = msg.pos_start
             return await self._compute(session, msg, want_token=want_token)
         keep = msg.pos_start + held
         await self._align(session, keep)
@@ -352,7 +367,9 @@ class StageHandlers:
             job = Job(session.seq, msg.pos_start, tokens=msg.tokens, embd=None)
             job.result = rows
             return job
-        rest = attrs.evolve(msg, pos_start=keep, tokens=msg.tokens[held:],
+        if session.prompt_cached is None:
+            session.prompt_cached = keep
+        rest = attrs.evolve(msg, pos_start=keep, tokens=msg.tokens[held:], restore=None,
                             activation=None if msg.activation is None else msg.activation[held:])
         job = await self._compute(session, rest, want_token=want_token)
         if rows is not None:
@@ -405,6 +422,12 @@ class StageHandlers:
         if not core.is_final:
             session.rows.load(hit.entry.boundary, hit.length)
         return hit.length
+
+    async def _restore_with_prefill(self, session: StageSession, msg: PrefillChunk) -> None:
+        """A prompt's first chunk with a restore block: the lookup a RestorePrefix would have made, before the
+        chunk (whose positions this stage then holds are answered from what it recorded, see _prefill)."""
+        self.core.counters.restores["with_prefill"] += 1
+        await self._restore(session, msg.restore)
 
     async def _record(self, session: StageSession) -> None:
         """Keep what the session holds in the prefix cache, if the cache wants it."""

@@ -18,7 +18,8 @@ holds at a clean stop, keyed also by what makes a state importable (model,
 split, context settings): a lookup that finds a longer prefix on disk than in
 memory promotes that entry (:meth:`PrefixCache.lookup_tiers`), so a restart
 starts warm and a re-split starts empty. The memory budget counts the bytes held (the
-states and their token arrays); the least recently used entries go first,
+states, their token arrays and, before the final stage, the hidden states recorded with them); the least
+recently used entries go first,
 and an entry larger than the budget is not kept. A restore copies an entry
 into the session's sequence, so evicting it never takes anything from a
 running session.

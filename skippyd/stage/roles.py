@@ -29,6 +29,7 @@ from skippyd.stage.token_return import TokenReturnLost
 from skippyd.telemetry import span
 from skippyd.wire.codec import REPLY_COMPUTE_US_AT, frame_bytes
 from skippyd.wire.messages import (
+    MAX_CACHE_REPORT_STAGES,
     NO_STATS,
     TRUSTED,
     Ack,
@@ -49,6 +50,8 @@ from skippyd.wire.messages import (
     StageQuery,
     StageReport,
     StageStats,
+    Stop,
+    Stopped,
     VerifyWindow,
     merge,
     with_stats,
@@ -80,6 +83,7 @@ class FinalStage(StageHandlers):
     async def on_configure(self, msg: ConfigureGeneration) -> None:
         session = self._session(msg, create=True)
         session.request_id = msg.request_id
+        session.prompt_cached = None  # a generation begins: its prompt is to come
         self._deferred.pop(msg.session_id, None)
         if msg.direct_return:
             await self._check_direct_return(session)
@@ -103,6 +107,9 @@ class FinalStage(StageHandlers):
 
     async def _pass_down(self, msg, unreported: StageStats = NO_STATS) -> None:
         await self.reply(Ack(msg.request_id, msg.session_id, stats=self._own_stats()))
+
+    async def _pass_stop(self, msg: Stop, cached: int, unreported: StageStats) -> None:
+        await self.reply(Stopped(msg.request_id, msg.session_id, (cached,), stats=self._own_stats()))
 
     async def _pass_restore(self, msg: RestorePrefix, restored: int) -> None:
         await self.reply(PrefixRestored(msg.request_id, msg.session_id, restored, stats=self._own_stats()))
@@ -239,6 +246,7 @@ class MiddleStage(StageHandlers):
         self.relayed = AnswerPath("relayed", self._prepare_nothing, self._relay_answer)
         self.direct = AnswerPath("forwarded, direct return", self._prepare_forward, self._forward_direct)
         self.default_answer = self.relayed
+        self.ping_deadline = PingDeadline(scale=PING_RELAY_S ** core.index)  # below what its upstream waits
 
     async def aclose(self) -> None:
         if self.down is not None:
@@ -246,9 +254,9 @@ class MiddleStage(StageHandlers):
 
     async def on_configure(self, msg: ConfigureGeneration) -> None:
         await self._ensure_downstream()
-        self.ping_deadline = PingDeadline(scale=PING_RELAY_S ** core.index)  # below what its upstream waits
         session = self._session(msg, create=True)
         session.request_id = msg.request_id
+        session.prompt_cached = None  # a generation begins: its prompt is to come
         self._deferred.pop(msg.session_id, None)
         reply = await self._relay(msg, None)
         session.direct_return = msg.direct_return and isinstance(reply, Ack)
@@ -263,6 +271,7 @@ class MiddleStage(StageHandlers):
         sent = trio.current_time()
         with trio.move_on_after(wait):
             await self._relay(msg, None)
+            self.ping_deadline.observe(trio.current_time() - sent)
             return
         self.down.broken = True
         raise DownstreamError(self.down.address, f"no answer to a liveness ping within {wait:.2g} s")
@@ -271,7 +280,6 @@ class MiddleStage(StageHandlers):
         """Every stage restores what it holds of the tokens, whatever this one holds: the reply going up is the
         smaller hit, where the prefill starts; a stage that holds more answers those positions from what it
         recorded (see StageHandlers._prefill), so only the stages that miss compute them."""
-            self.ping_deadline.observe(trio.current_time() - sent)
         if self.down is None:
             await self.reply(PrefixRestored(msg.request_id, msg.session_id, 0, stats=self._own_stats()))
             return
@@ -322,6 +330,21 @@ class MiddleStage(StageHandlers):
             await self._relay(msg, None, unreported)
         else:
             await self.reply(Ack(msg.request_id, msg.session_id, stats=self._own_stats()))
+
+    async def _pass_stop(self, msg: Stop, cached: int, unreported: StageStats) -> None:
+        """Relay the Stop; the next stage's Stopped goes up with this stage's count put first."""
+        if self.down is None:
+            await self.reply(Stopped(msg.request_id, msg.session_id, (cached,), stats=merge(self._own_stats(),
+                                                                                            unreported)))
+            return
+        with span("stage.downstream_wait", stage=self.core.index, request=msg.request_id, session=msg.session_id):
+            down_reply, sent, write_us, wait_us = await self.down.request(msg)
+        stats = merge(merge(self._own_stats(write_us=write_us, wait_us=wait_us, sent=sent), unreported),
+                      down_reply.stats)
+        if isinstance(down_reply, Stopped):
+            down_reply = Stopped(msg.request_id, msg.session_id,
+                                 (cached, *down_reply.cached[:MAX_CACHE_REPORT_STAGES - 1]))
+        await self.reply(with_stats(down_reply, stats))
 
     async def _ensure_downstream(self) -> None:
         """Before a lane's next generation: reopen the downstream connection if the next stage dropped it.

@@ -352,6 +352,7 @@ class StageServer:
             dropped_handshakes=counters.dropped_handshakes,
             returns_only=dict(counters.returns_only),
             windows_dropped=counters.windows_dropped,
+            restores=dict(counters.restores),
             link_secret=bool(self.config.link_auth),
             prefix_cache=core.prefix_cache.stats().to_json(),
             link=self.describe_link(),

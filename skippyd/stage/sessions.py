@@ -54,6 +54,9 @@ class StageSession:
     # a middle stage's reports of the decode steps it did not acknowledge (DIRECT_RETURN): they go up with
     # the session's next reply on the lane (its Stop's, usually); summed in place, as they come every token
     unreported: StatsTotal = attrs.field(factory=StatsTotal)
+    # the leading positions of the generation's prompt this stage held (restored) rather than computed: where
+    # its first compute of the prompt began (None: not yet; reported by its Stop's answer)
+    prompt_cached: int | None = None
     # the key of each position this stage holds KV for (what the prefix cache keys an entry by): its token id,
     # or a media position's key (negative)
     _keys: np.ndarray = attrs.field(factory=lambda: np.empty(0, dtype=np.int32), repr=False)

@@ -29,20 +29,23 @@ Message body (kinds 0x10–0x18, 0x1F)::
                            words here): u8 sections (1 or 4), u8 reserved = 0, u16 reserved = 0, u32 pos_end,
                            (pos_end - pos_start) * i32 keys, sections * token_count * i32 positions
                            (section-major)
+            PREFILL with Flags.RESTORE: the restore block, ext_len * i32 keys (1..MAX_TOKENS; pos_start 0, never
+                           with POSITIONS)
             token_count * i32 tokens
             activation_bytes of f32 (f16 with Flags.F16), row-major (token_count, n_embd)
 
-Reply body (kinds 0x20–0x26, 0x2F)::
+Reply body (kinds 0x20–0x27, 0x2F)::
 
      0  u64 request_id
      8  u64 session_id
     16  u32 count        (tokens that follow; ERROR: message bytes; PREFIX_RESTORED: 1;
-                          CACHE_REPORT, STAGE_REPORT: records; PREDICTED_TOKEN_LOGPROBS: 1 + alternatives)
+                          CACHE_REPORT, STAGE_REPORT: records; PREDICTED_TOKEN_LOGPROBS: 1 + alternatives;
+                          STOPPED: stages)
     20  u16 code         (ErrorCode for ERROR, else 0)
     22  u16 reserved = 0
     24  stats: u64 compute_us, compute_us_max, queue_us, forward_write_us,
                downstream_wait_us, bytes_sent; u32 stage_count, slowest_stage
-    80  count * i32 tokens | count bytes of UTF-8 | u32 restored
+    80  count * i32 tokens | count bytes of UTF-8 | u32 restored | count * u32 cached (STOPPED)
         | count * (i32 token, f32 logprob): the sampled token, then its alternatives
         | count * 80-byte cache records (u32 stage_index, u32 reserved = 0,
           u64 budget_bytes, bytes_held, entries, tokens_held, lookups, hits,
@@ -129,6 +132,7 @@ from skippyd.wire.messages import (
     StageReport,
     StageStats,
     Stop,
+    Stopped,
     TrimSession,
     VerifyWindow,
     WireFormat,
@@ -217,7 +221,8 @@ _ALL_KINDS = MESSAGE_KINDS | REPLY_KINDS | HANDSHAKE_KINDS
 
 # flags each kind may carry / must carry
 _ALLOWED_FLAGS = {int(k): 0 for k in _ALL_KINDS}
-_ALLOWED_FLAGS[MessageKind.PREFILL] = int(Flags.FINAL | Flags.POSITIONS | Flags.NON_CAUSAL | Flags.F16)  # ints
+_ALLOWED_FLAGS[MessageKind.PREFILL] = int(Flags.FINAL | Flags.POSITIONS | Flags.NON_CAUSAL | Flags.F16  # ints
+                                           | Flags.RESTORE)
 _ALLOWED_FLAGS[MessageKind.CONFIGURE_GENERATION] = int(Flags.SAMPLING | Flags.DIRECT_RETURN)
 _ALLOWED_FLAGS[MessageKind.DECODE] = int(Flags.DIRECT_RETURN | Flags.F16)
 _ALLOWED_FLAGS[MessageKind.VERIFY_WINDOW] = int(Flags.F16 | Flags.CHAINED)
@@ -261,6 +266,7 @@ _CLEAR_DISK_FLAG = int(Flags.CLEAR_DISK)
 _POSITIONS_FLAG, _NON_CAUSAL_FLAG = int(Flags.POSITIONS), int(Flags.NON_CAUSAL)
 _F16_FLAG = int(Flags.F16)
 _CHAINED_FLAG = int(Flags.CHAINED)
+_RESTORE_FLAG = int(Flags.RESTORE)
 
 
 class FramePrefix(NamedTuple):
@@ -280,8 +286,10 @@ class MessageHeader(NamedTuple):
     token_count: int
     activation_bytes: int
     bias_count: int
-    tail_len: int  # sampling block + logit bias + generation extension or positions block + tokens
+    tail_len: int  # sampling block + logit bias + generation extension, positions or restore block + tokens
     ext_len: int = 0  # bytes of CONFIGURE_GENERATION's generation extension, or of PREFILL's positions block
+    # (0 with a restore block, whose keys are ``restore_len``)
+    restore_len: int = 0
 
 
 def _kind_name(kind: int) -> str:
@@ -332,6 +340,10 @@ def encode_message(msg: Message, wire: WireFormat = WireFormat.F32) -> list[Buff
                 flags |= _POSITIONS_FLAG | (0 if msg.media.causal else _NON_CAUSAL_FLAG)
                 sampling = _encode_positions(msg.media)
                 ext_len = len(sampling) // 4
+            elif msg.restore is not None:
+                flags |= _RESTORE_FLAG
+                sampling = msg.restore.astype("<i4", copy=False).tobytes()
+                ext_len = len(msg.restore)
         case DecodeStep():
             flags = _DIRECT_RETURN_FLAG if msg.direct_return else 0
             pos_start, tokens, activation = msg.pos_start, msg.tokens, msg.activation
@@ -435,6 +447,9 @@ def encode_reply(reply: Reply) -> list[Buffer]:
         case PrefixRestored():
             tail = _U32.pack(reply.restored)
             count = 1
+        case Stopped():
+            tail = struct.pack(f"<{len(reply.cached)}I", *reply.cached)
+            count = len(reply.cached)
         case CacheReport():
             tail = b"".join(_encode_cache_record(r) for r in reply.stages)
             count = len(reply.stages)
@@ -560,7 +575,7 @@ def encode_frame(obj: Frame, wire: WireFormat = WireFormat.F32) -> list[Buffer]:
         case LinkProbe():
             return encode_link_probe(obj)
         case (Ack() | PredictedToken() | PredictedTokens() | ErrorReply() | PrefixRestored() | CacheReport()
-              | StageReport()):
+              | StageReport() | Stopped()):
             return encode_reply(obj)
         case _:
             return encode_message(obj, wire)
@@ -627,6 +642,8 @@ def _body_bounds(kind: int, limits: Limits, n_embd: int | None, flags: int = 0) 
         return REPLY_HEADER_SIZE, REPLY_HEADER_SIZE + limits.max_error_message
     if kind == ReplyKind.PREFIX_RESTORED:
         return REPLY_HEADER_SIZE + 4, REPLY_HEADER_SIZE + 4
+    if kind == ReplyKind.STOPPED:
+        return REPLY_HEADER_SIZE + 4, REPLY_HEADER_SIZE + 4 * MAX_CACHE_REPORT_STAGES
     if kind == ReplyKind.CACHE_REPORT:
         return REPLY_HEADER_SIZE, REPLY_HEADER_SIZE + CACHE_RECORD_SIZE * MAX_CACHE_REPORT_STAGES
     if kind == ReplyKind.STAGE_REPORT:
@@ -694,7 +711,17 @@ def parse_message_header(prefix: FramePrefix, data: Buffer, limits: Limits, n_em
         return ProtocolError(code, f"{kind.name}: {text}", request_id=request_id, session_id=session_id)
 
     positions = bool(prefix.flags & _POSITIONS_FLAG)  # (only PREFILL may carry the flag: parse_prefix)
-    if positions:
+    restore_len = 0
+    if prefix.flags & _RESTORE_FLAG and kind == MessageKind.PREFILL:  # (CLEAR's bit: a CacheQuery's too)
+        if positions:
+            raise fail(ErrorCode.BAD_FLAGS, "RESTORE with POSITIONS")
+        if pos_start:
+            raise fail(ErrorCode.BAD_VALUE, f"a restore block at pos_start {pos_start}: only at 0")
+        if not 1 <= ext_len <= MAX_TOKENS:
+            raise fail(ErrorCode.BAD_VALUE, f"a restore block of {ext_len} keys, expected 1..{MAX_TOKENS}")
+        restore_len = ext_len
+        ext_bytes = 4 * restore_len
+    elif positions:
         if 4 * ext_len < _POSITIONS_HEAD.size:
             raise fail(ErrorCode.LENGTH_MISMATCH, f"positions block of {4 * ext_len} bytes, at least "
                                                   f"{_POSITIONS_HEAD.size}")
@@ -744,8 +771,11 @@ def parse_message_header(prefix: FramePrefix, data: Buffer, limits: Limits, n_em
     expected = MESSAGE_HEADER_SIZE + tail_len + act_bytes
     if expected != prefix.body_len:
         raise fail(ErrorCode.LENGTH_MISMATCH, f"body of {prefix.body_len} bytes, header says {expected}")
+    if restore_len:
+        ext_bytes = 0  # the restore block's keys: restore_len
     return MessageHeader(
-        kind, prefix.flags, request_id, session_id, pos_start, n_tokens, act_bytes, bias_count, tail_len, ext_bytes
+        kind, prefix.flags, request_id, session_id, pos_start, n_tokens, act_bytes, bias_count, tail_len, ext_bytes,
+        restore_len
     )
 
 
@@ -796,8 +826,10 @@ def decode_message(header: MessageHeader, tail: Buffer, activation: Buffer | Non
         # parse_message_header checked the ids, positions, token count and activation size: built as trusted
         if kind == MessageKind.PREFILL:
             media = _decode_positions(header, tail, tokens) if header.flags & _POSITIONS_FLAG else None
+            restore = (np.frombuffer(tail, dtype="<i4", count=header.restore_len) if header.restore_len
+                       else None)
             return trusted(PrefillChunk, header.request_id, header.session_id, header.pos_start, tokens, act,
-                           bool(header.flags & _FINAL_FLAG), media)
+                           bool(header.flags & _FINAL_FLAG), media, restore)
         if kind == MessageKind.DECODE:
             return trusted(DecodeStep, header.request_id, header.session_id, header.pos_start, tokens, act,
                            bool(header.flags & _DIRECT_RETURN_FLAG))
@@ -884,6 +916,9 @@ def _need(body: Buffer, size: int, what: str) -> None:
         raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"{what} of {len(body)} bytes, at least {size}")
 
 
+_RECORD_KINDS = (ReplyKind.CACHE_REPORT, ReplyKind.STAGE_REPORT, ReplyKind.STOPPED)  # one record per stage
+
+
 def decode_reply(prefix: FramePrefix, body: Buffer) -> Reply:
     """Decode a reply body (its size was bounded by :func:`parse_prefix`)."""
     _need(body, REPLY_HEADER_SIZE, "reply")
@@ -896,10 +931,10 @@ def decode_reply(prefix: FramePrefix, body: Buffer) -> Reply:
             else LOAD_RECORD_SIZE if kind == ReplyKind.STAGE_REPORT
             else _LOGPROB.size if kind == ReplyKind.PREDICTED_TOKEN_LOGPROBS else 4)
     if (kind == ReplyKind.ACK and count != 0 or kind == ReplyKind.PREDICTED_TOKEN and count != 1
-            or kind == ReplyKind.PREFIX_RESTORED and count != 1
+            or kind == ReplyKind.PREFIX_RESTORED and count != 1 or kind == ReplyKind.STOPPED and count == 0
             or kind == ReplyKind.PREDICTED_TOKEN_LOGPROBS and not 1 <= count <= 1 + MAX_TOP_LOGPROBS):
         raise ProtocolError(ErrorCode.BAD_VALUE, f"{kind.name}: count {count}", **ids)
-    if kind in (ReplyKind.CACHE_REPORT, ReplyKind.STAGE_REPORT) and count > MAX_CACHE_REPORT_STAGES:
+    if kind in _RECORD_KINDS and count > MAX_CACHE_REPORT_STAGES:
         raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, f"{kind.name}: {count} records, at most "
                             f"{MAX_CACHE_REPORT_STAGES}", **ids)
     if REPLY_HEADER_SIZE + unit * count != len(body):
@@ -926,6 +961,9 @@ def decode_reply(prefix: FramePrefix, body: Buffer) -> Reply:
             return PrefixRestored(request_id, session_id, restored, stage_stats)
         if kind == ReplyKind.CACHE_REPORT:
             return CacheReport(request_id, session_id, _decode_cache_records(body, count), stage_stats)
+        if kind == ReplyKind.STOPPED:
+            cached = struct.unpack_from(f"<{count}I", body, REPLY_HEADER_SIZE)
+            return Stopped(request_id, session_id, cached, stage_stats)
         if kind == ReplyKind.STAGE_REPORT:
             records = _LOAD_RECORD.iter_unpack(memoryview(body)[REPLY_HEADER_SIZE:REPLY_HEADER_SIZE
                                                                  + LOAD_RECORD_SIZE * count])

@@ -10,7 +10,7 @@ Pure data, no I/O. The byte layout lives in :mod:`skippyd.wire.codec` and in
 * downstream → upstream **replies**: :class:`Ack`, :class:`PredictedToken`,
   :class:`PredictedTokens`, :class:`ErrorReply`, :class:`PrefixRestored`,
   :class:`CacheReport` (of :class:`CacheStats` records), :class:`StageReport` (of
-  :class:`StageLoad` records), each with :class:`StageStats`;
+  :class:`StageLoad` records), :class:`Stopped`, each with :class:`StageStats`;
 * the **handshake**: :class:`Hello` and :class:`HelloReply`, then (a timed link) :class:`LinkProbe`.
 
 Tokens are 1-D ``int32`` numpy arrays, activations 2-D ``float32`` arrays of
@@ -87,6 +87,7 @@ __all__ = [
     "StageStats",
     "StatsTotal",
     "Stop",
+    "Stopped",
     "TrimSession",
     "VerifyWindow",
     "WireFormat",
@@ -105,8 +106,11 @@ __all__ = [
 # POSITIONS: rows that are no tokens, such as an image's, with explicit positions, one or four per row, and the
 # keys of the positions they take; NON_CAUSAL); 8: cache records carry the disk tier (128 bytes), CacheQuery's
 # CLEAR_DISK; 9: the Hello's activation encodings (byte 7, was reserved) and flag F16 on PREFILL, DECODE and
-# VERIFY_WINDOW (an activation of half floats)
-PROTOCOL_VERSION = 10
+# VERIFY_WINDOW (an activation of half floats); 11: PREFILL's flag RESTORE (a restore block: the first chunk of a
+# prompt carries the prefix cache lookup that RestorePrefix made a trip of its own), Stop answered by STOPPED
+# (each stage's prompt positions held rather than computed), the Hello's TIMED bit and LINK_PROBE (a link timed
+# after the handshake, its activations' encoding chosen from its rate)
+PROTOCOL_VERSION = 11
 
 # Hard limits of the protocol (the same in every version). A receiver may be configured tighter
 # (see Limits), never looser.
@@ -162,6 +166,7 @@ class ReplyKind(enum.IntEnum):
     PREFIX_RESTORED = 0x24
     CACHE_REPORT = 0x25
     PREDICTED_TOKEN_LOGPROBS = 0x26
+    STOPPED = 0x27
     STAGE_REPORT = 0x2F
 
 
@@ -187,6 +192,9 @@ class Flags(enum.IntFlag):
     too: its disk tier as well. ``CHAINED`` (FINAL's bit), only on ``VERIFY_WINDOW``: the window was sent
     before the one ahead of it was answered, drafted as if that one were accepted in full and its next
     token were this window's first; the final stage drops it, unsampled, when that is not so.
+    ``RESTORE`` (CLEAR's bit), only on ``PREFILL`` at position 0 without ``POSITIONS``: the chunk carries a
+    restore block (keys), and each stage restores the longest prefix of them it has cached, as for a
+    ``RESTORE_PREFIX``, before it computes the chunk.
     Every other bit must be zero.
     """
 
@@ -200,6 +208,7 @@ class Flags(enum.IntFlag):
     F16 = 0x40
     CLEAR_DISK = 0x80
     CHAINED = 0x01  # FINAL's bit, on VERIFY_WINDOW (an alias: flags are read per kind)
+    RESTORE = 0x08  # CLEAR's bit, on PREFILL
 
 
 class WireFormat(enum.IntFlag):
@@ -329,6 +338,12 @@ def _as_activation(value: object) -> np.ndarray | None:
 
 def _tokens_eq(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and bool(np.array_equal(a, b))
+
+
+def _restore_eq(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return _tokens_eq(a, b)
 
 
 def _activation_eq(a: np.ndarray | None, b: np.ndarray | None) -> bool:
@@ -642,6 +657,10 @@ class PrefillChunk:
     Reply: ``Ack`` (sent before compute) unless ``final``; the final chunk is
     answered with ``PredictedToken`` (the first generated token).
     ``activation`` is None only when the receiver embeds tokens itself.
+    ``restore``: the first chunk of a prompt (``pos_start`` 0, text) may carry the keys of the prompt's
+    positions to look up: each stage first restores the longest prefix of them its prefix cache holds (as
+    for a RestorePrefix, whose trip this spares), then holds what it restored of the chunk's positions as
+    it holds a restored prefix past where a prefill starts (see skippyd/stage/boundary.py).
     """
 
     kind: ClassVar[MessageKind] = MessageKind.PREFILL
@@ -652,6 +671,8 @@ class PrefillChunk:
     activation: np.ndarray | None = _activation_field()
     final: bool = attrs.field(default=False, converter=bool)
     media: MediaRows | None = None
+    restore: np.ndarray | None = attrs.field(default=None, converter=attrs.converters.optional(_as_tokens),
+                                             eq=attrs.cmp_using(eq=_restore_eq), hash=False)
 
     def __attrs_post_init__(self) -> None:
         _check_tokens(self.tokens, lo=1, hi=MAX_TOKENS, what="PrefillChunk")
@@ -659,6 +680,10 @@ class PrefillChunk:
         _check_activation(self.activation, len(self.tokens))
         if self.media is not None:
             check_media_rows(self.media, self.pos_start, self.tokens)
+        if self.restore is not None:
+            _check_tokens(self.restore, lo=1, hi=MAX_TOKENS, what="PrefillChunk restore block")
+            if self.pos_start or self.media is not None:
+                raise ValueError("a restore block rides only on a prompt's first chunk: position 0, text")
 
     @property
     def pos_end(self) -> int:
@@ -722,7 +747,8 @@ class VerifyWindow:
 
 @attrs.frozen
 class TrimSession:
-    """Keep positions ``[0, pos_start)`` of the session, drop the rest. Reply: ``Ack``."""
+    """Keep positions ``[0, pos_start)`` of the session, drop the rest. Reply: ``Ack``. The head sends none (a
+    message's ``pos_start`` trims a stage that is ahead); a stage still answers one."""
 
     kind: ClassVar[MessageKind] = MessageKind.TRIM_SESSION
     request_id: int = attrs.field(validator=_u64)
@@ -732,7 +758,7 @@ class TrimSession:
 
 @attrs.frozen
 class Stop:
-    """End the session (release its KV sequence); the lane stays open. Reply: ``Ack``."""
+    """End the session (release its KV sequence); the lane stays open. Reply: ``Stopped``."""
 
     kind: ClassVar[MessageKind] = MessageKind.STOP
     request_id: int = attrs.field(validator=_u64)
@@ -753,8 +779,9 @@ class Ping:
 class RestorePrefix:
     """Restore into the session (opened if need be, as by a ConfigureGeneration) the longest prefix of
     ``tokens`` (positions 0..) that this stage's prefix cache holds; a hit under the cache's minimum counts
-    as none. A middle stage with a hit of L tokens forwards ``tokens[:L]`` and answers the smaller of L and
-    the next stage's answer; with none it answers 0 without forwarding. Reply: ``PrefixRestored``."""
+    as none. A middle stage forwards it unchanged, whatever it holds (a later stage may hold more, and what it
+    holds past where the prefill starts it need not compute), and answers the smaller of its own hit and the
+    next stage's answer. Reply: ``PrefixRestored``."""
 
     kind: ClassVar[MessageKind] = MessageKind.RESTORE_PREFIX
     request_id: int = attrs.field(validator=_u64)
@@ -867,13 +894,35 @@ class PrefixRestored:
     stats: StageStats = NO_STATS
 
 
+def _cached_counts(_inst: object, attribute: attrs.Attribute, value: tuple) -> None:
+    if not 1 <= len(value) <= MAX_CACHE_REPORT_STAGES:
+        raise ValueError(f"{attribute.name}: {len(value)} counts, 1..{MAX_CACHE_REPORT_STAGES}")
+    for n in value:
+        if not 0 <= n <= _U32:
+            raise ValueError(f"{attribute.name}: {n} is not a u32")
+
+
+@attrs.frozen
+class Stopped:
+    """The answer to a Stop: ``cached``, one count per stage from the one asked to the final stage, the
+    leading positions of the session's prompt that stage held (restored from its prefix cache) rather than
+    computed (0: it computed the whole prompt, or did not know the session)."""
+
+    kind: ClassVar[ReplyKind] = ReplyKind.STOPPED
+    request_id: int = attrs.field(validator=_u64)
+    session_id: int = attrs.field(validator=_u64)
+    cached: tuple[int, ...] = attrs.field(converter=lambda v: tuple(int(n) for n in v), validator=_cached_counts)
+    stats: StageStats = NO_STATS
+
+
 @attrs.frozen
 class CacheStats:
     """One stage's prefix cache, as a CacheReport carries it (pure data; the counters count from the
     stage's start).
 
     ``budget_bytes``     most bytes the cache may hold (0: off)
-    ``bytes_held``       bytes it holds (KV state plus token ids)
+    ``bytes_held``       bytes it holds (KV state, token ids and, before the final stage, the hidden states
+                         recorded with each entry)
     ``entries``          prefixes it holds
     ``tokens_held``      tokens of those prefixes, summed
     ``lookups``, ``hits``  restores asked for, and those that restored something
@@ -986,7 +1035,7 @@ class StageReport:
 
 
 Reply: TypeAlias = (Ack | PredictedToken | PredictedTokenLogprobs | PredictedTokens | ErrorReply | PrefixRestored
-                    | CacheReport | StageReport)
+                    | CacheReport | StageReport | Stopped)
 
 
 def with_stats(reply: Reply, stats: StageStats) -> Reply:
