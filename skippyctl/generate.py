@@ -39,6 +39,8 @@ def generate(
     top_p: Annotated[float, typer.Option("--top-p", help="1 = off.")] = _SAMPLING.top_p,
     seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed (reproducible runs).")] = _SAMPLING.seed,
     stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    ignore_eos: Annotated[bool, typer.Option(
+        "--ignore-eos", help="Go on past the model's end of generation: the reply runs to --max-tokens.")] = False,
     json_mode: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")] = False,
     json_schema: Annotated[Path | None, typer.Option(
         "--json-schema", help="Constrain the reply to JSON valid against the JSON schema in FILE.",
@@ -81,7 +83,7 @@ def generate(
                              stream=not json_mode, json_schema=files.get("--json-schema"), json_object=json_object,
                              grammar=files.get("--grammar"), logprobs=logprobs,
                              speculate=None if speculate is None else speculate is not Speculate.off,
-                             images=encoded)
+                             ignore_eos=ignore_eos, images=encoded)
         request.sampling()
     except (m.Invalid, InvalidSampling) as exc:
         fail(f"--{(exc.field or 'value').replace('_', '-')}: {exc}", EXIT_USAGE)
@@ -125,8 +127,11 @@ def generate(
             sys.stderr.write(f"{entry['token']}\t{_num(entry['logprob'])}\t{alternatives}\n")
         t = result["timings"]
         usage = result["usage"]
-        # cached: prompt tokens the stages' prefix caches restored rather than computed
+        # cached: prompt tokens no stage computed; then, on a pipeline, what each stage held rather than computed
         cached = f", cached {usage['cached_tokens']}" if "cached_tokens" in usage else ""
+        stages = usage.get("prefix_cache") or ()
+        if len(stages) > 1:
+            cached += " (held: " + ", ".join(f"stage {s['stage']} {s['cached_tokens']}" for s in stages) + ")"
         sys.stderr.write(f"[{result['finish_reason']}: {usage['prompt_tokens']} prompt + "
                          f"{usage['completion_tokens']} generated tokens{cached}, ttft {t['ttft_ms']:.0f} ms, "
                          f"{t['decode_tokens_per_s']:.1f} tok/s"

@@ -303,6 +303,20 @@ def test_generate_options(smol2):
     assert_clean_error(bad, "max_tokens", code=2)
 
 
+ENDS_SOON = "Answer yes or no: is the sky blue?\n"  # greedy, raw: the default model ends it after 11 tokens
+
+
+@pytest.mark.slow
+def test_generate_ignore_eos_runs_past_the_end_to_max_tokens(smol2):
+    plain = ctl_json(smol2.head, "generate", "--prompt", ENDS_SOON, "--raw", "--max-tokens", "40")
+    assert plain["finish_reason"] == "stop" and len(plain["tokens"]) < 20, plain
+    got = ctl_json(smol2.head, "generate", "--prompt", ENDS_SOON, "--raw", "--max-tokens", "40", "--ignore-eos")
+    assert got["finish_reason"] == "length" and len(got["tokens"]) == got["usage"]["completion_tokens"] == 40, got
+    assert got["tokens"][:len(plain["tokens"])] == plain["tokens"]  # the same reply, then on past its end
+    text = ctl(smol2.head, "generate", "--prompt", ENDS_SOON, "--raw", "--max-tokens", "40", "--ignore-eos")
+    assert text.exit_code == 0 and "[length: " in text.stderr and "40 generated tokens" in text.stderr, text.stderr
+
+
 @pytest.mark.slow
 async def test_generation_streams_pieces_before_the_result(smol2):
     seen = []

@@ -124,6 +124,34 @@ async def test_completion_raw_prompt_and_length(api, vocab):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+ENDS_SOON = "Answer yes or no: is the sky blue?\n"  # greedy, raw: the default model ends it after 11 tokens
+
+
+@pytest.mark.slow
+async def test_ignore_eos_runs_a_reply_past_its_end_to_max_tokens(api):
+    """llama-server's ignore_eos, through the official client's extra_body: the end of generation ends nothing,
+    the reply goes on to max_tokens; without it the same prompt ends early. Both endpoints."""
+    plain = await run(api.client.completions.create, model=MODEL_ID, prompt=ENDS_SOON, max_tokens=40, temperature=0)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 20, plain
+    got = await run(api.client.completions.create, model=MODEL_ID, prompt=ENDS_SOON, max_tokens=40, temperature=0,
+                    extra_body={"ignore_eos": True})
+    assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 40, got
+    assert got.choices[0].text.startswith(plain.choices[0].text)
+    off = await run(api.client.completions.create, model=MODEL_ID, prompt=ENDS_SOON, max_tokens=40, temperature=0,
+                    extra_body={"ignore_eos": False})
+    assert off.choices[0].text == plain.choices[0].text and off.choices[0].finish_reason == "stop"
+    chat = await run(api.client.chat.completions.create, model=MODEL_ID, messages=HELLO, max_tokens=64,
+                     temperature=0)
+    assert chat.choices[0].finish_reason == "stop", chat  # a short answer, then the end of generation
+    chat_on = await run(api.client.chat.completions.create, model=MODEL_ID, messages=HELLO, max_tokens=64,
+                        temperature=0, extra_body={"ignore_eos": True})
+    assert chat_on.choices[0].finish_reason == "length" and chat_on.usage.completion_tokens == 64, chat_on
+    with pytest.raises(openai.BadRequestError) as info:
+        await run(api.client.completions.create, model=MODEL_ID, prompt=ENDS_SOON, max_tokens=4,
+                  extra_body={"ignore_eos": "yes"})
+    assert "ignore_eos" in str(info.value)
+
+
 @pytest.mark.slow
 async def test_stop_sequences(api):
     base = await run(api.client.completions.create, model=MODEL_ID, prompt=STORY, max_tokens=24, temperature=0)
@@ -350,7 +378,8 @@ class FakeEngine:
         self.behave = behave
         self.cancelled = 0
         self.requests = []
-        self.cached_tokens = 0  # what the stages' prefix caches restored of each prompt
+        self.cached_tokens = 0  # the prompt tokens no stage computed
+        self.prefix_cache = []  # per stage, the prompt tokens it held rather than computed
         # what the console's history reads of an engine, as HeadEngine keeps it
         self.totals = {"generations": 0, "prompt_tokens": 0, "completion_tokens": 0, "errors": 0}
         self.receipts = []
@@ -373,7 +402,7 @@ class FakeEngine:
             self.gate.leave()
         return GenerationResult(request_id=1, session_id=2, text=text, tokens=tokens, finish_reason=finish,
                                 prompt_tokens=5, ttft_ms=1.0, decode_tokens_per_s=100.0, elapsed_ms=2.0,
-                                cached_tokens=self.cached_tokens)
+                                cached_tokens=self.cached_tokens, prefix_cache=self.prefix_cache)
 
 
 def fake_app(behave, **kw) -> tuple[OpenAIApp, FakeEngine]:
@@ -519,19 +548,22 @@ async def test_fake_defaults_follow_openai():
     assert comp_req.max_tokens == 16 and comp_req.raw
     assert chat_req.prompt_tokens == (1, 2, 3, 4, 5)  # tokenized once, by the app
     assert json.loads(chat.data)["usage"] == {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6,
-                                              "prompt_tokens_details": {"cached_tokens": 0}}
+                                              "prompt_tokens_details": {"cached_tokens": 0}, "prefix_cache": []}
 
 
 async def test_fake_usage_reports_the_cached_prompt_tokens():
-    """usage.prompt_tokens_details.cached_tokens, whole and in the streamed usage chunk, of both endpoints."""
+    """usage.prompt_tokens_details.cached_tokens and the per-stage usage.prefix_cache, whole and in the streamed
+    usage chunk, of both endpoints."""
     async def behave(sink):
         sink.piece("ok")
         return "ok", [7], "stop"
 
     app, engine = fake_app(behave)
     engine.cached_tokens = 4
+    engine.prefix_cache = [{"stage": 0, "cached_tokens": 4}, {"stage": 1, "cached_tokens": 4}]
     want = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6,
-            "prompt_tokens_details": {"cached_tokens": 4}}
+            "prompt_tokens_details": {"cached_tokens": 4},
+            "prefix_cache": [{"stage": 0, "cached_tokens": 4}, {"stage": 1, "cached_tokens": 4}]}
     for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"model": "fake-model", "prompt": "x"})):
         whole = Asgi(app, "POST", path, body)
         await whole.run()
@@ -541,6 +573,22 @@ async def test_fake_usage_reports_the_cached_prompt_tokens():
         events = streamed.events()
         assert events[-1] == "[DONE]" and events[-2]["usage"] == want and events[-2]["choices"] == []
         assert all(e["usage"] is None for e in events[:-2]), events
+
+
+def test_ignore_eos_in_the_body_reaches_the_generation():
+    """llama-server's ignore_eos on both endpoints: strictly a boolean, off unless given."""
+    from skippyd.openai import schemas
+
+    for kind, body in ((schemas.ChatCompletionRequest, CHAT), (schemas.CompletionRequest,
+                                                               {"model": "fake-model", "prompt": "x"})):
+        assert not schemas.parse(json.dumps(body).encode(), kind).to_generation(1000, 64).ignore_eos
+        for value in (True, False):
+            got = schemas.parse(json.dumps({**body, "ignore_eos": value}).encode(), kind).to_generation(1000, 64)
+            assert got.ignore_eos is value
+        for bad in ("yes", 1):
+            with pytest.raises(schemas.BadParameter) as info:
+                schemas.parse(json.dumps({**body, "ignore_eos": bad}).encode(), kind)
+            assert info.value.param == "ignore_eos"
 
 
 async def test_fake_bodies_nothing_could_serve():

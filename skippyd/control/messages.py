@@ -75,6 +75,7 @@ class Generate:
     grammar: str | None = None
     logprobs: int | None = None  # each token's logprob and this many alternatives' (0..20); None: none
     speculate: bool | None = None  # speculative decoding for this generation; None: the daemon's setting
+    ignore_eos: bool = False  # the end-of-generation token ends nothing: the reply runs to max_tokens (or a stop)
     # images (PNG, JPEG, ...: the file's bytes, base64), one per media marker of the prompt, in order; a prompt
     # without markers gets them before its text
     images: list[str] = attrs.field(factory=list)

@@ -14,8 +14,9 @@ Unsupported values of those (``n=2``, ``echo=true``) are 400s.
 the final stage (:class:`~skippyd.sampling.Constraint`; completions take it
 too, as llama.cpp's server does); a schema that is invalid or uses what the
 matcher does not support is a 400 naming ``response_format.json_schema.schema``.
-Beyond OpenAI's parameters, llama.cpp server's ``top_k``, ``min_p`` and
-``repeat_penalty`` are accepted. ``tools``, ``tool_choice``,
+Beyond OpenAI's parameters, llama.cpp server's ``top_k``, ``min_p``,
+``repeat_penalty`` and ``ignore_eos`` (go on past the end of generation, to
+``max_tokens``) are accepted. ``tools``, ``tool_choice``,
 ``parallel_tool_calls`` and the history's ``tool_calls`` and ``tool``
 messages are checked and shown to the model by :mod:`skippyd.openai.tools`.
 
@@ -140,6 +141,7 @@ class _Sampling:
     top_k: int | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
+    ignore_eos: bool | None = None  # the end-of-generation token ends nothing: the reply runs to max_tokens
     # speculative decoding for this request: true or "ngram" ("on"), false or "off"; None: the daemon's setting
     speculate: Any = None
 
@@ -186,7 +188,7 @@ class _Sampling:
         except InvalidSampling as exc:
             raise BadParameter(str(exc), exc.field) from exc
         return dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens, sampling=sampling,
-                    stop=_stops(self.stop), speculate=_speculate(self.speculate))
+                    stop=_stops(self.stop), speculate=_speculate(self.speculate), ignore_eos=bool(self.ignore_eos))
 
     def _max_tokens_param(self) -> str:
         return "max_tokens"
@@ -376,8 +378,6 @@ def _image_url(part: dict, param: str) -> bytes:
         raise BadParameter(f"the image's data URL is not valid base64: {exc}", f"{param}.image_url.url") from None
 
 
-# ---------------------------------------------------------------- the converter
-def _strict(kind: str, ok) -> Any:
 _B64_PIECE = 1 << 20  # characters decoded per call: no one call holds the GIL for long
 
 
@@ -396,6 +396,8 @@ def _b64decode(text: str) -> bytes:
     return b"".join(out)
 
 
+# ---------------------------------------------------------------- the converter
+def _strict(kind: str, ok) -> Any:
     def hook(value: Any, _type: Any) -> Any:
         if not ok(value):
             raise _Invalid(f"expected {kind}, got {_json_type(value)}")
