@@ -20,10 +20,14 @@ renamed when complete, so a crash never leaves a half-written stage behind.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
 import hashlib
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -309,6 +313,41 @@ def stage_file_name(index: int) -> str:
     return f"stage-{index}.gguf"
 
 
+_collector_lock = threading.Lock()
+_collector_holds = 0  # slicings running with the cycle collector held off
+_collector_was_on = True  # whether it ran before the first of them
+
+
+@contextlib.contextmanager
+def _no_collector_pauses():
+    """Hold Python's cycle collector off while a GGUF is read and written. Reading one makes about a million
+    small objects (its metadata's parts), and each full collection over them holds the GIL (a second for a
+    262k-token vocabulary), which stalls the event loop of a daemon that slices in a worker thread. They go
+    by reference counting anyway; the collector runs again once the last slicing is done."""
+    global _collector_holds, _collector_was_on
+    with _collector_lock:
+        if _collector_holds == 0:
+            _collector_was_on = gc.isenabled()
+        _collector_holds += 1
+        gc.disable()
+    try:
+        yield
+    finally:
+        with _collector_lock:
+            _collector_holds -= 1
+            if _collector_holds == 0 and _collector_was_on:
+                gc.enable()
+
+
+def _without_collector_pauses(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _no_collector_pauses():
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+@_without_collector_pauses
 def split_model(
     src_path: str | os.PathLike[str],
     ranges: str | Sequence[tuple[int, int]] | None,
@@ -415,6 +454,7 @@ def split_model(
     return topology
 
 
+@_without_collector_pauses
 def write_middle_slice(src_path: str | os.PathLike[str], start: int, end: int, out_path: Path) -> str:
     """Write the one middle-stage file of layers [start, end) (0 < start < end < n_layer: hidden states in
     and out) to `out_path`, as a split would make it; returns its sha256. For timing a host on a few layers
