@@ -130,8 +130,8 @@ def generate(
         # cached: prompt tokens no stage computed; then, on a pipeline, what each stage held rather than computed
         cached = f", cached {usage['cached_tokens']}" if "cached_tokens" in usage else ""
         stages = usage.get("prefix_cache") or ()
-        if len(stages) > 1:
-            cached += " (held: " + ", ".join(f"stage {s['stage']} {s['cached_tokens']}" for s in stages) + ")"
+        if len(stages) > 1:  # in stage order
+            cached += ", stages held " + "/".join(str(s["cached_tokens"]) for s in stages)
         sys.stderr.write(f"[{result['finish_reason']}: {usage['prompt_tokens']} prompt + "
                          f"{usage['completion_tokens']} generated tokens{cached}, ttft {t['ttft_ms']:.0f} ms, "
                          f"{t['decode_tokens_per_s']:.1f} tok/s"
