@@ -168,10 +168,9 @@ def _wire(node: NodeView, index: int) -> dict:
     """How the link from stage ``index`` carries activations (f32 or f16, runtime.activation_wire) and the rate
     it measured when it opened (Mbit/s), where this daemon runs that stage; None where it does not."""
     link = None
-    head = getattr(node, "head", None)
-    if index == 0 and head is not None and getattr(head, "pool", None) is not None:
-        link = head.pool.describe_link()
-    for stage in getattr(node, "stages", ()):
+    if index == 0 and node.pool is not None:
+        link = node.pool.describe_link()
+    for stage in node.stages:
         if stage.index == index:
             link = stage.describe_link()
     link = link or {}
