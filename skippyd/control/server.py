@@ -226,7 +226,7 @@ class ControlServer:
         greq = GenerationRequest(
             prompt=req.prompt, system=req.system, messages=tuple(req.messages), raw=req.raw,
             max_tokens=req.max_tokens, sampling=sampling, stop=tuple(req.stop), speculate=req.speculate,
-            images=_images(req.images))
+            ignore_eos=req.ignore_eos, images=_images(req.images))
 
         if req.stream:
             result = await self._generate_streamed(greq, req.id, send)
