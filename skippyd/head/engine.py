@@ -229,9 +229,6 @@ class HeadEngine:
                                 tokens=len(tokens), n_ctx=n_ctx)
         return tokens
 
-    def _tokenize(self, req: GenerationRequest) -> np.ndarray:
-        if req.prompt_tokens is not None:
-            return np.asarray(req.prompt_tokens, dtype=np.int32)
     async def tokenize_prompt(self, req: GenerationRequest) -> np.ndarray:
         """:meth:`prompt_tokens`, in a worker thread for a long prompt: rendering and tokenizing take some
         5 µs a token, which the event loop (and every ping it answers) would otherwise wait out."""
@@ -239,6 +236,9 @@ class HeadEngine:
             return self.prompt_tokens(req)
         return await trio.to_thread.run_sync(self.prompt_tokens, req)
 
+    def _tokenize(self, req: GenerationRequest) -> np.ndarray:
+        if req.prompt_tokens is not None:
+            return np.asarray(req.prompt_tokens, dtype=np.int32)
         if req.raw:
             return self.model.tokenize(req.prompt or "", add_special=True, parse_special=False)
         return self.model.tokenize(self._chat_text(req), add_special=False, parse_special=True)

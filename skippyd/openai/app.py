@@ -292,13 +292,13 @@ def usage(result: GenerationResult) -> dict:
             **({} if result.speculation is None else {"speculation": result.speculation})}
 
 
-# ---------------------------------------------------------------- the application
-class OpenAIApp:
 async def _run(off_loop: bool, fn: Callable, *args):
     """``fn(*args)``, in a worker thread if ``off_loop``."""
     return await trio.to_thread.run_sync(fn, *args) if off_loop else fn(*args)
 
 
+# ---------------------------------------------------------------- the application
+class OpenAIApp:
     """ASGI 3 application over a node's head (its engine; whether the node drains)."""
 
     def __init__(self, node: NodeView, *, model_id: str | None = None, metrics: Metrics | None = None,
