@@ -387,6 +387,9 @@ class FakeEngine:
     def prompt_tokens(self, req):
         return np.arange(1, 6, dtype=np.int32)
 
+    async def tokenize_prompt(self, req):
+        return self.prompt_tokens(req)
+
     def begin_drain(self) -> None:
         self.gate.close("the daemon is draining: no new generations")
 

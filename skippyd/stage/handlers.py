@@ -219,7 +219,7 @@ class StageHandlers:
         session = self._session(msg, create=False)
         sampler = session.sampler
         if isinstance(sampler, llama.GuidedSampler) and sampler.top_n is not None:
-            raise ReplyError(ErrorCode.BAD_VALUE, f"session {msg.session_id} was configured with logprobs: "
+            raise ReplyError(ErrorCode.UNSUPPORTED_REQUEST, f"session {msg.session_id} was configured with logprobs: "
                                                   "verify windows are not answered with logprobs")
         await self._align(session, msg.pos_start)
         job = await self._compute(session, msg, want_token=self.want_token, window=True)
@@ -315,7 +315,7 @@ class StageHandlers:
             raise ReplyError(ErrorCode.CONTEXT_FULL,
                              f"positions up to {end} exceed the context of {ctx.n_ctx_seq} per session")
         if window and len(msg.tokens) > self.core.scheduler.policy.max_batch_tokens:  # one batch, never split
-            raise ReplyError(ErrorCode.BAD_VALUE, f"a verify window of {len(msg.tokens)} tokens exceeds this "
+            raise ReplyError(ErrorCode.UNSUPPORTED_REQUEST, f"a verify window of {len(msg.tokens)} tokens exceeds this "
                              f"stage's batch of {self.core.scheduler.policy.max_batch_tokens}")
         if media is not None:
             job = self._media_job(session, msg, media)
@@ -399,11 +399,11 @@ class StageHandlers:
         if msg.activation is None:
             raise ReplyError(ErrorCode.MISSING_ACTIVATION, "media rows come with their hidden states")
         if media.sections != ctx.n_pos_per_embd:
-            raise ReplyError(ErrorCode.BAD_VALUE, f"media rows with {media.sections} positions each: this model "
+            raise ReplyError(ErrorCode.UNSUPPORTED_REQUEST, f"media rows with {media.sections} positions each: this model "
                                                   f"takes {ctx.n_pos_per_embd} per row")
         batch = self.core.scheduler.policy.max_batch_tokens
         if not media.causal and len(msg.tokens) > batch:
-            raise ReplyError(ErrorCode.BAD_VALUE, f"{len(msg.tokens)} media rows without causal attention exceed "
+            raise ReplyError(ErrorCode.UNSUPPORTED_REQUEST, f"{len(msg.tokens)} media rows without causal attention exceed "
                                                   f"this stage's batch of {batch} (they are computed in one)")
         return Job(session.seq, msg.pos_start, tokens=None, embd=msg.activation, positions=media.positions,
                    causal=media.causal)

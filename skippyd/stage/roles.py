@@ -98,7 +98,7 @@ class FinalStage(StageHandlers):
             else:
                 session.sampler = llama.sampler_for(self.core.model, msg.sampling)
         except llama.InvalidArgumentError as exc:  # the head checks them: a peer of another make sent these
-            raise ReplyError(ErrorCode.BAD_VALUE, str(exc)) from exc
+            raise ReplyError(ErrorCode.UNSUPPORTED_REQUEST, str(exc)) from exc
         await self.reply(Ack(msg.request_id, msg.session_id, stats=self._own_stats()))
 
     async def on_ping(self, msg: Ping) -> None:

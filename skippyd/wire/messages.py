@@ -297,6 +297,7 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 40
     INTERNAL = 41
     DIRECT_RETURN_UNAVAILABLE = 42
+    UNSUPPORTED_REQUEST = 43  # well formed, but not servable as asked (a constraint that does not compile, ...)
 
     @property
     def closes_connection(self) -> bool:
