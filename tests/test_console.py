@@ -145,14 +145,25 @@ def cli_rows(driver) -> list[list[str]]:
 
 
 # ---------------------------------------------------------------- the pages
+def _text_of(elements) -> str | None:
+    """The first element's text, or None while there is none or it was redrawn under us."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    try:
+        return elements[0].text if elements else None
+    except StaleElementReferenceException:
+        return None
+
+
 def test_pipeline_page_shows_both_stages_healthy(console, browser, tmp_path):
     open_page(browser, console, "pipeline")
     topo = console.pipe.topology
     for spec in topo.stages:
-        stage = wait_for(browser, lambda d, k=spec.index: (css(d, f'.stage[data-index="{k}"][data-health="up"]')
-                                                          or [None])[0], what=f"stage {spec.index} up")
-        assert f"layers {spec.layer_start}–{spec.layer_end}" in stage.text
-        assert f"{spec.host}:{spec.port}" in stage.text
+        # the text is read as the element is found: the page redraws a stage's card on every update
+        up = f'.stage[data-index="{spec.index}"][data-health="up"]'
+        text = wait_for(browser, lambda d, up=up: _text_of(css(d, up)), what=f"stage {spec.index} up")
+        assert f"layers {spec.layer_start}–{spec.layer_end}" in text
+        assert f"{spec.host}:{spec.port}" in text
     # the link between them was measured
     wait_for(browser, lambda d: "ms" in css(d, '.link[data-from="0"]')[0].text, what="the link's round trip")
     shot(browser, "pipeline", tmp_path)
