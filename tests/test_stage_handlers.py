@@ -485,13 +485,15 @@ async def test_media_rows_this_model_cannot_take_are_refused():
     one_each = MediaRows(np.arange(3).reshape(1, 3), 3, [-1, -2, -3])
     await h.dispatch(PrefillChunk(2, 5, 0, [NO_TOKEN] * 3, rows(3), final=True, media=one_each))
     reply = await up.reply()
-    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.UNSUPPORTED_REQUEST and "takes 4 per row" in reply.message
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.UNSUPPORTED_REQUEST
+    assert "takes 4 per row" in reply.message
     # rows that attend both ways are computed in one batch: more than this stage's (16) are refused
     n = 18
     both_ways = MediaRows(np.zeros((4, n), np.int32), 1, [-1], causal=False)
     await h.dispatch(PrefillChunk(3, 5, 0, [NO_TOKEN] * n, rows(n), final=True, media=both_ways))
     reply = await up.reply()
-    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.UNSUPPORTED_REQUEST and "batch of 16" in reply.message
+    assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.UNSUPPORTED_REQUEST
+    assert "batch of 16" in reply.message
     assert core.scheduler.jobs == []
 
 

@@ -399,12 +399,13 @@ class StageHandlers:
         if msg.activation is None:
             raise ReplyError(ErrorCode.MISSING_ACTIVATION, "media rows come with their hidden states")
         if media.sections != ctx.n_pos_per_embd:
-            raise ReplyError(ErrorCode.UNSUPPORTED_REQUEST, f"media rows with {media.sections} positions each: this model "
-                                                  f"takes {ctx.n_pos_per_embd} per row")
+            raise ReplyError(ErrorCode.UNSUPPORTED_REQUEST, f"media rows with {media.sections} positions each: this "
+                                                            f"model takes {ctx.n_pos_per_embd} per row")
         batch = self.core.scheduler.policy.max_batch_tokens
         if not media.causal and len(msg.tokens) > batch:
-            raise ReplyError(ErrorCode.UNSUPPORTED_REQUEST, f"{len(msg.tokens)} media rows without causal attention exceed "
-                                                  f"this stage's batch of {batch} (they are computed in one)")
+            raise ReplyError(ErrorCode.UNSUPPORTED_REQUEST, f"{len(msg.tokens)} media rows without causal attention "
+                                                            f"exceed this stage's batch of {batch} (they are computed "
+                                                            "in one)")
         return Job(session.seq, msg.pos_start, tokens=None, embd=msg.activation, positions=media.positions,
                    causal=media.causal)
 
