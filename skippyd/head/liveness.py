@@ -22,12 +22,12 @@ finds it up again, the task watches the requests from then on (not once its
 backoff is over), so a fault soon after a recovery is found as fast as any.
 
 ``ping_timeout`` is not a constant: it is PING_TIMEOUT_S while stage 1
-answers at once, and grows with a high percentile of its recent round trips
-and with the head's own recent loop lag (:class:`~skippyd.stage.loop_lag.PingDeadline`),
-up to PING_TIMEOUT_MAX_S: a stage that is alive but slow to answer (a loaded
-host) or a head that was itself held up is not taken for a dead stage, while
-a stage that stops answering after answering at once is found as fast as
-ever.
+answers at once, and grows with a high percentile of its recent round trips,
+up to PING_TIMEOUT_MAX_S; and it is counted in time the head's own loop was
+free to run (:class:`~skippyd.stage.loop_lag.PingDeadline`): a stage that is
+alive but slow to answer (a loaded host) or a head that was itself held up
+while waiting is not taken for a dead stage, while a stage that stops
+answering after answering at once is found as fast as ever.
 
 The watch connection is a lane like any other, so it leads through the
 whole pipeline, and a middle stage relays a Ping with a shorter deadline
@@ -48,6 +48,7 @@ up again.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import re
@@ -66,8 +67,8 @@ log = logging.getLogger("skippyd.head")
 
 INTERVAL_S = 0.3  # a request waiting longer than this gets stage 1 pinged (one small frame: cheap)
 # no answer within the ping's deadline: stage 1 is down. The deadline is PING_TIMEOUT_S while stage 1 answers at
-# once (detection within INTERVAL_S + PING_TIMEOUT_S), longer while it has been answering late or the head's own
-# loop has been held (see PingDeadline), never longer than PING_TIMEOUT_MAX_S
+# once (detection within INTERVAL_S + PING_TIMEOUT_S), longer while it has been answering late, never longer
+# than PING_TIMEOUT_MAX_S; time the head's own loop was held does not count (see PingDeadline.within)
 PING_TIMEOUT_S = PING_FLOOR_S
 PING_TIMEOUT_MAX_S = PING_CEILING_S
 BACKOFF_MIN_S = 0.25  # while down: first re-check after this, doubling ...
@@ -288,14 +289,13 @@ class StageWatch:
                     await self._drop()
                     fresh = True
                 if self._link is None:
-                    with trio.fail_after(timeout):
-                        self._link = await DownstreamLink.connect(
-                            self.host, self.port, self.hello, connect_timeout=timeout, credit_limit=0,
-                            reply_timeout=self.deadline.ceiling + 1, write_timeout=self.deadline.ceiling + 1,
-                            peer_timeout=self.peer_timeout)
+                    self._link = await self.deadline.within(functools.partial(
+                        DownstreamLink.connect, self.host, self.port, self.hello, connect_timeout=self.deadline.ceiling,
+                        credit_limit=0, reply_timeout=self.deadline.ceiling + 1,
+                        write_timeout=self.deadline.ceiling + 1, peer_timeout=self.peer_timeout), timeout)
                 sent = time.perf_counter()
-                with trio.fail_after(timeout):
-                    reply, *_ = await self._link.request(Ping(next(self._ids)))
+                reply, *_ = await self.deadline.within(
+                    functools.partial(self._link.request, Ping(next(self._ids))), timeout)
                 rtt = time.perf_counter() - sent
                 self.pings += 1
                 self.last_rtt_ms = round(rtt * 1e3, 3)

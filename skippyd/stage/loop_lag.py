@@ -9,11 +9,13 @@ stage, through :class:`LoopLagCollector`), remembers the worst of the last
 line per ``warn_every_s``, counting the rest).
 
 :class:`PingDeadline` decides how long a liveness ping waits for its
-answer: a high percentile of the recent round trips (times a margin), plus
-the worst recent lag of the loop that waits, between a floor and a ceiling.
-A peer that answers at once keeps the floor, so a dead one is found as fast
-as with a fixed deadline; one that answers late, alive but busy, earns a
-longer wait, never longer than the ceiling.
+answer: a high percentile of the recent round trips (times a margin),
+between a floor and a ceiling, counted in time the waiting loop was free
+to run (:meth:`PingDeadline.within`): a stall of the waiting loop itself
+held the answer unread, so it is not the peer's time. A peer that answers
+at once keeps the floor, so a dead one is found as fast as with a fixed
+deadline; one that answers late, alive but busy, earns a longer wait;
+nothing waits longer than the ceiling (plus a stall still in progress).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import itertools
 import logging
 import math
 import weakref
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
 
 import trio
 from prometheus_client.core import HistogramMetricFamily
@@ -42,8 +45,10 @@ LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 PING_FLOOR_S = 1.0
 PING_CEILING_S = 4.0
 
+STEP_S = 0.05  # a ping's wait wakes this often to tell its own loop's stalls from the peer's time
+T = TypeVar("T")
+
 _running: weakref.WeakSet[LoopLag] = weakref.WeakSet()  # every monitor serving in this process (the collector's)
-_of_this_loop: trio.lowlevel.RunVar = trio.lowlevel.RunVar("skippy_loop_lag", default=())
 
 
 class LoopLag:
@@ -96,7 +101,6 @@ class LoopLag:
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Measure until cancelled."""
         _running.add(self)
-        _of_this_loop.set((*_of_this_loop.get(), self))
         task_status.started(self)
         try:
             while True:
@@ -106,7 +110,6 @@ class LoopLag:
                 self.observe(now - asleep - self.period, now)
         finally:
             _running.discard(self)
-            _of_this_loop.set(tuple(m for m in _of_this_loop.get() if m is not self))
 
     def describe(self) -> dict:
         """For status: the lag now, the worst of the last RECENT_S and ever, the stalls over warn_s."""
@@ -118,20 +121,10 @@ class LoopLag:
                 "max_ms": round(self.max_s * 1e3, 3), "samples": self.samples, "stalls": self.stalls}
 
 
-def recent_lag() -> float:
-    """The worst recent lateness of the loop this runs on, as its monitors saw it (0 outside trio or with none)."""
-    try:
-        monitors = _of_this_loop.get()
-        now = trio.current_time()
-    except RuntimeError:
-        return 0.0
-    return max((m.recent(now) for m in monitors), default=0.0)
-
-
 class PingDeadline:
     """How long a ping waits for its answer: ``margin`` times the ``percentile`` of the last ``keep`` answered
-    round trips, plus the waiting loop's recent lag (:func:`recent_lag`), within ``[floor, ceiling]``; all of
-    it times ``scale`` (a relaying stage's fraction of what its upstream waits)."""
+    round trips, within ``[floor, ceiling]``, all of it times ``scale`` (a relaying stage's fraction of what its
+    upstream waits); :meth:`within` waits so long, not counting the time the waiting loop itself was held."""
 
     def __init__(self, floor: float = PING_FLOOR_S, ceiling: float = PING_CEILING_S, *, scale: float = 1.0,
                  margin: float = 2.0, percentile: float = 0.95, keep: int = 64):
@@ -153,7 +146,42 @@ class PingDeadline:
         return ordered[max(0, math.ceil(self.percentile * len(ordered)) - 1)]
 
     def timeout(self) -> float:
-        return self.scale * min(self.ceiling, max(self.floor, self.margin * self.rtt_high()) + recent_lag())
+        """The wait of the next ping, in time its loop is free to run (seconds)."""
+        return self.scale * min(self.ceiling, max(self.floor, self.margin * self.rtt_high()))
+
+    async def within(self, op: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
+        """``await op()``, cancelled with :class:`trio.TooSlowError` once it has waited ``timeout`` (default
+        :meth:`timeout`) of time this loop was free to run, or ``scale * ceiling`` in all, whichever is first.
+        The wait wakes every STEP_S: a step that took longer than asked was a stall of this loop (the answer
+        may have been in, unread), so only the step's own length counts."""
+        allowed = self.timeout() if timeout is None else timeout
+        outcome: list = []
+
+        async def run(cancel_scope: trio.CancelScope) -> None:
+            try:
+                outcome.append((True, await op()))
+            except Exception as exc:  # re-raised below, outside the nursery
+                outcome.append((False, exc))
+            cancel_scope.cancel()
+
+        started = trio.current_time()
+        last_wall = started
+        counted = 0.0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, nursery.cancel_scope)
+            while counted < allowed and last_wall - started < self.scale * self.ceiling:
+                step = min(STEP_S, allowed - counted)
+                await trio.sleep(step)
+                now = trio.current_time()
+                counted += min(now - last_wall, step + 0.01)  # 10 ms: a busy but free loop's own jitter
+                last_wall = now
+            nursery.cancel_scope.cancel()
+        if not outcome:
+            raise trio.TooSlowError
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
 
 
 class LoopLagCollector(Collector):
