@@ -115,16 +115,6 @@ def _port(item: str, raw: str) -> int:
 
 
 # ---------------------------------------------------------------- talking to the hosts
-class _Link:
-    """A control client as the shared slice sender calls it (skippyd.deploy.transfer.Link)."""
-
-    def __init__(self, client):
-        self.client = client
-
-    async def call(self, make, timeout: float | None = None):
-        return await self.client.call(make(self.client.new_id()))
-
-
 class HostError(ControlError):
     """A host's failure, named."""
 
@@ -172,7 +162,7 @@ class Sender:
     async def send(self, target: Target, path: Path, sha256: str, update=lambda done, total: None) -> Sent:
         try:
             async with open_control(target.url, self.token_file) as client:
-                return await transfer.send_slice(_Link(client), path, sha256, errors=(ControlError,), update=update,
+                return await transfer.send_slice(client, path, sha256, update=update,
                                                  pace=self._pace if self.max_rate > 0 else None)
         except ControlError as exc:
             raise HostError(target, f"sending {path.name}: {exc}", exc.code) from None

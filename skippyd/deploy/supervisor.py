@@ -47,9 +47,10 @@ import attrs
 import trio
 
 from skippyd.control import messages as m
+from skippyd.control.client import ControlError
 from skippyd.deploy import transfer
 from skippyd.deploy.planner import DeployPlan, HostInfo, PlanError, PlanRefused, model_shape, plan_tail
-from skippyd.deploy.remote import RemoteError, call, send_slice
+from skippyd.deploy.remote import call, send_slice
 from skippyd.head.availability import RECOVERING, SERVING, SHORT
 from skippyd.head.engine import HeadEngine
 from skippyd.head.states import GenerationState
@@ -304,7 +305,7 @@ class Supervisor:
             epoch = self._epoch
             try:
                 report = await call(host.url, host.name, self.token, lambda i: m.Host(id=i), timeout=PROBE_TIMEOUT_S)
-            except RemoteError as exc:  # news even while the stages move: a host lost then stops the change
+            except ControlError as exc:  # news even while the stages move: a host lost then stops the change
                 self._missed(host, str(exc))
             else:
                 if epoch == self._epoch and not self._changing:
@@ -373,7 +374,7 @@ class Supervisor:
             self._wake = trio.Event()
             try:
                 await self._decide()
-            except RemoteError as exc:  # a host failed mid-change: the next round plans without it
+            except ControlError as exc:  # a host failed mid-change: the next round plans without it
                 log.warning("deploy: re-planning: %s; planning again", exc)
             except Exception:  # a bug: logged, and tried again, never taking the head down
                 log.exception("deploy: re-planning failed; trying again")
@@ -533,7 +534,7 @@ class Supervisor:
                         await call(h.url, h.name, self.token, lambda i: m.StageRelease(id=i),
                                    timeout=RELEASE_TIMEOUT_S)
                         h.assigned = None
-                    except RemoteError as why:
+                    except ControlError as why:
                         log.warning("deploy: could not release %s's stage of the abandoned plan: %s", h.name, why)
 
             async with trio.open_nursery() as nursery:
@@ -576,7 +577,7 @@ class Supervisor:
             try:
                 shipped += await send_slice(host.url, host.name, self.token, files[k], spec.sha256,
                                             on_start=lambda: self.change.shipping.append(host.name))
-            except RemoteError as exc:
+            except ControlError as exc:
                 failed.append(HostLost(host.name, str(exc), exc.code))
                 scope.cancel()
 
@@ -597,7 +598,7 @@ class Supervisor:
                 host.assigned = await call(host.url, host.name, self.token,
                                            lambda i, k=k: m.StageAssign(id=i, topology=text, stage=k),
                                            timeout=ASSIGN_TIMEOUT_S)
-            except RemoteError as exc:
+            except ControlError as exc:
                 raise HostLost(host.name, str(exc), exc.code) from None
         placed = set(plan.hosts)
         for h in self.hosts.values():
@@ -606,7 +607,7 @@ class Supervisor:
                 try:  # it ran a stage of the old plan: it waits now
                     await call(h.url, h.name, self.token, lambda i: m.StageRelease(id=i), timeout=30.0)
                     h.assigned = None
-                except RemoteError as exc:
+                except ControlError as exc:
                     log.warning("deploy: could not release %s's old stage: %s", h.name, exc)
             if h.state in (IN_PLAN, WAITING):
                 h.move(IN_PLAN if h.name in placed else WAITING)
@@ -641,7 +642,7 @@ class Supervisor:
             await send_slice(host.url, host.name, self.token, path, sha)
             timing = await call(host.url, host.name, self.token, lambda i: m.Calibrate(id=i, sha256=sha),
                                 timeout=120.0)
-        except RemoteError as exc:
+        except ControlError as exc:
             log.warning("deploy: could not time %s: %s", host.name, exc)
             return
         host.ms_per_layer = timing["ms_per_layer"]

@@ -13,11 +13,11 @@ from __future__ import annotations
 import base64
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
 
 import attrs
 
 from skippyd.control import messages as m
+from skippyd.control.client import ControlClient, ControlError
 from skippyd.runtime.slicing import split_model, write_middle_slice
 from skippyd.topology import Topology, parse_address
 
@@ -25,13 +25,6 @@ CHUNK = 512 << 10  # bytes per slice_chunk (base64 in JSON: under the websocket'
 CALIBRATION_LAYERS = 4  # the calibration slice: this many of the model's middle layers
 ATTEMPTS = 3  # a slice that arrives damaged goes again, this many times in all
 COMMIT_TIMEOUT_S = 60.0  # the host hashes the whole slice before it answers
-
-
-class Link(Protocol):
-    """One host's control connection: a request (``make(id)``) and its one answer's data. A failure raises an
-    exception with the control channel's error ``code``."""
-
-    async def call(self, make: Callable[[str], Any], timeout: float | None = None) -> Any: ...
 
 
 @attrs.define
@@ -49,18 +42,17 @@ class DamagedThrice(Exception):
     """The slice arrived damaged at every attempt."""
 
 
-async def send_slice(link: Link, path: Path, sha256: str, *, errors: tuple[type[Exception], ...],
+async def send_slice(link: ControlClient, path: Path, sha256: str, *,
                      update: Callable[[int, int], None] = lambda done, total: None,
                      pace: Callable[[int], Awaitable[None]] | None = None,
                      on_start: Callable[[], None] | None = None) -> Sent:
     """Send the file unless the host holds it, resuming where an interrupted transfer stopped. `update(done,
     total)` follows the bytes the host has; `pace(n)` waits before each chunk of n bytes (a rate limit);
-    `on_start` is called once, before the first chunk goes (not when the host holds the file). `errors`: the
-    link's own failures, each with the control channel's error ``code``. Raises DamagedThrice, or what the link
-    raises."""
+    `on_start` is called once, before the first chunk goes (not when the host holds the file). Raises
+    DamagedThrice, or the link's ControlError."""
     size = path.stat().st_size
     for attempt in range(ATTEMPTS):
-        offer = await link.call(lambda i: m.SliceOffer(id=i, sha256=sha256, size=size))
+        offer = await link.call(m.SliceOffer(id=link.new_id(), sha256=sha256, size=size))
         if offer["held"]:
             update(size, size)
             return Sent(size, held=True, resent=attempt)
@@ -76,14 +68,14 @@ async def send_slice(link: Link, path: Path, sha256: str, *, errors: tuple[type[
                 block = f.read(CHUNK)
                 if pace is not None:
                     await pace(len(block))
-                reply = await link.call(lambda i, at=done, b=block: m.SliceChunk(
-                    id=i, sha256=sha256, offset=at, data=base64.b64encode(b).decode("ascii")))
+                reply = await link.call(m.SliceChunk(id=link.new_id(), sha256=sha256, offset=done,
+                                                     data=base64.b64encode(block).decode("ascii")))
                 done = reply["received"]
                 result.sent += len(block)
                 update(done, size)
         try:
-            await link.call(lambda i: m.SliceCommit(id=i, sha256=sha256, size=size), COMMIT_TIMEOUT_S)
-        except errors as exc:
+            await link.call(m.SliceCommit(id=link.new_id(), sha256=sha256, size=size), COMMIT_TIMEOUT_S)
+        except ControlError as exc:
             if exc.code != "corrupt":
                 raise
             update(0, size)  # the host deleted what arrived: all of it goes again
