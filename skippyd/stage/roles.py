@@ -272,12 +272,9 @@ class MiddleStage(StageHandlers):
         try:
             await self.ping_deadline.within(lambda: self._relay(msg, None), wait)
         except trio.TooSlowError:
-            pass
-        else:
-            self.ping_deadline.observe(trio.current_time() - sent)
-            return
-        self.down.broken = True
-        raise DownstreamError(self.down.address, f"no answer to a liveness ping within {wait:.2g} s")
+            self.down.broken = True
+            raise DownstreamError(self.down.address, f"no answer to a liveness ping within {wait:.2g} s") from None
+        self.ping_deadline.observe(trio.current_time() - sent)
 
     async def _pass_restore(self, msg: RestorePrefix, restored: int) -> None:
         """Every stage restores what it holds of the tokens, whatever this one holds: the reply going up is the
