@@ -8,9 +8,10 @@ Steps, each cached under ``~/.cache/skippy/`` so that a second build costs secon
 2. extract ``vendor/llama.cpp`` and apply ``native/patches/*.patch`` (a patch
    that does not apply stops the build with patch's own output);
 3. build shared libllama + ggml, and libmtmd (the multimodal projectors of
-   ``tools/mtmd``, built standalone, without video), with CMake (CPU by default;
-   extra arguments from ``SKIPPY_LLAMA_CMAKE_ARGS``, e.g. ``-DGGML_CUDA=ON``);
-   the cache key covers the sdist hash, the patches and the CMake arguments;
+   ``tools/mtmd``, built standalone, without video), with CMake: CPU by default,
+   with a GPU backend beside the CPU one by ``--gpu vulkan|cuda`` (or
+   ``SKIPPY_GPU``); extra arguments from ``SKIPPY_LLAMA_CMAKE_ARGS``; the cache
+   key covers the sdist hash, the patches and the CMake arguments;
 4. compile the cffi extension (API mode, out of line) against the patched
    ``llama.h`` and ``mtmd.h``, linked with an ``$ORIGIN`` rpath so that it finds
    libllama and libmtmd beside itself.
@@ -110,8 +111,39 @@ def cpu_cmake_args() -> list[str]:
     return []
 
 
-def cmake_args() -> list[str]:
-    return BASE_CMAKE_ARGS + cpu_cmake_args() + shlex.split(os.environ.get("SKIPPY_LLAMA_CMAKE_ARGS", ""))
+GPU_BACKENDS = ("none", "vulkan", "cuda")
+
+
+def default_gpu() -> str:
+    return os.environ.get("SKIPPY_GPU", "").strip().lower() or "none"
+
+
+def gpu_cmake_args(gpu: str) -> list[str]:
+    """The GPU backend's switch; the CPU backend is always built too (a stage offloads none, some or all layers)."""
+    if gpu == "none":
+        return []
+    if gpu == "vulkan":
+        if not os.environ.get("VULKAN_SDK") and (
+                shutil.which("glslc") is None or not Path("/usr/include/vulkan/vulkan.hpp").exists()
+                or not Path("/usr/include/spirv").exists()):
+            raise NativeBuildError(
+                "a Vulkan build needs the Vulkan headers, the SPIR-V headers and glslc (Debian/Ubuntu: "
+                "apt-get install libvulkan-dev spirv-headers glslc; a device to run on: mesa-vulkan-drivers "
+                "or the GPU vendor's driver), or VULKAN_SDK set to an SDK")
+        return ["-DGGML_VULKAN=ON"]
+    if gpu == "cuda":
+        if shutil.which("nvcc") is None and not os.environ.get("CUDACXX"):
+            raise NativeBuildError(
+                "a CUDA build needs nvcc on PATH or CUDACXX=/path/to/nvcc "
+                "(the CUDA toolkit, or pip install nvidia-cuda-nvcc and its nvidia/cu13/bin/nvcc)")
+        # the card present, unless the caller names architectures in SKIPPY_LLAMA_CMAKE_ARGS
+        return ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native"]
+    raise NativeBuildError(f"unknown GPU backend {gpu!r}: choose one of {', '.join(GPU_BACKENDS)}")
+
+
+def cmake_args(gpu: str = "none") -> list[str]:
+    return (BASE_CMAKE_ARGS + cpu_cmake_args() + gpu_cmake_args(gpu)
+            + shlex.split(os.environ.get("SKIPPY_LLAMA_CMAKE_ARGS", "")))
 
 
 def patch_files() -> list[Path]:
@@ -126,10 +158,10 @@ def _digest(parts: list[bytes]) -> str:
     return h.hexdigest()[:16]
 
 
-def libllama_key() -> str:
+def libllama_key(gpu: str = "none") -> str:
     parts = [SDIST_SHA256.encode(), str(BUILD_SCHEMA).encode(), platform.machine().encode()]
     parts += [p.name.encode() + b"\0" + p.read_bytes() for p in patch_files()]
-    parts += [a.encode() for a in cmake_args()]
+    parts += [a.encode() for a in cmake_args(gpu)]
     return _digest(parts)
 
 
@@ -194,11 +226,11 @@ def _run(cmd: list[str], log_path: Path) -> None:
         raise NativeBuildError(f"command failed ({proc.returncode}): {shlex.join(cmd)}\n" + "\n".join(tail))
 
 
-def build_libllama() -> Path:
+def build_libllama(gpu: str = "none") -> Path:
     """Return the cache directory holding ``lib/`` and ``include/`` of the patched build."""
     pypi = _load_pypi_module()
     root = pypi.cache_root() / "native"
-    key = libllama_key()
+    key = libllama_key(gpu)
     out = root / f"libllama-{key}"
     if (out / "DONE").exists():
         return out
@@ -207,7 +239,8 @@ def build_libllama() -> Path:
             return out
         started = time.monotonic()
         sdist = pypi.fetch_pinned("llama-cpp-python", LLAMA_CPP_PYTHON_VERSION, SDIST_FILENAME, SDIST_SHA256)
-        _log(f"building patched llama.cpp from {sdist.name} (first time only, a few minutes)")
+        what = "" if gpu == "none" else f" with the {gpu} backend"
+        _log(f"building patched llama.cpp{what} from {sdist.name} (first time only, a few minutes)")
         with tempfile.TemporaryDirectory(prefix="skippy-llama-", dir=root) as tmp:
             src, build = Path(tmp) / "src", Path(tmp) / "build"
             _extract_vendor(sdist, src)
@@ -217,7 +250,7 @@ def build_libllama() -> Path:
             cmake = shutil.which("cmake")
             if cmake is None:
                 raise NativeBuildError("cmake not found on PATH (pip install cmake, or apt-get install cmake)")
-            _run([cmake, "-S", str(src), "-B", str(build), *cmake_args()], log_path)
+            _run([cmake, "-S", str(src), "-B", str(build), *cmake_args(gpu)], log_path)
             _run([cmake, "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *BUILD_TARGETS], log_path)
             staging = Path(tmp) / "out"
             (staging / "lib").mkdir(parents=True)
@@ -231,7 +264,7 @@ def build_libllama() -> Path:
             shutil.copytree(src / "ggml" / "include", staging / "include", dirs_exist_ok=True)
             for header in ("mtmd.h", "mtmd-helper.h"):
                 shutil.copy2(src / "tools" / "mtmd" / header, staging / "include" / header)
-            (staging / "cmake-args.txt").write_text("\n".join(cmake_args()) + "\n")
+            (staging / "cmake-args.txt").write_text("\n".join(cmake_args(gpu)) + "\n")
             shutil.rmtree(out, ignore_errors=True)
             staging.rename(out)
         (out / "DONE").write_text(f"{time.monotonic() - started:.1f}s\n")
@@ -259,7 +292,7 @@ def build_extension(lib_dir: Path) -> Path:
             "\n".join((HERE / name).read_text() for name in SOURCE_FILES),
             include_dirs=[str(lib_dir / "include")],
             library_dirs=[str(lib_dir / "lib")],
-            libraries=["mtmd", "llama", "ggml-cpu", "ggml-base"],
+            libraries=["mtmd", "llama", "ggml", "ggml-cpu", "ggml-base"],
             extra_compile_args=["-O2"],
             extra_link_args=["-Wl,-rpath,$ORIGIN"],
         )
@@ -271,9 +304,9 @@ def build_extension(lib_dir: Path) -> Path:
     return target
 
 
-def install_into(dest: Path) -> list[Path]:
+def install_into(dest: Path, gpu: str | None = None) -> list[Path]:
     """Build (or reuse) everything and copy the shared objects into ``dest``."""
-    lib_dir = build_libllama()
+    lib_dir = build_libllama(default_gpu() if gpu is None else gpu)
     ext = build_extension(lib_dir)
     dest.mkdir(parents=True, exist_ok=True)
     sources = [*sorted((lib_dir / "lib").glob("*.so")), ext]
@@ -308,9 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--into", type=Path, default=REPO / "skippyd" / "_native",
                         help="where to put libllama and the extension (default: skippyd/_native)")
+    parser.add_argument("--gpu", choices=GPU_BACKENDS, default=default_gpu(),
+                        help="a GPU backend beside the CPU one (default: $SKIPPY_GPU, else none)")
     args = parser.parse_args(argv)
     try:
-        for path in install_into(args.into):
+        for path in install_into(args.into, args.gpu):
             _log(f"installed {path}")
     except NativeBuildError as exc:
         _log(f"error: {exc}")

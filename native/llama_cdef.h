@@ -27,7 +27,26 @@ enum llama_flash_attn_type { LLAMA_FLASH_ATTN_TYPE_AUTO, LLAMA_FLASH_ATTN_TYPE_D
 
 typedef bool (*llama_progress_callback)(float progress, void * user_data);
 
+/* ggml's backends and their devices: the CPU always, a GPU backend's devices where the build has one */
+struct ggml_backend_device;
+typedef struct ggml_backend_device * ggml_backend_dev_t;
+struct ggml_backend_reg;
+typedef struct ggml_backend_reg * ggml_backend_reg_t;
+enum ggml_backend_dev_type { GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_GPU,
+                             GGML_BACKEND_DEVICE_TYPE_IGPU, GGML_BACKEND_DEVICE_TYPE_ACCEL, ... };
+size_t ggml_backend_reg_count(void);
+ggml_backend_reg_t ggml_backend_reg_get(size_t index);
+const char * ggml_backend_reg_name(ggml_backend_reg_t reg);
+size_t ggml_backend_dev_count(void);
+ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+const char * ggml_backend_dev_name(ggml_backend_dev_t device);
+const char * ggml_backend_dev_description(ggml_backend_dev_t device);
+void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
+enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
+ggml_backend_reg_t ggml_backend_dev_backend_reg(ggml_backend_dev_t device);
+
 struct llama_model_params {
+    ggml_backend_dev_t * devices;  /* NULL-terminated; NULL: every GPU device */
     int32_t n_gpu_layers;
     llama_progress_callback progress_callback;
     void * progress_callback_user_data;

@@ -113,7 +113,18 @@ def inspect(
         info = inspect_gguf(file)
     except ModelFileError as exc:
         fail(str(exc))
+    info["build"] = _this_build()
     emit(info, json_mode, _inspect_table)
+
+
+def _this_build() -> dict:
+    """What this host's native build of skippy would compute the model on: its backends' devices."""
+    try:
+        from skippyd.runtime.llama import devices
+    except ImportError as exc:  # the native layer is not built here: the file's facts still stand
+        return {"gpu_backend": None, "devices": [], "describe": str(exc)}
+    return {"gpu_backend": devices.gpu_backend(), "devices": [d.to_dict() for d in devices.devices()],
+            "describe": devices.describe_build()}
 
 
 def _inspect_table(info: dict[str, Any]) -> Table:
@@ -137,6 +148,7 @@ def _inspect_table(info: dict[str, Any]) -> Table:
          + ", ".join(f"{n} {kind}" for kind, n in info["tensor_types"].items()) + ")"),
         ("output.weight", _output_weight(info)),
         ("file size", _mb(info["file_size"])),
+        ("this build", info["build"]["describe"]),
     ]
     stage = info["stage"]
     if stage is not None:

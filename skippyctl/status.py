@@ -21,7 +21,7 @@ def _table(data: dict) -> Table:
     model = data.get("model") or {}
     threads = _threads(data)
     table = listing("stage", Column("address", no_wrap=True), Column("layers", no_wrap=True), "local",
-                    Column("threads", no_wrap=True), "reachable", "protocol",
+                    Column("threads", no_wrap=True), "device", "reachable", "protocol",
                     title=f"{data['role']} · {model.get('name', '?')} · up {data['uptime_s']:.0f}s"
                           + (" · draining" if data.get("draining") else ""),
                     caption=f"{_running(data)}; skippy {data.get('version')}"
@@ -36,13 +36,33 @@ def _table(data: dict) -> Table:
                             + _supervised((data.get("deployment") or {}).get("supervised")))
     for s in (data.get("topology") or {}).get("stages", []):
         table.add_row(str(s["index"]), s["address"], f"[{s['layers'][0]},{s['layers'][1]})",
-                      "yes" if s["local"] else "no", threads.get(s["index"], "-"), _yes(s["reachable"]),
-                      _dash(s.get("version")))
+                      "yes" if s["local"] else "no", threads.get(s["index"], "-"), _device(s.get("device")),
+                      _yes(s["reachable"]), _dash(s.get("version")))
     if not data.get("topology"):  # a single-model daemon (--model)
         for s in data.get("local_stages", []):
             table.add_row(str(s["index"]), s["listen"] or "-", f"[{s['layers'][0]},{s['layers'][1]})", "yes",
-                          threads.get(s["index"], "-"), "yes", str(data.get("protocol_version")))
+                          threads.get(s["index"], "-"), _device(_local_device(data, s["index"])), "yes",
+                          str(data.get("protocol_version")))
     return table
+
+
+def _device(device: dict | None) -> str:
+    """What a stage computes on: "CPU", or the GPU, its layers there and its memory ("Vulkan0 llvmpipe (...)
+    24/24 layers, 1.2 of 2.0 GiB free")."""
+    if not device:
+        return "-"
+    if not device.get("gpu_layers"):
+        return device.get("device", "CPU")
+    memory = (f", {human_bytes(device['memory_free'])} of {human_bytes(device['memory_total'])} free"
+              if device.get("memory_total") else "")
+    return (f"{device.get('device')} {device.get('device_name', '')}: {device['gpu_layers']}/{device['layers']} "
+            f"layers{memory}")
+
+
+def _local_device(data: dict, index: int) -> dict | None:
+    snap = next((s for s in [data.get("head"), *(data.get("stages") or [])]
+                 if s and s.get("stage_index") == index), None)
+    return (snap or {}).get("device")
 
 
 def _running(data: dict) -> str:

@@ -25,6 +25,7 @@ FLAG_KEYS = {
     "lanes": "runtime.lanes",
     "ctx": "runtime.ctx",
     "threads": "runtime.threads",
+    "gpu_layers": "runtime.gpu_layers",
     "queue_timeout": "runtime.queue_timeout",
     "resume": "runtime.resume",
     "prefix_cache_mb": "runtime.prefix_cache_mb",
@@ -104,6 +105,15 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _gpu_layers(text: str) -> int | str:
+    if text.strip().lower() == "all":
+        return "all"
+    try:
+        return _non_negative_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"give all or a number of layers (0: none), not {text!r}") from None
+
+
 def _allow_list(text: str) -> list[str]:
     from skippyd.topology import TopologyError, parse_allow_entry
 
@@ -129,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "then /etc/skippy/skippyd.toml, if present)")
     p.add_argument("--check-config", action="store_true",
                    help="check the configuration, print the settings in force and exit")
+    p.add_argument("--version", action="store_true",
+                   help="print the version, the native build's backends and the devices they find, and exit")
     src = p.add_argument_group("what to run")
     src.add_argument("--topology", type=Path, metavar="FILE", help="topology.toml written by `skippyctl model split`")
     src.add_argument("--stage", type=_stage, default=None, metavar="K|all",
@@ -151,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, default=None, metavar="N",
                      help="compute threads per stage (default: all cores it may use, affinity and cgroup quota; "
                           "with compute_lock = \"off\", those cores / stages of the topology on this host)")
+    run.add_argument("--gpu-layers", type=_gpu_layers, default=None, metavar="N|all",
+                     help="the last N of each stage's own layers computed on the GPU, or all (with the output "
+                          "head); needs a build with a GPU backend (skippyd --version); default 0: the CPU only")
     run.add_argument("--queue-timeout", type=_non_negative, default=None, metavar="SECONDS",
                      help="the head: how long a generation may wait for a free session slot (default 30)")
     run.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
@@ -223,6 +238,19 @@ def read_settings(args: argparse.Namespace, environ: dict[str, str] | None = Non
     if problems:
         raise ConfigError(None, [(flag_of.get(key, key), why) for key, why in problems])
     return settings
+
+
+def print_version() -> None:
+    """--version: skippy's version, the pinned llama.cpp, and what this build computes on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from skippyd.runtime.llama.devices import describe_build
+
+    try:
+        mine = version("skippy")
+    except PackageNotFoundError:
+        mine = "(not installed)"
+    print(f"skippyd {mine}\n{describe_build()}")
 
 
 def check_config(settings: Settings) -> None:

@@ -96,6 +96,12 @@ def _stage_value(_inst, attribute, value) -> None:
     raise Invalid(f"must be a stage index (0, 1, ...) or \"all\", got {value!r}", attribute.name)
 
 
+def _gpu_layers_value(_inst, attribute, value) -> None:
+    if value == "all" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return
+    raise Invalid(f"must be \"all\" or a number of layers (0: none), got {value!r}", attribute.name)
+
+
 # ---------------------------------------------------------------- sections
 # Each field's default is the daemon's default (StageConfig and the others read theirs from DEFAULTS).
 @attrs.frozen
@@ -126,6 +132,9 @@ class RuntimeSection:
     lanes: int = attrs.field(default=4, validator=_at_least(1))
     ctx: int = attrs.field(default=4096, validator=_at_least(16))
     threads: int = attrs.field(default=0, validator=_at_least(0))  # 0: every core this daemon may use
+    # the last N of each stage's own layers computed on the GPU (a build with a GPU backend), "all": every one
+    # and the output head; 0: the CPU only
+    gpu_layers: Any = attrs.field(default=0, validator=_gpu_layers_value)
     # ggml thread pool: workers poll this long (0-100) then sleep; -1: llama.cpp's per-graph threads
     thread_poll: int = attrs.field(default=0, validator=_in_range(-1, 100))
     # idle-class threads spin this long after each compute so the next starts on warm cores; 0: off

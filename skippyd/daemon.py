@@ -26,7 +26,7 @@ import time
 
 import trio
 
-from skippyd.cli import build_parser, check_config, read_settings
+from skippyd.cli import build_parser, check_config, print_version, read_settings
 from skippyd.config import Config, ConfigError, Settings, with_values
 from skippyd.head.sequence import STOP_TIMEOUT_S
 from skippyd.node import Node
@@ -185,6 +185,9 @@ class Daemon:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.version:
+        print_version()
+        return EXIT_OK
     try:
         settings = read_settings(args)
     except ConfigError as exc:

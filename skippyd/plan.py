@@ -141,7 +141,7 @@ def stage_config(config: Config, n_local: int, decode_groups: int, link_auth: by
                       adapt_threads=rt.adapt_threads == "on", flash_attn=rt.flash_attn,
                       keep_warm_ms=rt.keep_warm_ms, decode_groups=decode_groups, credit_limit=rt.credit,
                       reply_timeout_s=rt.reply_timeout, peer_timeout_s=rt.peer_timeout,
-                      direct_return=rt.direct_return, activation_wire=rt.activation_wire,
+                      direct_return=rt.direct_return, activation_wire=rt.activation_wire, gpu_layers=rt.gpu_layers,
                       link_delay_ms=stage.link_delay_ms, link_mbps=stage.link_mbps,
                       frame_timeout_s=stage.frame_timeout, link_auth=link_auth,
                       prefix_cache_mb=rt.prefix_cache_mb, prefix_cache_disk_mb=rt.prefix_cache_disk_mb,

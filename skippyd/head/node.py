@@ -85,7 +85,7 @@ class HeadNode:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
-        self.model = await trio.to_thread.run_sync(Model, self.model_path)
+        self.model = await trio.to_thread.run_sync(cfg.load_model, self.model_path)
         try:
             if not self.model.stage.is_first:
                 raise ValueError(f"{self.model_path} does not start at layer 0: it cannot be the head")
@@ -248,6 +248,7 @@ class HeadNode:
                     hot_path=self.engine.scheduler.hot_path.describe() if self.engine else None,
                     threads=self.engine.scheduler.threads.describe() if self.engine else None,
                     compute=self.config.describe_compute(self.engine.context if self.engine else None),
+                    device=self.model.placement() if self.model is not None else None,
                     prefill=self.engine.chunker.describe() if self.engine and self.engine.pool else None,
                     token_return=self.engine.describe_token_return() if self.engine else None,
                     link=self.pool.describe_link() if self.pool is not None else None,

@@ -25,6 +25,7 @@ import trio
 from skippyd.config import DEFAULTS
 from skippyd.listening import explain_bind_errors
 from skippyd.runtime.llama import Context, ContextParams, Model
+from skippyd.runtime.llama.devices import offload_layers
 from skippyd.stage.access import UpstreamAllow
 from skippyd.stage.conditioning import LinkShape
 from skippyd.stage.connection import UpstreamConnection
@@ -92,6 +93,12 @@ class StageConfig:
     prefix_cache_disk_mb: int = _RUNTIME.prefix_cache_disk_mb  # ... and that tier's budget (MiB)
     # how activations travel on this stage's links: auto (f32 unless a link, timed when it opens, is slow), f16, f32
     activation_wire: str = _RUNTIME.activation_wire
+    gpu_layers: int | str = _RUNTIME.gpu_layers  # the last N of the stage's layers on the GPU, or "all"; 0: none
+
+    def load_model(self, path: Path) -> Model:
+        """The stage's GGUF with its gpu_layers on the GPU (blocking). Raises GpuLayersError where this build or
+        host has no GPU for them, LlamaError where the load fails (a device out of memory among others)."""
+        return Model(path, n_gpu_layers=offload_layers(self.gpu_layers))
 
     def open_disk_tier(self, stage_index: int, model: str, layers: tuple[int, int], context: Context):
         """The prefix cache's disk tier for a stage (blocking; None: no tier)."""
@@ -177,7 +184,7 @@ class StageServer:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         cfg, core = self.config, self.core
-        core.model = model = await trio.to_thread.run_sync(Model, self.model_path)
+        core.model = model = await trio.to_thread.run_sync(cfg.load_model, self.model_path)
         try:
             stage = model.stage
             if (stage.layer_start, stage.layer_end) != (self.spec.layer_start, self.spec.layer_end):
@@ -345,6 +352,7 @@ class StageServer:
             hot_path=core.scheduler.hot_path.describe() if core.scheduler else None,
             threads=core.scheduler.threads.describe() if core.scheduler else None,
             compute=self.config.describe_compute(core.context),
+            device=core.model.placement() if core.model is not None else None,
             queued=core.scheduler.queued if core.scheduler else 0,
             token_return=core.token_return.describe() if core.token_return else None,
             upstream_allow=self.upstream_allow.describe() if self.upstream_allow else None,

@@ -6,16 +6,39 @@ The wrappers (model.py, sampling.py, context.py) reach libllama only through
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
+from pathlib import Path
 
-try:
-    from skippyd._native._skippy_llama import ffi, lib
-except ImportError as exc:  # pragma: no cover - depends on the build
-    raise ImportError(
-        "skippy's native layer is not built (skippyd/_native is missing or stale): "
-        "run `python native/build.py` or reinstall the package"
-    ) from exc
+NATIVE_DIR_ENV = "SKIPPY_NATIVE_DIR"
+
+
+def _load_extension():
+    """The package's native build (skippyd/_native), or the one $SKIPPY_NATIVE_DIR names: a build with another
+    backend beside it (``native/build.py --gpu vulkan --into DIR``), whose libllama the extension finds beside
+    itself."""
+    where = os.environ.get(NATIVE_DIR_ENV)
+    if not where:
+        try:
+            from skippyd._native import _skippy_llama
+        except ImportError as exc:  # pragma: no cover - depends on the build
+            raise ImportError(
+                "skippy's native layer is not built (skippyd/_native is missing or stale): "
+                "run `python native/build.py` or reinstall the package"
+            ) from exc
+        return _skippy_llama.ffi, _skippy_llama.lib
+    found = sorted(Path(where).glob("_skippy_llama*.so"))
+    if not found:
+        raise ImportError(f"{NATIVE_DIR_ENV}={where} holds no native build of skippy "
+                          f"(make one with `python native/build.py --into {where}`)")
+    spec = importlib.util.spec_from_file_location("_skippy_llama", found[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ffi, module.lib
+
+
+ffi, lib = _load_extension()
 
 # --------------------------------------------------------------------------- errors
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
+from skippyd.runtime.llama.devices import placement
 from skippyd.runtime.llama.ffi import (
     InvalidArgumentError,
     LlamaError,
@@ -81,6 +82,7 @@ class Model(NativeObject):
         self.architecture = self.meta("general.architecture") or "unknown"
         self.name = self.meta("general.name") or self.path.stem
         self.stage = self._read_stage_info()
+        self.n_gpu_layers = int(n_gpu_layers)  # as llama.cpp took it: -1 all, else the last N layers
         self.bos = int(lib.llama_vocab_bos(self._vocab))
         self.eos = int(lib.llama_vocab_eos(self._vocab))
 
@@ -93,6 +95,10 @@ class Model(NativeObject):
             self._ptr = ffi.NULL
             self._vocab = ffi.NULL
 
+
+    def placement(self) -> dict:
+        """Where this model computes: backend, device, its memory and the layers on the GPU (for status)."""
+        return placement(self.n_gpu_layers, self.n_layer)
 
     # -- metadata
     def meta(self, key: str) -> str | None:
