@@ -204,3 +204,14 @@ def test_gpu_layers_without_a_gpu_is_refused_with_what_to_change(default_model_p
     no_device = _run_daemon(args, {"SKIPPY_NATIVE_DIR": str(_vulkan_build())})
     assert no_device.returncode == 1, no_device
     assert "finds no GPU" in no_device.stderr and "GGML_VK_VISIBLE_DEVICES" in no_device.stderr, no_device.stderr
+
+
+def test_layers_that_would_not_fit_the_devices_memory_are_refused_before_llama_cpp_allocates(default_model_path):
+    """16 lanes of 32768 tokens: about 11 GiB of KV cache against lavapipe's 2 GiB, refused with the need and
+    what to lower, where llama.cpp would abort the process."""
+    args = ["--model", str(default_model_path), "--gpu-layers", "all", "--ctx", "32768", "--lanes", "16",
+            "--no-control", "--listen", "127.0.0.1:0"]
+    refused = _run_daemon(args, _on_vulkan())
+    assert refused.returncode == 1, refused
+    assert "Vulkan0 (llvmpipe" in refused.stderr and "GiB of KV cache for 16 lanes of 32768 tokens" in refused.stderr
+    assert "lower runtime.gpu_layers, runtime.ctx or runtime.lanes" in refused.stderr and "Traceback" not in refused.stderr

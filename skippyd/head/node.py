@@ -28,7 +28,7 @@ from skippyd.head.lanes import LanePool
 from skippyd.head.liveness import StageWatch
 from skippyd.head.token_return import TokenReturnHub
 from skippyd.runtime import mtmd
-from skippyd.runtime.llama import Context, Model
+from skippyd.runtime.llama import Model
 from skippyd.stage.access import UpstreamAllow
 from skippyd.stage.link_choice import WirePolicy, time_prompt_rows, untimed
 from skippyd.stage.loop_lag import LoopLag
@@ -97,7 +97,7 @@ class HeadNode:
                 loading.start_soon(trio.to_thread.run_sync, sampling.preload)  # requests' constraints are checked here
                 if self.model.stage.is_last:  # what a constraint needs of the vocabulary, made before serving
                     loading.start_soon(trio.to_thread.run_sync, self.model.prepare)
-                context = await trio.to_thread.run_sync(Context, self.model, cfg.context_params())
+                context = await trio.to_thread.run_sync(cfg.open_context, self.model)
             scheduler = cfg.scheduler(context)
             stage = self.model.stage
             sha256 = self.topology.stage(0).sha256 if self.topology is not None else None

@@ -95,6 +95,13 @@ class StageConfig:
     activation_wire: str = _RUNTIME.activation_wire
     gpu_layers: int | str = _RUNTIME.gpu_layers  # the last N of the stage's layers on the GPU, or "all"; 0: none
 
+    def open_context(self, model: Model) -> Context:
+        """The stage's context (blocking): refused first, naming the device, where its layers on the GPU and
+        their KV cache would not fit the device's memory (GpuMemoryError)."""
+        params = self.context_params()
+        model.check_gpu_room(params.n_ctx_per_seq, params.n_seq_max, params.n_ubatch)
+        return Context(model, params)
+
     def load_model(self, path: Path) -> Model:
         """The stage's GGUF with its gpu_layers on the GPU (blocking). Raises GpuLayersError where this build or
         host has no GPU for them, LlamaError where the load fails (a device out of memory among others)."""
@@ -193,7 +200,7 @@ class StageServer:
             async with trio.open_nursery() as loading:
                 if stage.is_last:  # what a constraint needs of the vocabulary, made before serving (Model.prepare)
                     loading.start_soon(trio.to_thread.run_sync, model.prepare)
-                core.context = await trio.to_thread.run_sync(Context, model, cfg.context_params())
+                core.context = await trio.to_thread.run_sync(cfg.open_context, model)
             core.scheduler = cfg.scheduler(core.context)
             if not core.is_final and cfg.activation_wire == "auto":  # what its links' encoding is chosen against
                 core.wire_policy = attrs.evolve(core.wire_policy, row_compute_s=await trio.to_thread.run_sync(

@@ -72,6 +72,10 @@ class GpuLayersError(ValueError):
     """gpu_layers asks for a GPU this build or this host does not have."""
 
 
+class GpuMemoryError(ValueError):
+    """A stage's layers on the GPU would not fit its memory (llama.cpp aborts the process on such a load)."""
+
+
 def offload_layers(gpu_layers: int | str) -> int:
     """llama.cpp's n_gpu_layers for ``gpu_layers``: the last N of the stage's own layers on the GPU, or "all"
     (every one, and the output head where the stage has it; so is an N above its count, as with llama.cpp's
@@ -104,6 +108,31 @@ def placement(n_gpu_layers: int, n_layer: int) -> dict:
         info.update(device=device.name, device_name=device.description, memory_total=device.memory_total,
                     memory_free=device.memory_free)
     return info
+
+
+def check_room(n_gpu_layers: int, n_layer: int, weights_bytes: int, kv_bytes_per_token_layer: int,
+               n_ctx_per_seq: int, n_seq: int, n_swa: int = 0, n_ubatch: int = 512) -> None:
+    """Refuse a stage whose layers on the GPU need more than its devices have free: their share of the
+    weights and their KV cache (every lane's full context; a sliding-window model's window only, which errs
+    towards trying). Raises GpuMemoryError naming the device, the need and what to lower."""
+    if n_gpu_layers == 0:
+        return
+    gpus = gpu_devices()
+    free = sum(d.memory_free for d in gpus)
+    if not gpus or not free:
+        return
+    on_gpu = n_layer if n_gpu_layers < 0 else min(n_gpu_layers, n_layer)
+    tokens = n_seq * (n_ctx_per_seq if n_swa <= 0 else min(n_ctx_per_seq, n_swa + n_ubatch))
+    weights = weights_bytes * on_gpu // max(1, n_layer)
+    kv = tokens * on_gpu * kv_bytes_per_token_layer
+    if weights + kv <= free:
+        return
+    names = ", ".join(f"{d.name} ({d.description})" for d in gpus)
+    raise GpuMemoryError(
+        f"{names} has {free / 2**30:.2f} GiB free, and this stage's {on_gpu} layers on it need about "
+        f"{(weights + kv) / 2**30:.2f} GiB ({weights / 2**30:.2f} GiB of weights, {kv / 2**30:.2f} GiB of KV "
+        f"cache for {n_seq} lanes of {n_ctx_per_seq} tokens): lower runtime.gpu_layers, runtime.ctx or "
+        f"runtime.lanes")
 
 
 def describe_build() -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from skippyd.runtime.llama.devices import placement
+from skippyd.runtime.llama.devices import check_room, placement
 from skippyd.runtime.llama.ffi import (
     InvalidArgumentError,
     LlamaError,
@@ -95,6 +95,19 @@ class Model(NativeObject):
             self._ptr = ffi.NULL
             self._vocab = ffi.NULL
 
+
+    def check_gpu_room(self, n_ctx_per_seq: int, n_seq: int, n_ubatch: int) -> None:
+        """Raise GpuMemoryError if this model's layers on the GPU and their KV cache for ``n_seq`` lanes of
+        ``n_ctx_per_seq`` tokens would not fit the device (see devices.check_room)."""
+        ptr = self._live("check GPU memory")
+        arch = self.architecture
+        n_head = max(1, int(lib.llama_model_n_head(ptr)))
+        head_dim = self.n_embd // n_head
+        k_len = int(self.meta(f"{arch}.attention.key_length") or head_dim)
+        v_len = int(self.meta(f"{arch}.attention.value_length") or head_dim)
+        kv_per_token_layer = int(lib.llama_model_n_head_kv(ptr)) * (k_len + v_len) * 2  # f16 K and V
+        check_room(self.n_gpu_layers, self.n_layer, int(lib.llama_model_size(ptr)), kv_per_token_layer,
+                   n_ctx_per_seq, n_seq, int(lib.llama_model_n_swa(ptr)), n_ubatch)
 
     def placement(self) -> dict:
         """Where this model computes: backend, device, its memory and the layers on the GPU (for status)."""
