@@ -36,8 +36,8 @@ def _table(data: dict) -> Table:
                             + _supervised((data.get("deployment") or {}).get("supervised")))
     for s in (data.get("topology") or {}).get("stages", []):
         table.add_row(str(s["index"]), s["address"], f"[{s['layers'][0]},{s['layers'][1]})",
-                      "yes" if s["local"] else "no", threads.get(s["index"], "-"), _device(s.get("device")),
-                      _yes(s["reachable"]), _dash(s.get("version")))
+                      "yes" if s["local"] else "no", threads.get(s["index"], "-"),
+                      _device(_local_device(data, s["index"])), _yes(s["reachable"]), _dash(s.get("version")))
     if not data.get("topology"):  # a single-model daemon (--model)
         for s in data.get("local_stages", []):
             table.add_row(str(s["index"]), s["listen"] or "-", f"[{s['layers'][0]},{s['layers'][1]})", "yes",
@@ -60,6 +60,7 @@ def _device(device: dict | None) -> str:
 
 
 def _local_device(data: dict, index: int) -> dict | None:
+    """The device of a stage this daemon runs, from its snapshot (None: a remote stage)."""
     snap = next((s for s in [data.get("head"), *(data.get("stages") or [])]
                  if s and s.get("stage_index") == index), None)
     return (snap or {}).get("device")

@@ -173,7 +173,6 @@ class StatusReport:
             if spec.index in local:
                 entry.update(reachable=True, version=PROTOCOL_VERSION, node="this daemon")
                 entry["link"] = self._link(spec.index)  # its link to the next stage: encoding, measured rate
-                entry["device"] = self._device(spec.index)  # what it computes on: backend, device, memory
             elif spec.index == 0:  # the head dials out; it has no listener to probe
                 entry.update(reachable=None, version=None, node=None)
             else:
@@ -194,13 +193,6 @@ class StatusReport:
             return d.head.pool.describe_link() if d.head.pool is not None else None
         stage = next((s for s in d.stages if s.index == index), None)
         return stage.describe_link() if stage is not None else None
-
-    def _device(self, index: int) -> dict | None:
-        """Where a local stage computes (skippyd/runtime/llama/devices.py placement); None: not loaded yet."""
-        d = self.node
-        model = d.head.model if index == 0 and d.head is not None else next(
-            (s.model for s in d.stages if s.index == index), None)
-        return model.placement() if model is not None else None
 
     async def _probe(self, spec) -> dict:
         """Reachability and protocol version of a remote stage: a live lane's handshake, or a probe (cached)."""

@@ -119,7 +119,7 @@ def check_room(n_gpu_layers: int, n_layer: int, weights_bytes: int, kv_bytes_per
         return
     gpus = gpu_devices()
     free = sum(d.memory_free for d in gpus)
-    if not gpus or not free:
+    if not free:  # no GPU, or one that reports no memory: llama.cpp's own load decides
         return
     on_gpu = n_layer if n_gpu_layers < 0 else min(n_gpu_layers, n_layer)
     tokens = n_seq * (n_ctx_per_seq if n_swa <= 0 else min(n_ctx_per_seq, n_swa + n_ubatch))
