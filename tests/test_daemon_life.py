@@ -147,7 +147,7 @@ listen = "0.0.0.0:7400"
 def test_tuning_is_set_in_the_file_and_its_old_flags_name_the_key():
     parser = build_parser()
     shown = [a for a in parser._actions if a.help != "==SUPPRESS=="]
-    assert len(shown) <= 28, [a.option_strings for a in shown]  # -h and what an operator gives by hand
+    assert len(shown) <= 30, [a.option_strings for a in shown]  # -h, --version and what an operator gives by hand
     for flag, key in moved_flags().items():
         assert key in dict(cfgmod.DEFAULTS.items()), key
         assert not any(flag in a.option_strings for a in shown), flag
