@@ -39,12 +39,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import tests.procs as procs  # noqa: E402
-from bench.bench_pipeline import concurrent_decode, generate, hot_paths, per_step, stage_status  # noqa: E402
+from bench.bench_pipeline import concurrent_decode, hot_paths, per_step, stage_status  # noqa: E402
 from skippyctl.client import open_control  # noqa: E402
+from skippyd.control import messages as m  # noqa: E402
 from skippyd.runtime.models import fetch_default_model  # noqa: E402
 
 PROMPT = "Write a long story about a dragon who learns to sail."
 TOKENS = 96
+
+
+async def generate(client, **kw) -> dict:
+    """A raw generation, its request holding only the fields given: a base older than this tree's messages
+    refuses the keys it does not know."""
+    request = {"type": "generate", "id": client.new_id(), "stream": False, "raw": True, **kw}
+    await client.ws.send_message(json.dumps(request))
+    reply = m.parse_reply(await client.ws.get_message())
+    if isinstance(reply, m.Error):
+        raise RuntimeError(reply.message)
+    return reply.result if isinstance(reply, m.Result) else reply.data
 
 
 async def measure(pipe: procs.Pipeline, streamed: int = 0) -> dict[str, list[float]]:
