@@ -145,6 +145,9 @@ def test_a_waiting_daemon_reports_its_host_and_refuses_bad_deployments_without_g
     assert host["accepts_stages"] and host["assigned"] is None and host["cores"] >= 1
     assert host["memory_bytes"] > 0 and host["disk_free_bytes"] > 0 and host["features"]
     assert host["ctx"] == 256 and host["lanes"] == 1 and host["slices_dir"] == str(tmp_path / "slices")
+    # this build has no GPU backend: the CPU alone, with its memory, and no layers offloaded
+    assert host["gpu_backend"] == "none" and host["gpu_layers"] == 0
+    assert [d["kind"] for d in host["devices"]] == ["cpu"] and host["devices"][0]["memory_total"] > 0
 
     with pytest.raises(ControlError, match="not base64"):
         _call(waiting, lambda i: m.SliceChunk(id=i, sha256=SHA, offset=0, data="@@@"))

@@ -75,7 +75,7 @@ class Assignment:
     def host(self) -> dict:
         runtime = self.node.config.runtime
         held = max(0, anon_rss() - self._baseline_rss) if self.index is not None else 0
-        report = host_report(runtime.memory_limit_mb, self.slices, held)
+        report = host_report(runtime.memory_limit_mb, self.slices, held, runtime.gpu_layers)
         report.update(assigned=self.describe(), accepts_stages=self.accepts_stages, ctx=runtime.ctx,
                       lanes=runtime.lanes, threads=runtime.threads or report["cores"],
                       prefix_cache_mb=runtime.prefix_cache_mb)

@@ -1,4 +1,5 @@
-"""What a host offers a deployment: cores, memory, disk for slices, the native build's features."""
+"""What a host offers a deployment: cores, memory, disk for slices, the native build's features, its GPU
+backend and devices."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from pathlib import Path
 
 from skippyd.runtime.llama import system_info
+from skippyd.runtime.llama.devices import devices, gpu_backend
 from skippyd.stage.threads import usable_cores
 
 
@@ -72,9 +74,10 @@ def memory_for_skippy(limit_mb: int, held: int = 0) -> int:
     return min(r for r in room if r >= 0)
 
 
-def host_report(limit_mb: int, slices, held: int = 0) -> dict:
+def host_report(limit_mb: int, slices, held: int = 0, gpu_layers: int | str = 0) -> dict:
     """The `host` request's answer (a SliceStore `slices` adds what it holds and the disk it has; `held`: the
-    memory of the stage running here)."""
+    memory of the stage running here; `gpu_layers`: runtime.gpu_layers here). `devices` lists what the build
+    finds, the CPU included (name, description, kind, backend, memory_total, memory_free in bytes)."""
     return {
         "cores": usable_cores(),
         "cpu_count": os.cpu_count() or 1,
@@ -86,4 +89,7 @@ def host_report(limit_mb: int, slices, held: int = 0) -> dict:
         "slices_dir": str(slices.dir),
         "slices": slices.held(),
         "features": system_info(),
+        "gpu_backend": gpu_backend(),
+        "devices": [d.to_dict() for d in devices()],
+        "gpu_layers": gpu_layers,
     }
