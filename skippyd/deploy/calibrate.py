@@ -16,7 +16,7 @@ import numpy as np
 
 from skippyd.control.messages import RequestFailed
 from skippyd.runtime.llama import Context, ContextParams, LlamaError, Model
-from skippyd.runtime.llama.devices import gpu_backend, gpu_devices
+from skippyd.runtime.llama.devices import GpuMemoryError, gpu_backend, gpu_devices
 
 WARMUP_STEPS = 4
 MIN_STEPS = 24
@@ -52,7 +52,7 @@ def calibrate(path: Path, threads: int) -> dict:
         try:
             with Model(path, n_gpu_layers=-1) as model:
                 entry.update(_timed(model, threads, n_layers))
-        except LlamaError as exc:  # the CPU's timing still plans this host
+        except (LlamaError, GpuMemoryError) as exc:  # the CPU's timing still plans this host
             entry["error"] = str(exc)
         timings.append(entry)
     return {**cpu, "layers": n_layers, "threads": threads, "devices": timings}
@@ -62,6 +62,7 @@ def _timed(model: Model, threads: int, n_layers: int) -> dict:
     """ms per step and per layer of one-token decode steps through the loaded slice, after a warm-up."""
     n_ctx = 256
     params = ContextParams(n_ctx_per_seq=n_ctx, n_seq_max=1, n_batch=8, n_ubatch=8, n_threads=threads)
+    model.check_gpu_room(params.n_ctx_per_seq, params.n_seq_max, params.n_ubatch)  # refused before llama.cpp allocates
     rng = np.random.default_rng(0)
     hidden = rng.standard_normal((1, model.n_embd_inp), dtype=np.float32)
     with Context(model, params) as context:

@@ -95,7 +95,6 @@ class Model(NativeObject):
             self._ptr = ffi.NULL
             self._vocab = ffi.NULL
 
-
     def check_gpu_room(self, n_ctx_per_seq: int, n_seq: int, n_ubatch: int) -> None:
         """Raise GpuMemoryError if this model's layers on the GPU and their KV cache for ``n_seq`` lanes of
         ``n_ctx_per_seq`` tokens would not fit the device (see devices.check_room)."""
